@@ -1,0 +1,189 @@
+"""The `raywds` command. Library code raises RaywdsError; only here does it become exit code 1
+and a one-line message.
+
+    raywds --help
+    raywds train --demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from raywds.errors import RaywdsError
+
+DEMO_DIR = "runs/demo"
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--data", help="shard directory, manifest.json, or http(s) URL of a shard server")
+    source.add_argument("--demo", action="store_true", help="generate, convert and serve the demo data, then train on it")
+    p.add_argument("--epochs", type=int, dest="num_epochs", help="passes over the training split")
+    p.add_argument("--batch-size", type=int, dest="batch_size_per_rank", help="samples per batch on each rank")
+    p.add_argument("--model", help="`demo` (small CPU CNN) or any torchvision model name, e.g. resnet50")
+    p.add_argument("--mode", choices=["resample", "split"], help="resample (default): equal batches per rank; split: exact epochs")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"])
+    p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 256 for sgd)")
+    p.add_argument("--image-size", type=int, dest="image_size_px", help="crop side in pixels")
+    p.add_argument("--loader-workers", type=int, dest="num_loader_workers_per_rank", help="DataLoader workers per rank")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--demo-dir", default=DEMO_DIR, help=f"where --demo keeps its images and shards (default {DEMO_DIR})")
+    p.add_argument("--server-backend", default="auto", choices=["auto", "docker", "nginx", "embedded"], help="shard server for --demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raywds", description="Train image classifiers from WebDataset shards, on one machine or a Ray cluster."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("demo", help="write the generated demo ImageNet-layout tree")
+    p.add_argument("--out", default=f"{DEMO_DIR}/images", help="output folder (default %(default)s)")
+
+    p = sub.add_parser("convert", help="ImageNet tree or ImageFolder -> WebDataset shards + manifest.json")
+    p.add_argument("src", help="folder holding train/<class>/* and val/<class>/*, or one ImageFolder")
+    p.add_argument("out", help="output folder for the shards")
+    p.add_argument("--maxcount", type=int, default=1000, help="most samples per shard (default %(default)s)")
+    p.add_argument("--maxsize", type=int, default=1 << 30, help="most bytes per shard (default %(default)s)")
+    p.add_argument("--workers", type=int, default=1, help="processes writing shards (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sample shuffle seed (default %(default)s)")
+    p.add_argument("--prefix", default="imagenet", help="shard name prefix (default %(default)s)")
+
+    p = sub.add_parser("serve", help="serve a shard folder over HTTP until interrupted")
+    p.add_argument("shards", help="shard folder (with manifest.json)")
+    p.add_argument("--backend", default="auto", choices=["auto", "docker", "nginx", "embedded"])
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8080, help="port (default %(default)s; 0 picks a free one)")
+
+    p = sub.add_parser("train", help="train in this process (or one torchrun rank), no Ray")
+    _add_train_flags(p)
+    p.add_argument("--out", dest="out_dir", help="checkpoint and metrics folder (default runs/local, runs/demo for --demo)")
+
+    p = sub.add_parser("ray", help="train with a Ray Train TorchTrainer on the cluster (one worker per GPU)")
+    _add_train_flags(p)
+    p.add_argument("--num-workers", type=int, help="Ray Train workers (default: one per cluster GPU, else 2 CPU workers)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, a running `ray start`, else a new local cluster)")
+    p.add_argument("--storage-path", default="runs/ray", help="Ray Train storage for checkpoints and results (default %(default)s)")
+    p.add_argument("--name", help="Ray Train run name (default raywds-DATE-TIME; reusing a name resumes that run)")
+    return parser
+
+
+def _config(args: argparse.Namespace, data: str) -> Any:
+    from raywds.config import TrainConfig, demo_config
+
+    names = [
+        "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr",
+        "image_size_px", "num_loader_workers_per_rank", "seed", "out_dir",
+    ]  # fmt: skip
+    given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if args.demo:
+        return demo_config(data, **given)
+    return TrainConfig(data=data, **given)
+
+
+@contextlib.contextmanager
+def _data(args: argparse.Namespace, host: str = "127.0.0.1") -> Iterator[str]:
+    """The --data location, or for --demo the URL of a server over freshly made demo shards."""
+    if not args.demo:
+        if not args.data:
+            raise RaywdsError("no data: give --data SHARDS_DIR_OR_URL, or --demo to train on generated demo data")
+        yield args.data
+        return
+    from raywds.demo import prepare
+    from raywds.server import ShardServer
+
+    start = time.perf_counter()
+    shards = prepare(Path(args.demo_dir))
+    print(f"raywds: demo shards ready in {shards} ({time.perf_counter() - start:.1f} s)", flush=True)
+    with ShardServer(shards, backend=args.server_backend, host=host) as server:
+        print(f"raywds: serving {shards} at {server.url} ({server.backend})", flush=True)
+        yield server.url
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from raywds.demo import write_tree
+
+    out = write_tree(Path(args.out))
+    print(f"raywds: demo tree written to {out}")
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from raywds.convert import ConvertOptions, convert
+
+    options = ConvertOptions(maxcount=args.maxcount, maxsize=args.maxsize, num_workers=args.workers, seed=args.seed, prefix=args.prefix)
+    manifest = convert(Path(args.src), Path(args.out), options)
+    for split, info in manifest["splits"].items():  # type: ignore[union-attr]
+        print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards")
+    print(f"raywds: wrote {Path(args.out) / 'manifest.json'} ({len(manifest['classes'])} classes)")  # type: ignore[arg-type]
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from raywds.server import ShardServer
+
+    with ShardServer(args.shards, backend=args.backend, host=args.host, port=args.port) as server:
+        print(f"raywds: serving {server.root} at {server.url} ({server.backend}); Ctrl-C stops", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from raywds.train import run_local, summary_line
+
+    with _data(args) as data:
+        cfg = _config(args, data)
+        start = time.perf_counter()
+        metrics, report = run_local(cfg)
+    if report is not None:
+        print(f"raywds: checkpoint {report.checkpoint_path}  metrics {report.metrics_path}  ({time.perf_counter() - start:.0f} s)")
+        print(summary_line(metrics))
+
+
+def cmd_ray(args: argparse.Namespace) -> None:
+    from raywds import ray_train
+    from raywds.train import summary_line
+
+    ray_train.connect(args.address)
+    # A single-node cluster reads the demo server over loopback; a multi-node one needs the head's address.
+    host = "127.0.0.1"
+    if args.demo and ray_train.node_count() > 1:
+        import ray.util
+
+        host = ray.util.get_node_ip_address()
+    with _data(args, host=host) as data:
+        cfg = _config(args, data)
+        start = time.perf_counter()
+        run = ray_train.run(cfg, num_workers=args.num_workers, storage_path=args.storage_path, name=args.name)
+    print(f"raywds: {run.plan.describe()}  checkpoint {run.checkpoint}  results {run.path}  ({time.perf_counter() - start:.0f} s)")
+    print(summary_line(run.metrics))
+
+
+COMMANDS = {"demo": cmd_demo, "convert": cmd_convert, "serve": cmd_serve, "train": cmd_train, "ray": cmd_ray}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except RaywdsError as e:
+        first, *_ = str(e).splitlines() or [""]
+        print(f"raywds: error: {first}", file=sys.stderr)
+        rest = str(e).splitlines()[1:]
+        if rest:
+            print("\n".join(rest), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

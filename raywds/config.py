@@ -1,0 +1,115 @@
+"""One frozen config shared by the CLI, the notebook and the Ray job.
+
+    from raywds.config import TrainConfig
+    cfg = TrainConfig(data="shards/", num_epochs=3, model="resnet18")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from raywds.errors import ConfigError
+
+Mode = Literal["resample", "split"]
+MODES: tuple[str, ...] = ("resample", "split")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a training run needs to know; the world (rank, size) is passed separately."""
+
+    data: str
+    """Shards: a directory or manifest.json path, or an http(s) URL of the directory a shard server serves."""
+    num_epochs: int = 3
+    """Passes over the training split."""
+    batch_size_per_rank: int = 64
+    """Samples per batch on each rank; the global batch is this times the number of ranks."""
+    model: str = "resnet50"
+    """Any `torchvision.models` name, or `demo` for the small CPU network."""
+    mode: Mode = "resample"
+    """`resample`: equal batch counts on every rank. `split`: every sample exactly once per epoch."""
+    optimizer: str = "sgd"
+    """`sgd` (momentum, nesterov) or `adamw`."""
+    lr: float | None = None
+    """Peak learning rate; None means 0.1 x global batch / 256 for sgd, 1e-3 for adamw."""
+    weight_decay: float = 5e-5
+    """Weight decay."""
+    warmup_epochs: float = 0.5
+    """Linear warm-up length before the cosine decay."""
+    image_size_px: int = 224
+    """Side of the square crop the model sees."""
+    crop_scale_min: float = 0.08
+    """Smallest area fraction RandomResizedCrop may take for training."""
+    num_loader_workers_per_rank: int = 2
+    """DataLoader worker processes on each rank."""
+    shuffle_buffer_samples: int = 1000
+    """Samples held in each worker's shuffle buffer (resample mode)."""
+    seed: int = 0
+    """Seeds shard choice, shuffles and weight init."""
+    out_dir: str = "runs/local"
+    """Where checkpoints and metrics go when not running under Ray."""
+    pg_timeout_s: int = 300
+    """Process-group timeout: a stalled collective becomes an error after this long."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ConfigError("data is empty: give a shard directory, manifest.json or http URL (--data)")
+        for name in ("num_epochs", "batch_size_per_rank", "image_size_px", "pg_timeout_s"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name}={value} must be at least 1")
+        if self.num_loader_workers_per_rank < 0:
+            raise ConfigError(f"num_loader_workers_per_rank={self.num_loader_workers_per_rank} must be 0 or more")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.lr is not None and self.lr <= 0:
+            raise ConfigError(f"lr={self.lr} must be positive (or None for the default)")
+        if not 0 < self.crop_scale_min <= 1:
+            raise ConfigError(f"crop_scale_min={self.crop_scale_min} must lie in (0, 1]")
+        if self.warmup_epochs < 0:
+            raise ConfigError(f"warmup_epochs={self.warmup_epochs} must be 0 or more")
+        if self.shuffle_buffer_samples < 0:
+            raise ConfigError(f"shuffle_buffer_samples={self.shuffle_buffer_samples} must be 0 or more")
+
+    def peak_lr(self, world_size: int) -> float:
+        """The learning rate at the end of warm-up, scaled by the global batch for sgd."""
+        if self.lr is not None:
+            return self.lr
+        if self.optimizer == "sgd":
+            return 0.1 * self.batch_size_per_rank * world_size / 256
+        return 1e-3
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; known keys are {sorted(known)}")
+        return cls(**values)
+
+
+def demo_config(data: str, **overrides: Any) -> TrainConfig:
+    """Settings that reach high accuracy on the demo data in a few CPU minutes."""
+    values: dict[str, Any] = dict(
+        data=data,
+        num_epochs=6,
+        batch_size_per_rank=32,
+        model="demo",
+        optimizer="adamw",
+        lr=3e-3,
+        image_size_px=56,
+        crop_scale_min=0.35,
+        num_loader_workers_per_rank=1,
+        shuffle_buffer_samples=500,
+        out_dir="runs/demo",
+    )
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig(**values)

@@ -1,0 +1,133 @@
+"""Ray Train wrapper: the only module that uses ray.train. Each Ray touchpoint is marked `# RAY`.
+
+    raywds ray --data http://head:8080 --model resnet50          # one worker per cluster GPU
+    ray job submit --address http://127.0.0.1:8265 -- raywds ray --demo
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import torch
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from raywds.config import TrainConfig
+from raywds.errors import ConfigError, RaywdsError
+from raywds.train import Metrics, train
+from raywds.world import World
+
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """How many Ray Train workers, and whether each holds a GPU."""
+
+    num_workers: int
+    use_gpu: bool
+
+    def describe(self) -> str:
+        kind = "GPU" if self.use_gpu else "CPU (gloo)"
+        return f"{self.num_workers} {kind} worker{'s' if self.num_workers != 1 else ''}"
+
+
+def plan_workers(resources: dict[str, float], num_workers: int | None, *, default_cpu_workers: int = 2) -> WorkerPlan:
+    """One worker per GPU the cluster has; without GPUs, `num_workers` CPU workers.
+
+    Refuses plans the cluster can never place, which would otherwise wait forever."""
+    gpus = int(resources.get("GPU", 0))
+    cpus = int(resources.get("CPU", 0))
+    if gpus > 0:
+        wanted = gpus if num_workers is None else num_workers
+        if wanted > gpus:
+            raise ConfigError(f"--num-workers {wanted} needs {wanted} GPUs but the cluster has {gpus}; use --num-workers {gpus} or fewer")
+        return WorkerPlan(wanted, True)
+    wanted = default_cpu_workers if num_workers is None else num_workers
+    if wanted < 1:
+        raise ConfigError(f"--num-workers {wanted} must be at least 1")
+    if wanted > cpus:
+        raise ConfigError(f"--num-workers {wanted} needs {wanted} CPUs but the cluster has {cpus}; use --num-workers {max(cpus, 1)} or add nodes")
+    return WorkerPlan(wanted, False)
+
+
+def report_to_ray(metrics: Metrics, state: dict[str, Any] | None) -> None:
+    """Every rank reports; rank 0 attaches the checkpoint, so Result.metrics is filled."""
+    if state is None:
+        ray.train.report(metrics)  # RAY
+        return
+    with tempfile.TemporaryDirectory(prefix="raywds-ckpt-") as tmp:
+        torch.save(state, Path(tmp) / CHECKPOINT_FILE)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))  # RAY
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Runs in every Ray Train worker: build the world from Ray's context, then train."""
+    cfg = TrainConfig.from_dict(config)
+    context = ray.train.get_context()  # RAY
+    world = World(
+        rank=context.get_world_rank(),
+        world_size=context.get_world_size(),
+        local_rank=context.get_local_rank(),
+        device=str(ray.train.torch.get_device()),  # RAY
+    )
+    train(cfg, world, report_to_ray)
+
+
+def connect(address: str | None) -> None:
+    """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one."""
+    if ray.is_initialized():
+        return
+    # Ray Train's print patch would log every epoch line twice.
+    quiet = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
+    ray.init(address=address, log_to_driver=True, runtime_env=quiet)  # RAY
+
+
+def node_count() -> int:
+    return sum(1 for node in ray.nodes() if node.get("Alive"))  # RAY
+
+
+@dataclass(frozen=True)
+class RayRun:
+    metrics: Metrics
+    checkpoint: str | None
+    path: str
+    plan: WorkerPlan
+
+
+def run(
+    cfg: TrainConfig,
+    *,
+    num_workers: int | None = None,
+    storage_path: str | None = None,
+    name: str | None = None,
+) -> RayRun:
+    """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics."""
+    plan = plan_workers(ray.cluster_resources(), num_workers)  # RAY
+    print(f"raywds: training on {plan.describe()} ({node_count()} node(s))", flush=True)
+    storage = os.path.abspath(storage_path or "runs/ray")
+    trainer = TorchTrainer(  # RAY
+        train_loop_per_worker,
+        train_loop_config=cfg.to_dict(),
+        scaling_config=ray.train.ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu),
+        torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout_s),
+        run_config=ray.train.RunConfig(
+            name=name or time.strftime("raywds-%Y%m%d-%H%M%S"),
+            storage_path=storage,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:  # RAY
+        raise RaywdsError(f"Ray training failed: {e}") from e
+    if not result.metrics:
+        raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    return RayRun(dict(result.metrics), checkpoint, result.path, plan)
