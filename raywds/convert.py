@@ -29,7 +29,14 @@ from raywds.shards import FORMAT, MANIFEST, ShardInfo, write_json_atomic
 
 SPLITS = ("train", "val")
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
-TAR_OVERHEAD_BYTES = 3 * 1024  # three tar headers plus padding, per sample
+# Tar layout: a 512-byte header per member, data padded to 512; .cls takes one block and
+# .json at most two. Each archive ends with zero blocks, padded to tarfile's 10240-byte record.
+TAR_END_BYTES = 10240
+
+
+def tar_cost(num_bytes: int) -> int:
+    """Upper bound of the bytes one sample adds to a shard."""
+    return 3 * 512 + -(-num_bytes // 512) * 512 + 512 + 1024
 
 
 @dataclass(frozen=True)
@@ -99,8 +106,8 @@ def plan_shards(sources: list[Source], split: str, options: ConvertOptions) -> l
     current: list[Source] = []
     size = 0
     for source in order:
-        cost = source.num_bytes + TAR_OVERHEAD_BYTES
-        if current and (len(current) >= options.maxcount or size + cost > options.maxsize):
+        cost = tar_cost(source.num_bytes)
+        if current and (len(current) >= options.maxcount or size + cost + TAR_END_BYTES > options.maxsize):
             shards.append(current)
             current, size = [], 0
         current.append(source)
@@ -129,7 +136,8 @@ def write_shard(path: Path, sources: list[Source]) -> ShardInfo:
     """Write one shard to a temporary name, then rename it into place."""
     tmp = path.with_name(f".{path.name}.tmp")
     keys: set[str] = set()
-    with wds.TarWriter(str(tmp), mtime=0.0) as sink:
+    # mtime 0 makes shards reproducible; an int, since a float adds a PAX header to every member.
+    with wds.TarWriter(str(tmp), mtime=0) as sink:
         for source in sources:
             data = source.path.read_bytes()
             key = sample_key(source)

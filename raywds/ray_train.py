@@ -99,6 +99,8 @@ class RayRun:
     checkpoint: str | None
     path: str
     plan: WorkerPlan
+    history: list[Metrics]
+    """Metrics of every epoch whose checkpoint was kept, oldest first."""
 
 
 def run(
@@ -107,6 +109,7 @@ def run(
     num_workers: int | None = None,
     storage_path: str | None = None,
     name: str | None = None,
+    num_checkpoints_to_keep: int | None = 2,
 ) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics."""
     plan = plan_workers(ray.cluster_resources(), num_workers)  # RAY
@@ -120,7 +123,7 @@ def run(
         run_config=ray.train.RunConfig(
             name=name or time.strftime("raywds-%Y%m%d-%H%M%S"),
             storage_path=storage,
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_checkpoints_to_keep),
         ),
     )
     try:
@@ -130,4 +133,5 @@ def run(
     if not result.metrics:
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    return RayRun(dict(result.metrics), checkpoint, result.path, plan)
+    history = sorted((dict(m) for _, m in result.best_checkpoints or []), key=lambda m: m["epoch"])
+    return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)

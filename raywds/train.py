@@ -8,6 +8,7 @@ both call `train(cfg, world, report)`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
@@ -73,17 +74,21 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, world: World) -> torch.op
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
 
 
-def make_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then cosine decay to zero, stepped per batch."""
-    warmup = int(cfg.warmup_epochs * steps_per_epoch)
-    total = max(cfg.num_epochs * steps_per_epoch, warmup + 1)
+def lr_at(cfg: TrainConfig, world: World, progress_epochs: float) -> float:
+    """Linear warm-up, then cosine decay to zero, as a function of epochs done (fractional).
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+    A function of progress rather than a stepped scheduler: in split mode ranks take different
+    step counts, yet must agree on the rate at every epoch boundary."""
+    peak = cfg.peak_lr(world.world_size)
+    if progress_epochs < cfg.warmup_epochs:
+        return peak * progress_epochs / cfg.warmup_epochs
+    span = max(cfg.num_epochs - cfg.warmup_epochs, 1e-9)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress_epochs - cfg.warmup_epochs) / span)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 @dataclass
@@ -97,26 +102,27 @@ def train_epoch(
     model: nn.Module,
     batches: Iterable[Batch],
     optimizer: torch.optim.Optimizer,
-    schedule: torch.optim.lr_scheduler.LRScheduler,
+    lr: Callable[[float], float],
     world: World,
     *,
     uneven: bool,
 ) -> EpochResult:
-    """One pass; with `uneven` (split mode) Join lets ranks that run out early shadow the rest."""
+    """One pass; `lr(fraction of the epoch done)` sets the rate before each step. With `uneven`
+    (split mode) Join lets ranks that run out early shadow the collectives of the rest."""
     model.train()
     loss_fn = nn.CrossEntropyLoss()
     num_samples, loss_sum = 0, 0.0
     start = time.perf_counter()
     joinable = uneven and isinstance(model, DistributedDataParallel)
     with Join([model]) if joinable else contextlib.nullcontext():  # type: ignore[list-item]
-        for images, labels in batches:
+        for step, (images, labels) in enumerate(batches):
+            set_lr(optimizer, lr(step))
             images = images.to(world.device, non_blocking=True)
             labels = labels.to(world.device, non_blocking=True)
             loss = loss_fn(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            schedule.step()
             num_samples += len(labels)
             loss_sum += loss.item() * len(labels)
     return EpochResult(num_samples, loss_sum, time.perf_counter() - start)
@@ -166,12 +172,13 @@ def train(cfg: TrainConfig, world: World, report: Report | None = None) -> Metri
         device_ids = [world.local_rank] if world.device.startswith("cuda") else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids)
     optimizer = make_optimizer(model, cfg, world)
-    schedule = make_schedule(optimizer, cfg, num_resample_batches(manifest, cfg, world))
+    steps_per_epoch = num_resample_batches(manifest, cfg, world)  # nominal in split mode
     samples_seen = 0
     metrics: Metrics = {}
     for epoch in range(cfg.num_epochs):
         batches = train_loader(manifest, cfg, world, epoch=epoch)
-        result = train_epoch(wrapped, batches, optimizer, schedule, world, uneven=cfg.mode == "split")
+        lr = functools.partial(_lr_in_epoch, cfg, world, epoch, steps_per_epoch)
+        result = train_epoch(wrapped, batches, optimizer, lr, world, uneven=cfg.mode == "split")
         (num_samples, loss_sum), seconds = _sum_and_max(world, [result.num_samples, result.loss_sum], result.seconds)
         if cfg.mode == "split" and num_samples != manifest.num_samples("train"):
             raise RuntimeError(f"split epoch {epoch} trained on {num_samples:.0f} samples, the manifest has {manifest.num_samples('train')}")
@@ -182,22 +189,26 @@ def train(cfg: TrainConfig, world: World, report: Report | None = None) -> Metri
             "train_samples": int(num_samples),
             "samples_seen": samples_seen,
             "images_per_s": num_samples / max(seconds, 1e-9),
-            "lr": schedule.get_last_lr()[0],
+            "lr": lr_at(cfg, world, epoch + 1),
             **evaluate(model, val_loader(manifest, cfg, world), world),
         }
         if world.is_main:
             print(epoch_line(metrics, cfg.num_epochs), flush=True)
         if report is not None:
-            state = checkpoint_state(model, optimizer, schedule, cfg, epoch, manifest.classes) if world.is_main else None
+            state = checkpoint_state(model, optimizer, cfg, epoch, manifest.classes) if world.is_main else None
             report(metrics, state)
     return metrics
 
 
-def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any, cfg: TrainConfig, epoch: int, classes: list[str]) -> dict[str, Any]:
+def _lr_in_epoch(cfg: TrainConfig, world: World, epoch: int, steps_per_epoch: int, step: int) -> float:
+    return lr_at(cfg, world, epoch + min(step / steps_per_epoch, 1.0))
+
+
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, epoch: int, classes: list[str]) -> dict[str, Any]:
+    """Model, optimizer and position; the learning rate is a function of the epoch, so it needs no state."""
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
         "epoch": epoch + 1,
         "config": cfg.to_dict(),
         "classes": classes,

@@ -1,0 +1,70 @@
+"""The command line as a user meets it: help, a real end-to-end run, and one-line errors."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RAYWDS = Path(sys.executable).parent / "raywds"
+SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
+
+
+def raywds(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(RAYWDS), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_every_command() -> None:
+    out = raywds("--help")
+    assert out.returncode == 0
+    for command in ("demo", "convert", "serve", "train", "ray"):
+        assert re.search(rf"^\s+{command}\s", out.stdout, re.M), command
+
+
+@pytest.mark.parametrize("command", ["demo", "convert", "serve", "train", "ray"])
+def test_each_command_has_help(command: str) -> None:
+    out = raywds(command, "--help")
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: raywds {command}")
+
+
+def test_missing_input_directory_is_one_line_exit_1(tmp_path: Path) -> None:
+    out = raywds("convert", str(tmp_path / "no-such-tree"), str(tmp_path / "out"))
+    assert out.returncode == 1
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert f"{tmp_path / 'no-such-tree'} does not exist" in out.stderr
+
+
+def test_train_without_manifest_says_what_to_run(tmp_path: Path) -> None:
+    out = raywds("train", "--data", str(tmp_path))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"no manifest at {tmp_path}/manifest.json: run `raywds convert" in out.stderr
+
+
+def test_convert_then_train_from_the_command_line(tree: Path, tmp_path: Path) -> None:
+    out = raywds("convert", str(tree), str(tmp_path / "shards"), "--maxcount", "30", "--workers", "2")
+    assert out.returncode == 0, out.stderr
+    assert "train: 120 samples in 4 shards" in out.stdout and "val: 50 samples in 2 shards" in out.stdout
+    out = raywds(
+        "train", "--data", str(tmp_path / "shards"), "--model", "demo", "--epochs", "1", "--batch-size", "16",
+        "--image-size", "28", "--loader-workers", "1", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    match = SUMMARY.search(out.stdout)
+    assert match and match.group(1) == "1" and match.group(4) == "128", out.stdout
+    assert (tmp_path / "run" / "checkpoint.pt").is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
+    """The README's first command, shortened to one epoch: generate, convert, serve, train, summary."""
+    out = subprocess.run(
+        [str(ROOT / "run-local"), "--epochs", "1", "--demo-dir", str(tmp_path / "demo"), "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"serving .* at http://127\.0\.0\.1:\d+ \((nginx|embedded|docker)\)", out.stdout)
+    match = SUMMARY.search(out.stdout)
+    assert match and float(match.group(2)) > 0.3, out.stdout  # one epoch, 10 classes: chance is 0.1

@@ -1,0 +1,58 @@
+"""A real 2-worker Ray Train TorchTrainer on a private local cluster."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from raywds import ray_train
+from raywds.config import TrainConfig
+from raywds.errors import ConfigError
+
+
+@pytest.fixture
+def local_cluster() -> Iterator[None]:
+    # A short private temp dir (Ray's socket paths have a length limit) and never a running cluster.
+    temp_dir = tempfile.mkdtemp(prefix="rwt-", dir="/tmp")
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
+        runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_cluster: None) -> None:
+    cfg = TrainConfig(
+        data=str(shards), model="demo", optimizer="adamw", lr=3e-3, batch_size_per_rank=16, image_size_px=28,
+        crop_scale_min=0.5, num_loader_workers_per_rank=1, num_epochs=3, warmup_epochs=0.0,
+    )  # fmt: skip
+    run = ray_train.run(cfg, storage_path=str(tmp_path), name=f"test-{uuid.uuid4().hex[:8]}", num_checkpoints_to_keep=None)
+    assert run.plan == ray_train.WorkerPlan(2, use_gpu=False)
+    assert [m["epoch"] for m in run.history] == [1, 2, 3]
+    losses = [m["train_loss"] for m in run.history]
+    assert losses[-1] < losses[0], losses
+    assert run.metrics["train_samples"] == 2 * 4 * 16  # 2 ranks x ceil(120 / 32) batches x 16
+    assert run.metrics["val_samples"] == 50
+    assert run.checkpoint is not None and (Path(run.checkpoint) / ray_train.CHECKPOINT_FILE).is_file()
+    assert Path(run.path).is_relative_to(tmp_path)
+
+
+def test_worker_plan_follows_the_cluster() -> None:
+    assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None) == ray_train.WorkerPlan(8, True)
+    assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, 4) == ray_train.WorkerPlan(4, True)
+    assert ray_train.plan_workers({"CPU": 2}, None) == ray_train.WorkerPlan(2, False)
+    assert ray_train.plan_workers({"CPU": 16}, 6) == ray_train.WorkerPlan(6, False)
+    with pytest.raises(ConfigError, match="--num-workers 3 needs 3 CPUs but the cluster has 2; use --num-workers 2"):
+        ray_train.plan_workers({"CPU": 2}, 3)
+    with pytest.raises(ConfigError, match="needs 16 GPUs but the cluster has 8"):
+        ray_train.plan_workers({"CPU": 64, "GPU": 8}, 16)
