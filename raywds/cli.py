@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -118,9 +119,9 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
     options = ConvertOptions(maxcount=args.maxcount, maxsize=args.maxsize, num_workers=args.workers, seed=args.seed, prefix=args.prefix)
     manifest = convert(Path(args.src), Path(args.out), options)
-    for split, info in manifest["splits"].items():  # type: ignore[union-attr]
+    for split, info in manifest["splits"].items():
         print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards")
-    print(f"raywds: wrote {Path(args.out) / 'manifest.json'} ({len(manifest['classes'])} classes)")  # type: ignore[arg-type]
+    print(f"raywds: wrote {Path(args.out) / 'manifest.json'} ({len(manifest['classes'])} classes)")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -169,8 +170,14 @@ def cmd_ray(args: argparse.Namespace) -> None:
 COMMANDS = {"demo": cmd_demo, "convert": cmd_convert, "serve": cmd_serve, "train": cmd_train, "ray": cmd_ray}
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # SystemExit unwinds the `with` blocks, so a shard server started here is stopped too.
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         COMMANDS[args.command](args)
     except RaywdsError as e:

@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import webdataset as wds
 from PIL import Image
@@ -164,7 +165,7 @@ def _write_job(job: tuple[Path, list[Source]]) -> ShardInfo:
     return write_shard(*job)
 
 
-def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) -> dict[str, object]:
+def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
     """Convert the tree at `src` into shards under `out`; returns the manifest it wrote."""
     if options.maxcount < 1 or options.maxsize < 1 or options.num_workers < 1:
         raise DataError(f"maxcount, maxsize and workers must be at least 1, got {options}")
@@ -188,7 +189,7 @@ def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) ->
                 for (_, path, _), info in zip(jobs, pool.imap(_write_job, work)):
                     infos[path] = info
                     bar.update(info.num_samples)
-    manifest: dict[str, object] = {
+    manifest: dict[str, Any] = {
         "format": FORMAT,
         "prefix": options.prefix,
         "classes": classes,
