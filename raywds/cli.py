@@ -55,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="processes writing shards (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sample shuffle seed (default %(default)s)")
     p.add_argument("--prefix", default="imagenet", help="shard name prefix (default %(default)s)")
+    p.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping it")
+    p.add_argument("--overwrite", action="store_true", help="replace shards in OUT made with other settings")
+    p.add_argument("--val-labels", type=Path, help="labels for a flat val/: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt")
+    p.add_argument("--val-wnids", type=Path, help="for the devkit ground truth: meta.mat, or a text file of wnids in ILSVRC2012_ID order")
+
+    p = sub.add_parser("verify", help="re-read every shard and check it against manifest.json")
+    p.add_argument("shards", help="shard folder (with manifest.json)")
+
+    p = sub.add_parser("shardsum", help="shard names (arguments or stdin) in brace notation")
+    p.add_argument("names", nargs="*", help="shard names; read from stdin when none are given")
 
     p = sub.add_parser("serve", help="serve a shard folder over HTTP until interrupted")
     p.add_argument("shards", help="shard folder (with manifest.json)")
@@ -117,11 +127,38 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_convert(args: argparse.Namespace) -> None:
     from raywds.convert import ConvertOptions, convert
 
-    options = ConvertOptions(maxcount=args.maxcount, maxsize=args.maxsize, num_workers=args.workers, seed=args.seed, prefix=args.prefix)
+    options = ConvertOptions(
+        maxcount=args.maxcount, maxsize=args.maxsize, num_workers=args.workers, seed=args.seed, prefix=args.prefix,
+        strict=args.strict, overwrite=args.overwrite, val_labels=args.val_labels, val_wnids=args.val_wnids,
+    )  # fmt: skip
     manifest = convert(Path(args.src), Path(args.out), options)
     for split, info in manifest["splits"].items():
-        print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards")
+        print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards ({manifest['layouts'][split]})")
+    if manifest["kept_from_earlier_run"]:
+        print(f"kept {manifest['kept_from_earlier_run']} finished shards from an earlier run")
+    if manifest["ignored"]["count"]:
+        print(f"ignored {manifest['ignored']['count']} files that are not images, e.g. {', '.join(manifest['ignored']['examples'][:3])}")
+    if manifest["skipped"]:
+        print(f"skipped {len(manifest['skipped'])} unreadable images (listed in the manifest):")
+        for bad in manifest["skipped"][:50]:
+            print(f"  {bad['path']}: {bad['reason']}")
     print(f"raywds: wrote {Path(args.out) / 'manifest.json'} ({len(manifest['classes'])} classes)")
+
+
+def cmd_verify(args: argparse.Namespace) -> None:
+    from raywds.verify import verify
+
+    count, problems = verify(Path(args.shards))
+    if problems:
+        raise RaywdsError(f"{len(problems)} problems in {count} shards of {args.shards}:\n" + "\n".join(problems))
+    print(f"raywds: {count} shards in {args.shards} match the manifest")
+
+
+def cmd_shardsum(args: argparse.Namespace) -> None:
+    from raywds.shards import shardsum
+
+    names = args.names or sys.stdin.read().split()
+    print("\n".join(shardsum(names)))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -167,7 +204,7 @@ def cmd_ray(args: argparse.Namespace) -> None:
     print(summary_line(run.metrics))
 
 
-COMMANDS = {"demo": cmd_demo, "convert": cmd_convert, "serve": cmd_serve, "train": cmd_train, "ray": cmd_ray}
+COMMANDS = {"demo": cmd_demo, "convert": cmd_convert, "verify": cmd_verify, "shardsum": cmd_shardsum, "serve": cmd_serve, "train": cmd_train, "ray": cmd_ray}
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -2,10 +2,13 @@
 
     raywds convert ~/imagenet shards/ --maxcount 1000 --workers 8
 
-SRC holds `train/<class>/*` and/or `val/<class>/*`; a folder with neither is one ImageFolder,
-converted as the `train` split. Every sample keeps the source file's bytes unchanged
-(`KEY.jpg`, or `.png`/`.webp`), with `KEY.cls` (class index, ASCII) and `KEY.json`.
-Classes are indexed in sorted order, as torchvision's ImageFolder does.
+Every sample keeps the source file's bytes unchanged (`KEY.jpg`, or `.png`/`.webp`), with
+`KEY.cls` (class index, ASCII) and `KEY.json` (class, source path, real format, mode, size).
+Samples are shuffled with the seed, then cut into shards by count and size. Unreadable files
+(empty, truncated, not an image) are skipped and listed, or with `strict` stop the run.
+
+An interrupted run, rerun with the same arguments, keeps the shards it finished (checked by
+size and sha256) and writes the rest; the manifest is written atomically, last.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import io
 import json
 import multiprocessing
 import random
-import re
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,34 +29,20 @@ from PIL import Image
 from tqdm import tqdm
 
 from raywds.errors import DataError
+from raywds.layout import IMAGE_EXTENSIONS, Found, Source, scan
 from raywds.shards import FORMAT, MANIFEST, ShardInfo, write_json_atomic
 
-SPLITS = ("train", "val")
-IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+STATE = ".raywds-convert.json"  # the settings of the run writing this folder
+JOURNAL = ".raywds-done.jsonl"  # one line per finished shard
+TIMM_INFO = "_info.json"
 # Tar layout: a 512-byte header per member, data padded to 512; .cls takes one block and
 # .json at most two. Each archive ends with zero blocks, padded to tarfile's 10240-byte record.
 TAR_END_BYTES = 10240
 
 
-def tar_cost(num_bytes: int) -> int:
-    """Upper bound of the bytes one sample adds to a shard."""
-    return 3 * 512 + -(-num_bytes // 512) * 512 + 512 + 1024
-
-
-@dataclass(frozen=True)
-class Source:
-    """One image to put in a shard."""
-
-    path: Path
-    relpath: str
-    class_name: str
-    class_index: int
-    num_bytes: int
-
-
 @dataclass(frozen=True, kw_only=True)
 class ConvertOptions:
-    """How to cut the shards."""
+    """How to read the source and cut the shards."""
 
     maxcount: int = 1000
     """Most samples per shard."""
@@ -65,38 +54,19 @@ class ConvertOptions:
     """Seeds the sample shuffle before sharding."""
     prefix: str = "imagenet"
     """Shard names are PREFIX-SPLIT-NNNNNN.tar."""
+    strict: bool = False
+    """Stop at the first unreadable image instead of skipping it."""
+    overwrite: bool = False
+    """Replace shards in OUT that were made with other settings."""
+    val_labels: Path | None = None
+    """Labels for a flat val/ folder: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt."""
+    val_wnids: Path | None = None
+    """wnid of each ILSVRC2012_ID for the devkit ground truth: meta.mat or a text file in ID order."""
 
 
-def _image_files(folder: Path) -> Iterator[Path]:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS:
-            yield path
-
-
-def scan(src: Path) -> tuple[list[str], dict[str, list[Source]]]:
-    """Class names in index order, and the images of each split."""
-    if not src.is_dir():
-        raise DataError(f"input directory {src} does not exist; give the folder that holds train/ and val/")
-    split_dirs = {s: src / s for s in SPLITS if (src / s).is_dir()} or {"train": src}
-    first = split_dirs.get("train", next(iter(split_dirs.values())))
-    classes = sorted(p.name for p in first.iterdir() if p.is_dir())
-    if not classes:
-        raise DataError(f"{first} has no class folders; expected {first}/<class>/<image>.JPEG")
-    index = {name: i for i, name in enumerate(classes)}
-    found: dict[str, list[Source]] = {}
-    for split, folder in split_dirs.items():
-        sources = []
-        for class_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
-            if class_dir.name not in index:
-                raise DataError(f"{class_dir} is a class that {first} lacks; the splits must share classes")
-            for path in _image_files(class_dir):
-                sources.append(
-                    Source(path, str(path.relative_to(src)), class_dir.name, index[class_dir.name], path.stat().st_size)
-                )
-        if not sources:
-            raise DataError(f"no images (.jpg .jpeg .png .webp) under {folder}")
-        found[split] = sources
-    return classes, found
+def tar_cost(num_bytes: int) -> int:
+    """Upper bound of the bytes one sample adds to a shard."""
+    return 3 * 512 + -(-num_bytes // 512) * 512 + 512 + 1024
 
 
 def plan_shards(sources: list[Source], split: str, options: ConvertOptions) -> list[list[Source]]:
@@ -118,92 +88,182 @@ def plan_shards(sources: list[Source], split: str, options: ConvertOptions) -> l
     return shards
 
 
-def sample_key(source: Source) -> str:
-    """A tar key from the file name: webdataset splits keys at the first dot."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", Path(source.relpath).with_suffix("").name)
+def inspect_image(data: bytes) -> dict[str, Any]:
+    """The real format, mode and size of an image; raises ValueError if it cannot be decoded.
 
-
-def _describe(source: Source, data: bytes) -> dict[str, object]:
-    meta: dict[str, object] = {"class": source.class_name, "index": source.class_index, "source": source.relpath}
+    JPEGs are decoded at 1/8 scale (PIL draft mode): that still reads every byte of the
+    entropy-coded data, so truncation is caught, at about 60% of a full decode's cost."""
+    if not data:
+        raise ValueError("empty file")
     try:
         with Image.open(io.BytesIO(data)) as img:
-            meta.update(format=img.format, mode=img.mode, width=img.width, height=img.height)
-    except Exception as e:  # noqa: BLE001 - an unreadable image is reported, not fatal here
-        meta["error"] = f"{type(e).__name__}: {e}"
+            meta = {"format": img.format, "mode": img.mode, "width": img.width, "height": img.height}
+            if img.format == "JPEG":
+                img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
+            img.load()
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for bad data
+        raise ValueError(f"not a readable image ({type(e).__name__}: {e})") from None
     return meta
 
 
-def write_shard(path: Path, sources: list[Source]) -> ShardInfo:
-    """Write one shard to a temporary name, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    keys: set[str] = set()
-    # mtime 0 makes shards reproducible; an int, since a float adds a PAX header to every member.
-    with wds.TarWriter(str(tmp), mtime=0) as sink:
-        for source in sources:
-            data = source.path.read_bytes()
-            key = sample_key(source)
-            if key in keys:
-                key = f"{source.class_name}_{key}"
-            keys.add(key)
-            sink.write(
-                {
-                    "__key__": key,
-                    IMAGE_EXTENSIONS[source.path.suffix.lower()]: data,
-                    "cls": str(source.class_index).encode(),
-                    "json": json.dumps(_describe(source, data), sort_keys=True).encode(),
-                }
-            )
+@dataclass(frozen=True)
+class ShardJob:
+    path: Path
+    sources: list[Source]
+    strict: bool
+    done: dict[str, Any] | None
+    """The journal's record of this shard from an earlier run, if any."""
+
+
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(tmp, "rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    tmp.replace(path)
-    return ShardInfo(path.name, len(sources), path.stat().st_size, digest.hexdigest())
+    return digest.hexdigest()
 
 
-def _write_job(job: tuple[Path, list[Source]]) -> ShardInfo:
-    return write_shard(*job)
+def _still_good(path: Path, done: dict[str, Any]) -> bool:
+    info = done["shard"]
+    return path.is_file() and path.stat().st_size == info["num_bytes"] and sha256_file(path) == info["sha256"]
+
+
+def write_shard(job: ShardJob) -> dict[str, Any]:
+    """Write one shard (to a temporary name, renamed into place); returns its journal record."""
+    if job.done is not None and _still_good(job.path, job.done):
+        return {**job.done, "kept": True}
+    tmp = job.path.with_name(f".{job.path.name}.tmp")
+    skipped = []
+    num_samples = 0
+    # mtime 0 makes shards reproducible; an int, since a float adds a PAX header to every member.
+    with wds.TarWriter(str(tmp), mtime=0) as sink:
+        for source in job.sources:
+            data = source.path.read_bytes()
+            try:
+                meta = inspect_image(data)
+            except ValueError as e:
+                if job.strict:
+                    raise DataError(f"{source.path}: {e} (without --strict it would be skipped and listed)") from None
+                skipped.append({"path": source.relpath, "reason": str(e)})
+                continue
+            meta.update({"class": source.class_name, "index": source.class_index, "source": source.relpath})
+            sink.write(
+                {
+                    "__key__": source.key,
+                    IMAGE_EXTENSIONS[source.path.suffix.lower()]: data,
+                    "cls": str(source.class_index).encode(),
+                    "json": json.dumps(meta, sort_keys=True).encode(),
+                }
+            )
+            num_samples += 1
+    info = ShardInfo(job.path.name, num_samples, tmp.stat().st_size, sha256_file(tmp))
+    tmp.replace(job.path)
+    return {"shard": asdict(info), "skipped": skipped, "kept": False}
+
+
+def fingerprint(found: Found, options: ConvertOptions) -> str:
+    """Changes when anything that decides the shards' contents changes."""
+    listing = {split: [(s.relpath, s.num_bytes, s.class_index, s.key) for s in sources] for split, sources in found.splits.items()}
+    settings = [options.prefix, options.seed, options.maxcount, options.maxsize, found.classes, found.layouts, listing]
+    return hashlib.sha256(json.dumps(settings).encode()).hexdigest()
+
+
+def _ours(out: Path, prefix: str) -> list[Path]:
+    names = [MANIFEST, TIMM_INFO, STATE, JOURNAL]
+    return [p for p in out.iterdir() if p.name in names or (p.name.endswith(".tar") and p.name.lstrip(".").startswith(f"{prefix}-"))]
+
+
+def prepare_output(out: Path, wanted: str, options: ConvertOptions) -> dict[str, dict[str, Any]]:
+    """Check that `out` is empty or holds this same conversion; returns its finished shards by name."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = out / STATE
+    same = state.is_file() and json.loads(state.read_text()).get("fingerprint") == wanted
+    if not same and any(out.iterdir()):
+        if not options.overwrite:
+            raise DataError(
+                f"{out} is not empty and was not written by this conversion (other source, layout, seed or "
+                f"shard limits); pass --overwrite to replace its shards, or choose an empty folder"
+            )
+        for path in _ours(out, options.prefix):
+            path.unlink()
+    if not same:
+        write_json_atomic(state, {"fingerprint": wanted})
+        (out / JOURNAL).write_text("")
+        return {}
+    done = {}
+    for line in (out / JOURNAL).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            done[record["shard"]["name"]] = record
+    return done
+
+
+def timm_info(manifest: dict[str, Any]) -> dict[str, Any]:
+    """timm's `_info.json`, so `timm` (`--dataset wds/NAME --data-dir OUT`) reads the same shards."""
+    return {
+        "name": manifest["prefix"],
+        "num_classes": len(manifest["classes"]),
+        "splits": {
+            split: {
+                "name": split,
+                "num_samples": info["num_samples"],
+                "filenames": [s["name"] for s in info["shards"]],
+                "shard_lengths": [s["num_samples"] for s in info["shards"]],
+            }
+            for split, info in manifest["splits"].items()
+        },
+    }
+
+
+def _run(jobs: list[ShardJob], num_workers: int) -> Iterator[dict[str, Any]]:
+    if num_workers == 1:
+        yield from map(write_shard, jobs)
+        return
+    with multiprocessing.get_context("spawn").Pool(num_workers) as pool:
+        yield from pool.imap(write_shard, jobs)
 
 
 def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
     """Convert the tree at `src` into shards under `out`; returns the manifest it wrote."""
     if options.maxcount < 1 or options.maxsize < 1 or options.num_workers < 1:
         raise DataError(f"maxcount, maxsize and workers must be at least 1, got {options}")
-    classes, splits = scan(src)
-    out.mkdir(parents=True, exist_ok=True)
-    jobs: list[tuple[str, Path, list[Source]]] = []
-    for split, sources in splits.items():
+    found = scan(src, val_labels=options.val_labels, val_wnids=options.val_wnids)
+    done = prepare_output(out, fingerprint(found, options), options)
+    jobs: list[tuple[str, ShardJob]] = []
+    for split, sources in found.splits.items():
         for i, shard in enumerate(plan_shards(sources, split, options)):
-            jobs.append((split, out / f"{options.prefix}-{split}-{i:06d}.tar", shard))
-    total = sum(len(s) for s in splits.values())
-    infos: dict[Path, ShardInfo] = {}
-    with tqdm(total=total, unit="img", desc="convert", disable=None) as bar:
-        work = [(path, shard) for _, path, shard in jobs]
-        if options.num_workers == 1:
-            results: Iterator[ShardInfo] = map(_write_job, work)
-            for (_, path, _), info in zip(jobs, results):
-                infos[path] = info
-                bar.update(info.num_samples)
-        else:
-            with multiprocessing.get_context("spawn").Pool(options.num_workers) as pool:
-                for (_, path, _), info in zip(jobs, pool.imap(_write_job, work)):
-                    infos[path] = info
-                    bar.update(info.num_samples)
+            name = f"{options.prefix}-{split}-{i:06d}.tar"
+            jobs.append((split, ShardJob(out / name, shard, options.strict, done.get(name))))
+    records: dict[str, dict[str, Any]] = {}
+    total_bytes = sum(s.num_bytes for _, job in jobs for s in job.sources)
+    start = time.perf_counter()
+    files = 0
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=None) as bar, (out / JOURNAL).open("a") as journal:
+        for (_, job), record in zip(jobs, _run([job for _, job in jobs], options.num_workers)):
+            records[job.path.name] = record
+            if not record["kept"]:
+                journal.write(json.dumps({k: record[k] for k in ("shard", "skipped")}) + "\n")
+                journal.flush()
+            files += len(job.sources)
+            bar.update(sum(s.num_bytes for s in job.sources))
+            bar.set_postfix_str(f"{files / max(time.perf_counter() - start, 1e-9):.0f} files/s")
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "prefix": options.prefix,
-        "classes": classes,
+        "classes": found.classes,
         "seed": options.seed,
         "maxcount": options.maxcount,
         "maxsize": options.maxsize,
         "source": str(src.resolve()),
-        "splits": {
-            split: {
-                "num_samples": len(sources),
-                "shards": [infos[path].__dict__ for s, path, _ in jobs if s == split],
-            }
-            for split, sources in splits.items()
-        },
+        "layouts": found.layouts,
+        "splits": {},
+        "skipped": [s for r in records.values() for s in r["skipped"]],
+        "ignored": {"count": len(found.ignored), "examples": found.ignored[:20]},
+        "kept_from_earlier_run": sum(r["kept"] for r in records.values()),
     }
+    for split in found.splits:
+        shards = [records[job.path.name]["shard"] for s, job in jobs if s == split]
+        manifest["splits"][split] = {"num_samples": sum(s["num_samples"] for s in shards), "shards": shards}
+    write_json_atomic(out / TIMM_INFO, timm_info(manifest))
     write_json_atomic(out / MANIFEST, manifest)
     return manifest

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import urllib.error
 import urllib.request
@@ -129,3 +130,33 @@ def deal(shards: list[ShardInfo], num_slots: int) -> list[list[ShardInfo]]:
         slots[lightest].append(shards[i])
         load[lightest] += shards[i].num_samples
     return slots
+
+
+def shardsum(names: list[str]) -> list[str]:
+    """Shard names in brace notation: `imagenet-train-{000000..001281}.tar`, one line per
+    unbroken run, so gaps show as separate ranges. Names without a number pass through."""
+    groups: dict[tuple[str, str, int], list[int]] = {}
+    lines: list[str] = []
+    for name in names:
+        match = re.fullmatch(r"(.*?)(\d+)(\.[^/]*)?", name.strip())
+        if not name.strip():
+            continue
+        if match is None:
+            lines.append(name.strip())
+            continue
+        head, digits, tail = match.group(1), match.group(2), match.group(3) or ""
+        groups.setdefault((head, tail, len(digits)), []).append(int(digits))
+    for (head, tail, width), numbers in sorted(groups.items()):
+        numbers = sorted(set(numbers))
+        start = prev = numbers[0]
+        for n in numbers[1:] + [None]:
+            if n is not None and n == prev + 1:
+                prev = n
+                continue
+            if start == prev:
+                lines.append(f"{head}{start:0{width}d}{tail}")
+            else:
+                lines.append(f"{head}{{{start:0{width}d}..{prev:0{width}d}}}{tail}")
+            if n is not None:
+                start = prev = n
+    return lines

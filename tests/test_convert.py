@@ -61,7 +61,7 @@ def test_manifest_matches_the_files(tree: Path, shards: Path) -> None:
     assert sorted(p.name for p in shards.glob("*.tar")) == sorted(
         s.name for split in ("train", "val") for s in manifest.shards(split)
     )
-    assert not list(shards.glob(".*")), "temporary files left behind"
+    assert not list(shards.glob("*.tmp")) and not list(shards.glob(".*.tmp")), "temporary files left behind"
 
 
 def test_tar_lists_three_members_per_sample(shards: Path) -> None:

@@ -1,0 +1,189 @@
+"""Find the images of an ImageNet tree or any ImageFolder, and their classes.
+
+Layouts read:
+- `ROOT/train/<wnid>/*.JPEG`, `ROOT/val/<wnid>/*.JPEG` (torchvision's ImageNet / ImageFolder);
+- a flat `ROOT/val/ILSVRC2012_val_00000001.JPEG ...` labelled by Kaggle's `LOC_val_solution.csv`
+  (`ImageId,PredictionString`, first token the wnid) or by the devkit's
+  `ILSVRC2012_validation_ground_truth.txt` (ILSVRC2012_ID per image) with the wnid of each ID from
+  `meta.mat` or from a text file of wnids in ID order;
+- any folder of `<class>/**/*.{jpg,jpeg,png,webp}` (any case) without train/ or val/: the `train` split.
+
+Class indices follow sorted class names, as torchvision's ImageFolder does.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from raywds.errors import DataError
+
+SPLITS = ("train", "val")
+IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+KAGGLE_CSV = "LOC_val_solution.csv"
+DEVKIT_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
+
+
+@dataclass(frozen=True)
+class Source:
+    """One image to put in a shard."""
+
+    path: Path
+    relpath: str
+    class_name: str
+    class_index: int
+    num_bytes: int
+    key: str
+
+
+@dataclass
+class Found:
+    """What a scan found: classes in index order, images per split, and what it ignored."""
+
+    classes: list[str]
+    splits: dict[str, list[Source]]
+    layouts: dict[str, str]
+    ignored: list[str] = field(default_factory=list)
+
+
+def is_image(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def _files(folder: Path, ignored: list[str], root: Path) -> list[Path]:
+    images = []
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file():
+            continue
+        if is_image(path):
+            images.append(path)
+        else:
+            ignored.append(str(path.relative_to(root)))
+    return images
+
+
+def _key(path: Path) -> str:
+    """A tar key from the file name: webdataset splits keys at the first dot."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", path.stem)
+
+
+def read_kaggle_csv(path: Path) -> dict[str, str]:
+    """ImageId -> wnid from Kaggle's LOC_val_solution.csv."""
+    labels = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                labels[row["ImageId"]] = row["PredictionString"].split()[0]
+            except (KeyError, IndexError):
+                raise DataError(f"{path} is not in Kaggle's form `ImageId,PredictionString` (row {row})") from None
+    return labels
+
+
+def read_wnids_by_id(path: Path) -> dict[int, str]:
+    """ILSVRC2012_ID -> wnid, from the devkit's meta.mat or a text file of wnids in ID order."""
+    if path.suffix == ".mat":
+        import scipy.io
+
+        synsets = scipy.io.loadmat(str(path), squeeze_me=True)["synsets"]
+        return {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in synsets if int(s["num_children"]) == 0}
+    wnids = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    return {i + 1: wnid for i, wnid in enumerate(wnids)}
+
+
+def read_devkit_labels(truth: Path, wnids: Path, images: list[Path]) -> dict[str, str]:
+    """Image stem -> wnid: line N of the ground truth labels ILSVRC2012_val_N."""
+    by_id = read_wnids_by_id(wnids)
+    ids = [int(line) for line in truth.read_text().split()]
+    labels = {}
+    for image in images:
+        number = re.search(r"(\d+)$", image.stem)
+        if number is None or not 1 <= int(number.group(1)) <= len(ids):
+            raise DataError(f"{image} has no image number that {truth} ({len(ids)} lines) covers")
+        ilsvrc_id = ids[int(number.group(1)) - 1]
+        if ilsvrc_id not in by_id:
+            raise DataError(f"{truth} gives ILSVRC2012_ID {ilsvrc_id} for {image.name}, which {wnids} lacks")
+        labels[image.stem] = by_id[ilsvrc_id]
+    return labels
+
+
+def _find(candidates: list[Path]) -> Path | None:
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def flat_val_labels(src: Path, images: list[Path], val_labels: Path | None, val_wnids: Path | None) -> tuple[dict[str, str], str]:
+    """Labels for a flat val/ folder, from the given files or the usual places; (stem -> wnid, layout)."""
+    devkit = src / "ILSVRC2012_devkit_t12" / "data"
+    labels_file = val_labels or _find(
+        [src / KAGGLE_CSV, src.parent / KAGGLE_CSV, src / DEVKIT_TRUTH, devkit / DEVKIT_TRUTH]
+    )
+    if labels_file is None:
+        raise DataError(
+            f"{src / 'val'} holds images without class folders and no labels were found; pass --val-labels "
+            f"{KAGGLE_CSV} or --val-labels {DEVKIT_TRUTH} with --val-wnids meta.mat (or a wnids.txt in ID order)"
+        )
+    if not labels_file.is_file():
+        raise DataError(f"validation labels {labels_file} do not exist")
+    if labels_file.suffix == ".csv":
+        return read_kaggle_csv(labels_file), f"flat val, labels from {labels_file.name}"
+    wnids = val_wnids or _find([labels_file.parent / "meta.mat", devkit / "meta.mat"])
+    if wnids is None or not wnids.is_file():
+        raise DataError(f"{labels_file} gives ILSVRC2012_IDs; pass --val-wnids meta.mat (or a text file of wnids in ID order)")
+    return read_devkit_labels(labels_file, wnids, images), f"flat val, labels from {labels_file.name} + {wnids.name}"
+
+
+def scan(src: Path, *, val_labels: Path | None = None, val_wnids: Path | None = None) -> Found:
+    """Classes and images of every split under `src`."""
+    if not src.is_dir():
+        raise DataError(f"input directory {src} does not exist; give the folder that holds train/ and val/")
+    split_dirs = {s: src / s for s in SPLITS if (src / s).is_dir()} or {"train": src}
+    first = split_dirs.get("train", next(iter(split_dirs.values())))
+    classes = sorted(p.name for p in first.iterdir() if p.is_dir())
+    if not classes:
+        raise DataError(f"{first} has no class folders; expected {first}/<class>/<image>.JPEG")
+    index = {name: i for i, name in enumerate(classes)}
+    folded = {name.lower(): name for name in classes}
+    found = Found(classes=classes, splits={}, layouts={})
+    for split, folder in split_dirs.items():
+        pairs: list[tuple[Path, str]] = []
+        class_dirs = sorted(p for p in folder.iterdir() if p.is_dir())
+        if class_dirs:
+            for class_dir in class_dirs:
+                name = class_dir.name if class_dir.name in index else folded.get(class_dir.name.lower())
+                if name is None:
+                    raise DataError(f"{class_dir} is a class that {first} lacks; the splits must share classes")
+                pairs += [(p, name) for p in _files(class_dir, found.ignored, src)]
+            # Files beside the class folders belong to no class.
+            found.ignored += [str(p.relative_to(src)) for p in sorted(folder.iterdir()) if p.is_file()]
+            found.layouts[split] = "class folders"
+        else:
+            images = _files(folder, found.ignored, src)
+            labels, found.layouts[split] = flat_val_labels(src, images, val_labels, val_wnids)
+            for image in images:
+                wnid = labels.get(image.stem)
+                if wnid is None:
+                    raise DataError(f"no label for {image} in the validation labels")
+                if wnid not in index:
+                    raise DataError(f"{image.name} is labelled {wnid}, which is not a class of {first}")
+                pairs.append((image, wnid))
+        if not pairs:
+            raise DataError(f"no images (.jpg .jpeg .png .webp) under {folder}")
+        found.splits[split] = _sources(pairs, src, index)
+    return found
+
+
+def _sources(pairs: list[tuple[Path, str]], src: Path, index: dict[str, int]) -> list[Source]:
+    """Sources with keys unique in the split: the file stem, else class_stem, else numbered."""
+    used: set[str] = set()
+    sources = []
+    for path, name in pairs:
+        key = _key(path)
+        if key in used:
+            key = f"{name}_{key}"
+        base, n = key, 1
+        while key in used:
+            key, n = f"{base}_{n}", n + 1
+        used.add(key)
+        sources.append(Source(path, str(path.relative_to(src)), name, index[name], path.stat().st_size, key))
+    return sources
