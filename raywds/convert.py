@@ -219,7 +219,9 @@ def _run(jobs: list[ShardJob], num_workers: int) -> Iterator[dict[str, Any]]:
     if num_workers == 1:
         yield from map(write_shard, jobs)
         return
-    with multiprocessing.get_context("spawn").Pool(num_workers) as pool:
+    # fork where the OS has it: spawned workers would each re-import torch (via webdataset) first.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(num_workers) as pool:
         yield from pool.imap(write_shard, jobs)
 
 

@@ -1,0 +1,77 @@
+"""Convert throughput on real ImageNet JPEGs, and the cost of the integrity check.
+
+    .venv/bin/python benchmarks/convert_bench.py [--images ../shared/data/imagenet-sample-100] [--copies 8]
+
+Builds a tree of `copies` x the sample images (train/<wnid>/...), then converts it with 1 worker
+(the baseline) and with 2, in the same run; and times per image: header parse only (baseline),
+the draft-mode decode `convert` does, and a full decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from PIL import Image
+
+from raywds.convert import ConvertOptions, convert, inspect_image
+
+
+def build_tree(images: list[Path], copies: int, root: Path) -> int:
+    total = 0
+    for path in images:
+        wnid = path.name.split("_")[0]
+        folder = root / "train" / wnid
+        folder.mkdir(parents=True, exist_ok=True)
+        for c in range(copies):
+            shutil.copy(path, folder / f"{path.stem}_{c}.JPEG")
+            total += path.stat().st_size
+    return total
+
+
+def per_image_ms(datas: list[bytes], check: str) -> float:
+    start = time.perf_counter()
+    for data in datas:
+        if check == "header":
+            with Image.open(io.BytesIO(data)) as img:
+                img.size
+        elif check == "draft":
+            inspect_image(data)
+        else:
+            with Image.open(io.BytesIO(data)) as img:
+                img.load()
+    return (time.perf_counter() - start) / len(datas) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/imagenet-sample-100")
+    parser.add_argument("--copies", type=int, default=8)
+    args = parser.parse_args()
+    images = sorted(args.images.glob("*.JPEG"))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        num_bytes = build_tree(images, args.copies, root / "src")
+        num_files = len(images) * args.copies
+        print(f"{num_files} JPEGs, {num_bytes / 1e6:.1f} MB")
+        rates = {}
+        for workers in (1, 2):
+            start = time.perf_counter()
+            convert(root / "src", root / f"out{workers}", ConvertOptions(maxcount=100, num_workers=workers))
+            seconds = time.perf_counter() - start
+            rates[workers] = num_files / seconds
+            print(f"convert --workers {workers}: {seconds:.2f} s  {num_files / seconds:.0f} files/s  {num_bytes / seconds / 1e6:.1f} MB/s")
+        print(f"ratio workers 2 / workers 1: {rates[2] / rates[1]:.2f}x")
+    datas = [p.read_bytes() for p in images] * 3
+    cost = {check: per_image_ms(datas, check) for check in ("header", "draft", "full")}
+    for check, ms in cost.items():
+        print(f"check {check:6s}: {ms:.2f} ms/image  ({ms / cost['header']:.1f}x header only)")
+    print(f"draft / full decode: {cost['draft'] / cost['full']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
