@@ -224,3 +224,15 @@ def test_val_class_folders_match_train_ignoring_case(tree: Path, tmp_path: Path)
     manifest = convert(tmp_path / "src", tmp_path / "out")
     assert manifest["classes"] == sorted(p.name for p in (tree / "train").iterdir())
     assert manifest["splits"]["val"]["num_samples"] == 50
+
+
+def test_timm_reads_the_same_shards(shards: Path) -> None:
+    import timm.data  # in the dev extra
+
+    val = timm.data.create_dataset("wds/imagenet", root=str(shards), split="val", is_training=False, batch_size=8)
+    targets = sorted(int(target) for _, target in val)
+    assert targets == sorted(int(c) for s in read_manifest(str(shards)).shards("val") for c in _classes(shards / s.name))
+
+
+def _classes(path: Path) -> list[bytes]:
+    return [s["cls"] for s in wds.WebDataset(str(path), shardshuffle=False)]
