@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="processes writing shards (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sample shuffle seed (default %(default)s)")
     p.add_argument("--prefix", default="imagenet", help="shard name prefix (default %(default)s)")
+    p.add_argument("--max-side", type=int, dest="max_side_px", help="downscale images whose longer side exceeds this many pixels (re-encodes them)")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping it")
     p.add_argument("--overwrite", action="store_true", help="replace shards in OUT made with other settings")
     p.add_argument("--val-labels", type=Path, help="labels for a flat val/: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt")
@@ -129,7 +130,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
     options = ConvertOptions(
         maxcount=args.maxcount, maxsize=args.maxsize, num_workers=args.workers, seed=args.seed, prefix=args.prefix,
-        strict=args.strict, overwrite=args.overwrite, val_labels=args.val_labels, val_wnids=args.val_wnids,
+        strict=args.strict, overwrite=args.overwrite, val_labels=args.val_labels, val_wnids=args.val_wnids, max_side_px=args.max_side_px,
     )  # fmt: skip
     manifest = convert(Path(args.src), Path(args.out), options)
     for split, info in manifest["splits"].items():

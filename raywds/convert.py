@@ -62,6 +62,8 @@ class ConvertOptions:
     """Labels for a flat val/ folder: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt."""
     val_wnids: Path | None = None
     """wnid of each ILSVRC2012_ID for the devkit ground truth: meta.mat or a text file in ID order."""
+    max_side_px: int | None = None
+    """Downscale images whose longer side exceeds this (re-encoded, for fast experiments); None keeps every byte."""
 
 
 def tar_cost(num_bytes: int) -> int:
@@ -106,11 +108,25 @@ def inspect_image(data: bytes) -> dict[str, Any]:
     return meta
 
 
+def downscale(data: bytes, meta: dict[str, Any], max_side_px: int) -> bytes:
+    """Shrink so the longer side is `max_side_px`, re-encoded in the image's own format."""
+    with Image.open(io.BytesIO(data)) as img:
+        img.draft(img.mode, (max_side_px, max_side_px))  # JPEG: decode straight at a smaller scale
+        small = img.copy()
+    small.thumbnail((max_side_px, max_side_px), Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    fmt = meta["format"] if meta["format"] in ("JPEG", "PNG", "WEBP") else "PNG"
+    small.save(out, format=fmt, **({"quality": 90} if fmt in ("JPEG", "WEBP") else {}))
+    meta.update(resized_from=[meta["width"], meta["height"]], width=small.width, height=small.height)
+    return out.getvalue()
+
+
 @dataclass(frozen=True)
 class ShardJob:
     path: Path
     sources: list[Source]
     strict: bool
+    max_side_px: int | None
     done: dict[str, Any] | None
     """The journal's record of this shard from an earlier run, if any."""
 
@@ -146,6 +162,8 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
                     raise DataError(f"{source.path}: {e} (without --strict it would be skipped and listed)") from None
                 skipped.append({"path": source.relpath, "reason": str(e)})
                 continue
+            if job.max_side_px and max(meta["width"], meta["height"]) > job.max_side_px:
+                data = downscale(data, meta, job.max_side_px)
             meta.update({"class": source.class_name, "index": source.class_index, "source": source.relpath})
             sink.write(
                 {
@@ -164,7 +182,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
 def fingerprint(found: Found, options: ConvertOptions) -> str:
     """Changes when anything that decides the shards' contents changes."""
     listing = {split: [(s.relpath, s.num_bytes, s.class_index, s.key) for s in sources] for split, sources in found.splits.items()}
-    settings = [options.prefix, options.seed, options.maxcount, options.maxsize, found.classes, found.layouts, listing]
+    settings = [options.prefix, options.seed, options.maxcount, options.maxsize, options.max_side_px, found.classes, found.layouts, listing]
     return hashlib.sha256(json.dumps(settings).encode()).hexdigest()
 
 
@@ -227,6 +245,8 @@ def _run(jobs: list[ShardJob], num_workers: int) -> Iterator[dict[str, Any]]:
 
 def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
     """Convert the tree at `src` into shards under `out`; returns the manifest it wrote."""
+    if options.max_side_px is not None and options.max_side_px < 8:
+        raise DataError(f"--max-side {options.max_side_px} is too small; use at least 8, e.g. 256")
     if options.maxcount < 1 or options.maxsize < 1 or options.num_workers < 1:
         raise DataError(f"maxcount, maxsize and workers must be at least 1, got {options}")
     found = scan(src, val_labels=options.val_labels, val_wnids=options.val_wnids)
@@ -235,7 +255,7 @@ def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) ->
     for split, sources in found.splits.items():
         for i, shard in enumerate(plan_shards(sources, split, options)):
             name = f"{options.prefix}-{split}-{i:06d}.tar"
-            jobs.append((split, ShardJob(out / name, shard, options.strict, done.get(name))))
+            jobs.append((split, ShardJob(out / name, shard, options.strict, options.max_side_px, done.get(name))))
     records: dict[str, dict[str, Any]] = {}
     total_bytes = sum(s.num_bytes for _, job in jobs for s in job.sources)
     start = time.perf_counter()
@@ -256,6 +276,7 @@ def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) ->
         "seed": options.seed,
         "maxcount": options.maxcount,
         "maxsize": options.maxsize,
+        "max_side_px": options.max_side_px,
         "source": str(src.resolve()),
         "layouts": found.layouts,
         "splits": {},

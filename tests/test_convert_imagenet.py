@@ -236,3 +236,17 @@ def test_timm_reads_the_same_shards(shards: Path) -> None:
 
 def _classes(path: Path) -> list[bytes]:
     return [s["cls"] for s in wds.WebDataset(str(path), shardshuffle=False)]
+
+
+def test_max_side_downscales_large_images_only(odd_tree: Path, tmp_path: Path) -> None:
+    manifest = convert(odd_tree, tmp_path / "out", ConvertOptions(max_side_px=100))
+    assert manifest["max_side_px"] == 100
+    shard = tmp_path / "out" / manifest["splits"]["train"]["shards"][0]["name"]
+    for sample in wds.WebDataset(str(shard), shardshuffle=False):
+        meta = json.loads(sample["json"])
+        with Image.open(io.BytesIO(sample["jpg"])) as img:
+            assert (img.width, img.height, img.format) == (meta["width"], meta["height"], meta["format"])
+        if meta["source"] == "train/n01/rgb.JPEG":
+            assert meta["resized_from"] == [400, 300] and (meta["width"], meta["height"]) == (100, 75)
+        else:
+            assert "resized_from" not in meta and sample["jpg"] == (odd_tree / meta["source"]).read_bytes()
