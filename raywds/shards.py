@@ -137,12 +137,12 @@ def shardsum(names: list[str]) -> list[str]:
     unbroken run, so gaps show as separate ranges. Names without a number pass through."""
     groups: dict[tuple[str, str, int], list[int]] = {}
     lines: list[str] = []
-    for name in names:
-        match = re.fullmatch(r"(.*?)(\d+)(\.[^/]*)?", name.strip())
-        if not name.strip():
+    for name in (n.strip() for n in names):
+        if not name:
             continue
+        match = re.fullmatch(r"(.*?)(\d+)(\.[^/]*)?", name)
         if match is None:
-            lines.append(name.strip())
+            lines.append(name)
             continue
         head, digits, tail = match.group(1), match.group(2), match.group(3) or ""
         groups.setdefault((head, tail, len(digits)), []).append(int(digits))
