@@ -46,13 +46,25 @@ class TrainConfig:
     num_loader_workers_per_rank: int = 2
     """DataLoader worker processes on each rank."""
     shuffle_buffer_samples: int = 1000
-    """Samples held in each worker's shuffle buffer (resample mode)."""
+    """Samples (still encoded) held in each DataLoader worker's shuffle buffer."""
+    cross_worker_shuffle_samples: int = 0
+    """Decoded samples held in a shuffle buffer in the main process, mixing the workers' batches; 0 is off."""
+    batches_per_epoch: int | None = None
+    """resample mode: batches per epoch on every rank; None means ceil(N / (ranks x batch))."""
     seed: int = 0
     """Seeds shard choice, shuffles and weight init."""
     out_dir: str = "runs/local"
     """Where checkpoints and metrics go when not running under Ray."""
     pg_timeout_s: int = 300
     """Process-group timeout: a stalled collective becomes an error after this long."""
+    checkpoint_every_steps: int | None = None
+    """Also checkpoint inside an epoch, every this many steps (at steps every rank reaches)."""
+    max_steps: int | None = None
+    """Stop, with a checkpoint, after this many steps in all; a later run with resume_from goes on."""
+    resume_from: str | None = None
+    """A checkpoint (file, or Ray checkpoint directory) to continue from: weights, optimizer and data position."""
+    audit_dir: str | None = None
+    """Write the key of every sample trained on, per epoch and rank, to files here (proof of exact epochs)."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -73,8 +85,15 @@ class TrainConfig:
             raise ConfigError(f"crop_scale_min={self.crop_scale_min} must lie in (0, 1]")
         if self.warmup_epochs < 0:
             raise ConfigError(f"warmup_epochs={self.warmup_epochs} must be 0 or more")
-        if self.shuffle_buffer_samples < 0:
-            raise ConfigError(f"shuffle_buffer_samples={self.shuffle_buffer_samples} must be 0 or more")
+        for name in ("shuffle_buffer_samples", "cross_worker_shuffle_samples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be 0 or more")
+        for name in ("batches_per_epoch", "checkpoint_every_steps", "max_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value} must be at least 1 (or None)")
+        if self.batches_per_epoch is not None and self.mode == "split":
+            raise ConfigError("batches_per_epoch applies to resample mode; split mode's epoch is the whole split once")
 
     def peak_lr(self, world_size: int) -> float:
         """The learning rate at the end of warm-up, scaled by the global batch for sgd."""

@@ -6,20 +6,27 @@ split: the shards, shuffled by (seed, epoch), are dealt to the ranks x workers s
 sample is seen once per epoch; ranks may end with different batch counts.
 validation: shards dealt in manifest order, no shuffle, no padding, partial last batches.
 
-    from raywds.loader import train_loader, val_loader
-    for images, labels in train_loader(manifest, cfg, world, epoch=0): ...
+Workers batch their own samples; the main process can unbatch, shuffle across workers and
+rebatch (`cross_worker_shuffle_samples`), as WebLoader's unbatched().shuffle(n).batched(b).
+Each stage is a generator, so it can be fed a plain list. Every batch carries its samples'
+ids and keys, so the loop knows what it trained on (see raywds.position).
+
+    from raywds.loader import epoch_plan, train_loader, val_loader
+    plan = epoch_plan(manifest, cfg, world.world_size, epoch=0)
+    for batch in train_loader(manifest, cfg, world, plan, epoch=0): ...
 """
 
 from __future__ import annotations
 
 import io
 import itertools
-import math
 import multiprocessing
 import random
-from functools import partial as bind
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from functools import partial as bind
+from typing import Any, NamedTuple
+
+import numpy as np
 
 import torch
 import webdataset as wds
@@ -27,8 +34,11 @@ from PIL import Image
 from torch.utils.data import DataLoader, get_worker_info
 from torchvision import transforms
 
+from raywds import plan as planner
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError, DataError
+from raywds.plan import EpochPlan
+from raywds.position import Position
 from raywds.shards import Manifest, ShardInfo, deal
 from raywds.world import World
 
@@ -36,7 +46,18 @@ IMAGE_KEYS = ("jpg", "png", "webp", "jpeg")
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Batch(NamedTuple):
+    images: torch.Tensor
+    labels: torch.Tensor
+    ids: torch.Tensor
+    """Each sample's id: its shard's offset in manifest order plus its place in the shard."""
+    keys: list[str]
+    """Each sample's `__key__` in its tar."""
+
+
+Sample = tuple[torch.Tensor, int, int, str]
 
 
 def train_transform(cfg: TrainConfig) -> Callable[[Image.Image], torch.Tensor]:
@@ -68,13 +89,13 @@ class Decode:
     def __init__(self, transform: Callable[[Image.Image], torch.Tensor]):
         self.transform = transform
 
-    def __call__(self, sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    def __call__(self, sample: dict[str, Any]) -> Sample:
         key = next((k for k in IMAGE_KEYS if k in sample), None)
         if key is None or "cls" not in sample:
             raise DataError(f"sample {sample.get('__key__')} in {sample.get('__url__')} lacks an image or .cls")
         with Image.open(io.BytesIO(sample[key])) as img:
             rgb = img.convert("RGB")
-        return self.transform(rgb), int(sample["cls"])
+        return self.transform(rgb), int(sample["cls"]), sample["__id__"], sample["__key__"]
 
 
 def _worker() -> tuple[int, int]:
@@ -82,38 +103,89 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def _slot_rng(tag: str, seed: int, epoch: int, rank: int) -> random.Random:
-    """A generator private to this (seed, epoch, rank, DataLoader worker)."""
+def _slot_rng(tag: str, *parts: object) -> random.Random:
+    """A generator private to `parts` and this DataLoader worker."""
     worker, _ = _worker()
-    return random.Random(f"{tag}-{seed}-{epoch}-{rank}-{worker}")
+    return random.Random("-".join(str(p) for p in (tag, *parts, worker)))
 
 
-def resampled_urls(urls: list[str], *, seed: int, epoch: int, rank: int) -> Iterator[dict[str, str]]:
-    """Shards drawn uniformly with replacement, forever, seeded per (seed, epoch, rank, worker)."""
-    rng = _slot_rng("resample", seed, epoch, rank)
+def resampled_urls(urls: list[str], *, seed: int, epoch: int, rank: int, reseed: int = 0) -> Iterator[dict[str, str]]:
+    """Shards drawn uniformly with replacement, forever, seeded per (seed, epoch, rank, worker);
+    `reseed` (the samples already done, on resume) starts a fresh stream."""
+    rng = _slot_rng("resample", seed, epoch, rank) if not reseed else _slot_rng("resample", seed, epoch, reseed, rank)
     while True:
         yield {"url": rng.choice(urls)}
 
 
-def slot_shards(slots: list[list[ShardInfo]], rank: int, manifest: Manifest) -> Iterator[dict[str, str]]:
-    """The shards dealt to this rank's current DataLoader worker."""
+def slot_urls(plan: EpochPlan, rank: int, manifest: Manifest) -> Iterator[dict[str, str]]:
+    """The shards the plan deals to this rank's current DataLoader worker."""
     worker, num_workers = _worker()
-    for shard in slots[rank * num_workers + worker]:
+    if num_workers != plan.num_workers:
+        raise ConfigError(f"the plan has {plan.num_workers} workers per rank, the DataLoader {num_workers}")
+    for shard in plan.slot(rank, worker):
         yield {"url": manifest.url(shard)}
 
 
-def shuffled(src: Iterable[dict[str, Any]], *, buffer: int, seed: int, epoch: int, rank: int) -> Iterator[dict[str, Any]]:
-    """Sample shuffle within a worker, seeded per (seed, epoch, rank, worker)."""
-    rng = _slot_rng("shuffle", seed, epoch, rank)
-    return wds.shuffle(buffer, min(buffer, 100), rng=rng)(src)
+def numbered(samples: Iterable[dict[str, Any]], offsets: dict[str, int]) -> Iterator[dict[str, Any]]:
+    """Give each sample its id, the shard's offset plus its place in the shard (`__id__`)."""
+    url, first, offset, index = "", "", 0, 0
+    for sample in samples:
+        if sample["__url__"] != url or sample["__key__"] == first:  # a new shard, or the same one drawn again
+            url, first, index = sample["__url__"], sample["__key__"], 0
+            offset = offsets[url.rsplit("/", 1)[-1]]
+        sample["__id__"] = offset + index
+        index += 1
+        yield sample
 
 
-def split_slots(manifest: Manifest, split: str, num_slots: int, *, seed: str | None) -> list[list[ShardInfo]]:
-    """Deal `split`'s shards to `num_slots` slots; `seed` None keeps manifest order."""
-    shards = list(manifest.shards(split))
-    if seed is not None:
-        random.Random(seed).shuffle(shards)
-    return deal(shards, num_slots)
+def unconsumed(samples: Iterable[dict[str, Any]], consumed: np.ndarray | None) -> Iterator[dict[str, Any]]:
+    """Drop the samples an interrupted epoch already trained on."""
+    for sample in samples:
+        if consumed is None or not consumed[sample["__id__"]]:
+            yield sample
+
+
+def shuffled(src: Iterable[Any], *, buffer: int, rng: random.Random) -> Iterator[Any]:
+    """Shuffle through a buffer of `buffer` items (webdataset's shuffle); 0 passes through."""
+    if buffer <= 1:
+        return iter(src)
+    return wds.shuffle(buffer, min(buffer, 100), rng=rng)(iter(src))
+
+
+def worker_shuffled(src: Iterable[Any], *, buffer: int, seed: int, epoch: int, rank: int) -> Iterator[Any]:
+    """Sample shuffle inside a DataLoader worker, seeded per (seed, epoch, rank, worker)."""
+    return shuffled(src, buffer=buffer, rng=_slot_rng("shuffle", seed, epoch, rank))
+
+
+def collate(samples: list[Sample]) -> Batch:
+    images, labels, ids, keys = zip(*samples)
+    return Batch(torch.stack(images), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys))
+
+
+def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """A last batch of one sample joins the batch before it: BatchNorm cannot train on one."""
+    held: Batch | None = None
+    for batch in batches:
+        if held is not None:
+            if len(batch.keys) == 1:
+                yield collate([*_samples(held), *_samples(batch)])
+                return
+            yield held
+        held = batch
+    if held is not None:
+        yield held
+
+
+def _samples(batch: Batch) -> list[Sample]:
+    return [(batch.images[i], int(batch.labels[i]), int(batch.ids[i]), batch.keys[i]) for i in range(len(batch.keys))]
+
+
+def rebatched(batches: Iterable[Batch], *, batch_size: int, buffer: int, rng: random.Random, partial: bool) -> Iterator[Batch]:
+    """Main process: unbatch the workers' batches, shuffle across workers, batch again."""
+    samples: Iterator[Any] = wds.unbatched()(iter(batches))
+    samples = shuffled(samples, buffer=buffer, rng=rng)
+    out = wds.batched(batch_size, collation_fn=collate, partial=partial)(samples)
+    return fold_single_tail(out) if partial else out
 
 
 def _num_workers(cfg: TrainConfig) -> int:
@@ -135,71 +207,101 @@ def _loader(pipeline: wds.DataPipeline, cfg: TrainConfig, world: World) -> DataL
     )
 
 
-def _collate(samples: list[tuple[torch.Tensor, int]]) -> Batch:
-    images, labels = zip(*samples)
-    return torch.stack(images), torch.tensor(labels, dtype=torch.long)
+def epoch_plan(manifest: Manifest, cfg: TrainConfig, num_ranks: int, *, epoch: int, position: Position | None = None) -> EpochPlan:
+    """The plan for `epoch`, or for what is left of it after `position` (same epoch)."""
+    shards = manifest.shards("train")
+    resuming = position is not None and position.epoch == epoch and position.samples_done > 0
+    if cfg.mode == "resample":
+        return planner.resample_plan(
+            manifest.num_samples("train"), num_ranks=num_ranks, num_workers=_num_workers(cfg),
+            batch_size=cfg.batch_size_per_rank, batches_per_epoch=cfg.batches_per_epoch,
+            samples_done=position.samples_done if resuming and position else 0,
+        )  # fmt: skip
+    if resuming and position is not None:
+        shards = planner.remaining(shards, position.consumed_per_shard(manifest))
+    return planner.split_plan(
+        shards, num_ranks=num_ranks, num_workers=_num_workers(cfg), batch_size=cfg.batch_size_per_rank,
+        seed=cfg.seed, epoch=epoch, num_samples=manifest.num_samples("train"), resumed=resuming,
+    )  # fmt: skip
 
 
-def num_resample_batches(manifest: Manifest, cfg: TrainConfig, world: World) -> int:
-    """Batches per epoch on every rank in resample mode: ceil(N / (ranks x batch))."""
-    return math.ceil(manifest.num_samples("train") / (world.world_size * cfg.batch_size_per_rank))
+def check_plan(plan: EpochPlan, manifest: Manifest) -> None:
+    """Refuse, before any step, a plan that would hang or lose data."""
+    refused = planner.refusals(planner.check(plan, num_shards=len(manifest.shards("train"))))
+    if refused:
+        raise ConfigError(refused[0])
 
 
 class EpochLoader:
-    """One epoch of batches for one rank; `len()` is known in resample mode."""
+    """One epoch of batches for one rank; its length is the plan's batch count for the rank."""
 
-    def __init__(self, loader: DataLoader, num_batches: int | None):
-        self.loader = loader
-        self.num_batches = num_batches
+    def __init__(self, batches: Callable[[], Iterator[Batch]], plan: EpochPlan, rank: int):
+        self.batches = batches
+        self.plan = plan
+        self.rank = rank
 
     def __iter__(self) -> Iterator[Batch]:
-        if self.num_batches is None:
-            return iter(self.loader)
-        return itertools.islice(iter(self.loader), self.num_batches)
+        if self.plan.mode == "resample":
+            return itertools.islice(self.batches(), len(self))
+        return self.batches()  # split: the epoch's own end; the loop checks the count against the manifest
 
     def __len__(self) -> int:
-        if self.num_batches is None:
-            raise TypeError("split-mode epochs have no fixed length per rank")
-        return self.num_batches
+        return self.plan.batches_per_rank[self.rank]
 
 
-def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, *, epoch: int) -> EpochLoader:
-    """This rank's training batches for `epoch`."""
+def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: EpochPlan, *, epoch: int, position: Position | None = None) -> EpochLoader:
+    """This rank's training batches for `epoch` as `plan` deals them; after `position`, only
+    what the epoch has not yet delivered (split) or a reseeded stream (resample)."""
     rank = world.rank
-    stages: list[Any]
-    if cfg.mode == "resample":
+    resuming = position is not None and position.epoch == epoch
+    source: Any
+    if plan.mode == "resample":
         urls = [manifest.url(s) for s in manifest.shards("train")]
-        stages = [bind(resampled_urls, urls, seed=cfg.seed, epoch=epoch, rank=rank)]
-        num_batches: int | None = num_resample_batches(manifest, cfg, world)
-        partial = False
+        reseed = position.samples_done if resuming and position else 0
+        source = bind(resampled_urls, urls, seed=cfg.seed, epoch=epoch, rank=rank, reseed=reseed)
+        consumed = None
     else:
-        num_slots = world.world_size * _num_workers(cfg)
-        num_shards = len(manifest.shards("train"))
-        if num_shards < num_slots:
-            raise ConfigError(
-                f"split mode needs at least one shard per (rank, loader worker): {num_shards} shards < "
-                f"{world.world_size} ranks x {_num_workers(cfg)} workers; reconvert with a smaller --maxcount "
-                f"or use fewer --loader-workers"
-            )
-        slots = split_slots(manifest, "train", num_slots, seed=f"split-{cfg.seed}-{epoch}")
-        stages = [bind(slot_shards, slots, rank, manifest)]
-        num_batches, partial = None, True
-    stages += [
+        source = bind(slot_urls, plan, rank, manifest)
+        consumed = position.consumed if resuming and position else None
+    pipeline = wds.DataPipeline(
+        source,
         wds.tarfile_to_samples(handler=wds.reraise_exception),
-        bind(shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
+        bind(numbered, offsets=manifest.offsets("train")),
+        bind(unconsumed, consumed=consumed),
+        bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
         wds.map(Decode(train_transform(cfg))),
-        wds.batched(cfg.batch_size_per_rank, collation_fn=_collate, partial=partial),
-    ]
-    return EpochLoader(_loader(wds.DataPipeline(*stages), cfg, world), num_batches)
+        wds.batched(cfg.batch_size_per_rank, collation_fn=collate, partial=plan.mode == "split"),
+    )
+    loader = _loader(pipeline, cfg, world)
+    if plan.mode == "resample" and cfg.cross_worker_shuffle_samples == 0:
+        return EpochLoader(lambda: iter(loader), plan, rank)
+
+    def batches() -> Iterator[Batch]:
+        rng = random.Random(f"cross-{cfg.seed}-{epoch}-{rank}")
+        return rebatched(loader, batch_size=cfg.batch_size_per_rank, buffer=cfg.cross_worker_shuffle_samples, rng=rng, partial=plan.mode == "split")
+
+    return EpochLoader(batches, plan, rank)
+
+
+def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[ShardInfo]]:
+    """Deal `split`'s shards, in manifest order, to `num_slots` slots."""
+    return deal(list(manifest.shards(split)), num_slots)
+
+
+def _val_urls(slots: list[list[ShardInfo]], rank: int, manifest: Manifest) -> Iterator[dict[str, str]]:
+    worker, num_workers = _worker()
+    for shard in slots[rank * num_workers + worker]:
+        yield {"url": manifest.url(shard)}
 
 
 def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
     """This rank's share of the validation split: every sample once across ranks, no padding."""
-    slots = split_slots(manifest, "val", world.world_size * _num_workers(cfg), seed=None)
+    slots = split_slots(manifest, "val", world.world_size * _num_workers(cfg))
     pipeline = wds.DataPipeline(
-        bind(slot_shards, slots, world.rank, manifest),
+        bind(_val_urls, slots, world.rank, manifest),
         wds.tarfile_to_samples(handler=wds.reraise_exception),
+        bind(numbered, offsets=manifest.offsets("val")),
         wds.map(Decode(val_transform(cfg))),
-        wds.batched(cfg.batch_size_per_rank, collation_fn=_collate, partial=True),
+        wds.batched(cfg.batch_size_per_rank, collation_fn=collate, partial=True),
     )
     return _loader(pipeline, cfg, world)

@@ -6,6 +6,7 @@ the directory a shard server serves. Shards are read by webdataset (curl for htt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -51,6 +52,21 @@ class Manifest:
 
     def url(self, shard: ShardInfo) -> str:
         return shard_url(self.base, shard.name)
+
+    def offsets(self, split: str) -> dict[str, int]:
+        """Each shard's first sample id: samples are numbered through the split in manifest order."""
+        offsets, start = {}, 0
+        for shard in self.shards(split):
+            offsets[shard.name] = start
+            start += shard.num_samples
+        return offsets
+
+    def fingerprint(self, split: str) -> str:
+        """A short hash of the split's shard names, counts and contents."""
+        h = hashlib.sha256()
+        for s in self.shards(split):
+            h.update(f"{s.name} {s.num_samples} {s.sha256}\n".encode())
+        return h.hexdigest()[:16]
 
 
 def is_url(location: str) -> bool:

@@ -8,9 +8,9 @@ both call `train(cfg, world, report)`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torchvision
@@ -26,10 +27,14 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
-from raywds.errors import ConfigError
-from raywds.loader import Batch, num_resample_batches, train_loader, val_loader
+from raywds.errors import ConfigError, DataError, RaywdsError
+from raywds.loader import Batch, check_plan, epoch_plan, train_loader, val_loader
+from raywds.plan import EpochPlan
+from raywds.position import Ledger, Position
 from raywds.shards import read_manifest
 from raywds.world import World
+
+CHECKPOINT_FILE = "checkpoint.pt"
 
 Metrics = dict[str, Any]
 # report(metrics, checkpoint): called on every rank after every epoch; checkpoint only on rank 0.
@@ -96,36 +101,65 @@ class EpochResult:
     num_samples: int
     loss_sum: float
     seconds: float
+    num_steps: int
+    stopped: bool
+    """True when `after_step` asked to stop before the epoch's end."""
+
+
+class CollectiveError(RaywdsError):
+    """A collective failed or timed out: another rank stalled or died."""
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("timed out", "timeout", "gloo", "nccl", "connection closed", "connection reset"))
 
 
 def train_epoch(
     model: nn.Module,
     batches: Iterable[Batch],
     optimizer: torch.optim.Optimizer,
-    lr: Callable[[float], float],
+    lr: Callable[[int], float],
     world: World,
     *,
     uneven: bool,
+    after_step: Callable[[int, Batch], bool] | None = None,
+    where: str = "",
+    pg_timeout_s: float | None = None,
 ) -> EpochResult:
-    """One pass; `lr(fraction of the epoch done)` sets the rate before each step. With `uneven`
-    (split mode) Join lets ranks that run out early shadow the collectives of the rest."""
+    """One pass; `lr(steps done)` sets the rate before each step, and `after_step(steps done,
+    batch)` runs after it and may stop the epoch by returning True. With `uneven` (split mode)
+    Join lets ranks that run out early shadow the collectives of the rest."""
     model.train()
     loss_fn = nn.CrossEntropyLoss()
-    num_samples, loss_sum = 0, 0.0
+    num_samples, loss_sum, step, stopped = 0, 0.0, 0, False
     start = time.perf_counter()
     joinable = uneven and isinstance(model, DistributedDataParallel)
-    with Join([model]) if joinable else contextlib.nullcontext():  # type: ignore[list-item]
-        for step, (images, labels) in enumerate(batches):
-            set_lr(optimizer, lr(step))
-            images = images.to(world.device, non_blocking=True)
-            labels = labels.to(world.device, non_blocking=True)
-            loss = loss_fn(model(images), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            num_samples += len(labels)
-            loss_sum += loss.item() * len(labels)
-    return EpochResult(num_samples, loss_sum, time.perf_counter() - start)
+    try:
+        with Join([model]) if joinable else contextlib.nullcontext():  # type: ignore[list-item]
+            for batch in batches:
+                set_lr(optimizer, lr(step))
+                images = batch.images.to(world.device, non_blocking=True)
+                labels = batch.labels.to(world.device, non_blocking=True)
+                loss = loss_fn(model(images), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                step += 1
+                num_samples += len(labels)
+                loss_sum += loss.item() * len(labels)
+                if after_step is not None and after_step(step, batch):
+                    stopped = True
+                    break
+    except RuntimeError as e:
+        if world.distributed and _is_collective_failure(e):
+            raise CollectiveError(
+                f"rank {world.rank} of {world.world_size}: a collective failed {where} step {step + 1} "
+                f"after {time.perf_counter() - start:.0f} s (process-group timeout {pg_timeout_s} s): another rank "
+                f"stalled or died, see its log. {str(e).splitlines()[0][:300]}"
+            ) from e
+        raise
+    return EpochResult(num_samples, loss_sum, time.perf_counter() - start, step, stopped)
 
 
 @torch.no_grad()
@@ -134,8 +168,8 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], world: World) -> dict[s
     model.eval()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     totals = torch.zeros(4, dtype=torch.float64, device=world.device)  # top1, top5, loss, count
-    for images, labels in batches:
-        images, labels = images.to(world.device), labels.to(world.device)
+    for batch in batches:
+        images, labels = batch.images.to(world.device), batch.labels.to(world.device)
         logits = model(images)
         k = min(5, logits.shape[1])
         top = logits.topk(k, dim=1).indices
@@ -162,57 +196,197 @@ def _sum_and_max(world: World, total: list[float], longest: float) -> tuple[list
     return t.tolist()[:-1], m.item()
 
 
-def train(cfg: TrainConfig, world: World, report: Report | None = None) -> Metrics:
-    """Train for cfg.num_epochs; returns the last epoch's metrics (the same on every rank)."""
-    torch.manual_seed(cfg.seed)
-    manifest = read_manifest(cfg.data)
-    model = build_model(cfg.model, len(manifest.classes)).to(world.device)
-    wrapped: nn.Module = model
-    if world.distributed:
-        device_ids = [world.local_rank] if world.device.startswith("cuda") else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids)
-    optimizer = make_optimizer(model, cfg, world)
-    steps_per_epoch = num_resample_batches(manifest, cfg, world)  # nominal in split mode
-    samples_seen = 0
-    metrics: Metrics = {}
-    for epoch in range(cfg.num_epochs):
-        batches = train_loader(manifest, cfg, world, epoch=epoch)
-        lr = functools.partial(_lr_in_epoch, cfg, world, epoch, steps_per_epoch)
-        result = train_epoch(wrapped, batches, optimizer, lr, world, uneven=cfg.mode == "split")
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """A checkpoint file, or a directory holding checkpoint.pt (a run folder or a Ray checkpoint)."""
+    where = Path(path)
+    if where.is_dir():
+        where = where / CHECKPOINT_FILE
+    if not where.is_file():
+        raise ConfigError(f"no checkpoint at {where}: give a checkpoint.pt or the folder holding it (--resume)")
+    return torch.load(where, map_location="cpu", weights_only=False)
+
+
+@dataclass
+class Progress:
+    """Counters that survive a resume."""
+
+    epoch: int = 0
+    steps: int = 0
+    """Steps so far, counting each finished epoch as its longest rank's batches."""
+    samples_seen: int = 0
+    position: Position | None = None
+    """Inside an unfinished epoch: what it has delivered."""
+
+
+class Audit:
+    """With `audit_dir`: one file per (epoch, rank, process) listing each trained sample's key."""
+
+    def __init__(self, audit_dir: str | None, rank: int):
+        self.dir = Path(audit_dir) if audit_dir else None
+        self.rank = rank
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def write(self, epoch: int, keys: list[str]) -> None:
+        if self.dir is not None:
+            with (self.dir / f"epoch{epoch:04d}-rank{self.rank:05d}-pid{os.getpid()}.keys").open("a") as f:
+                f.write("".join(k + "\n" for k in keys))
+
+
+class Trainer:
+    """One rank's run: model, optimizer, data and the counters; `fit()` is the epoch loop."""
+
+    def __init__(self, cfg: TrainConfig, world: World, report: Report | None, resume: dict[str, Any] | None):
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.world, self.report = cfg, world, report
+        self.manifest = read_manifest(cfg.data)
+        self.num_samples = self.manifest.num_samples("train")
+        self.model = build_model(cfg.model, len(self.manifest.classes)).to(world.device)
+        self.wrapped: nn.Module = self.model
+        if world.distributed:
+            device_ids = [world.local_rank] if world.device.startswith("cuda") else None
+            self.wrapped = DistributedDataParallel(self.model, device_ids=device_ids)
+        self.optimizer = make_optimizer(self.model, cfg, world)
+        self.progress = Progress()
+        if resume is not None:
+            self.restore(resume)
+        self.audit = Audit(cfg.audit_dir, world.rank)
+        self.metrics: Metrics = {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state["classes"] != self.manifest.classes:
+            raise ConfigError(f"the checkpoint's {len(state['classes'])} classes differ from the data's {len(self.manifest.classes)}; resume with the same --data")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        position = Position.from_state(state["position"]) if state.get("position") else None
+        if position is not None:
+            position.check_compatible(self.manifest, self.cfg.mode)
+            if position.samples_done == 0:
+                position = None
+        self.progress = Progress(epoch=state["epoch"], steps=state["steps"], samples_seen=state["samples_seen"], position=position)
+
+    def fit(self) -> Metrics:
+        """Train until cfg.num_epochs or cfg.max_steps; returns the last metrics (the same on every rank)."""
+        while self.progress.epoch < self.cfg.num_epochs:
+            if self.run_epoch(self.progress.epoch):
+                break
+        return self.metrics
+
+    def run_epoch(self, epoch: int) -> bool:
+        """Train `epoch` (or what is left of it), evaluate, report; True when max_steps stopped it."""
+        cfg, world, manifest = self.cfg, self.world, self.manifest
+        position = self.progress.position if self.progress.position and self.progress.position.epoch == epoch else None
+        plan = epoch_plan(manifest, cfg, world.world_size, epoch=epoch, position=position)
+        check_plan(plan, manifest)
+        batches = train_loader(manifest, cfg, world, plan, epoch=epoch, position=position)
+        ledger = Ledger(self.num_samples)
+        done_before = position.samples_done if position else 0
+        step_before = position.step if position else 0
+        steps_before = self.progress.steps
+
+        def lr(step: int) -> float:
+            done = done_before + step * world.world_size * cfg.batch_size_per_rank
+            return lr_at(cfg, world, epoch + min(done / self.num_samples, 1.0))
+
+        def after_step(step: int, batch: Batch) -> bool:
+            ledger.mark(batch.ids)
+            self.audit.write(epoch, batch.keys)
+            # Only where every rank is still in the loop: collectives here cannot meet a joined rank.
+            if step > plan.min_batches:
+                return False
+            at_stop = cfg.max_steps is not None and steps_before + step >= cfg.max_steps
+            at_checkpoint = cfg.checkpoint_every_steps is not None and (step_before + step) % cfg.checkpoint_every_steps == 0
+            if at_stop or at_checkpoint:
+                done = done_before + step * world.world_size * cfg.batch_size_per_rank  # resample: every batch full
+                self.checkpoint_inside(epoch, step_before + step, steps_before + step, done, ledger, position, plan)
+            return at_stop
+
+        result = train_epoch(
+            self.wrapped, batches, self.optimizer, lr, world, uneven=plan.mode == "split", after_step=after_step,
+            where=f"in epoch {epoch + 1}", pg_timeout_s=cfg.pg_timeout_s,
+        )  # fmt: skip
+        if result.stopped:
+            return True
+        self.finish_epoch(epoch, result, ledger, position, plan)
+        return cfg.max_steps is not None and self.progress.steps >= cfg.max_steps
+
+    def consumed(self, ledger: Ledger, position: Position | None) -> np.ndarray:
+        """Times each sample was trained on this epoch, over all ranks and earlier runs."""
+        counts = ledger.total(self.world)
+        if position is not None and position.consumed is not None:
+            counts = counts + position.consumed
+        return counts
+
+    def checkpoint_inside(self, epoch: int, step: int, steps: int, done: int, ledger: Ledger, position: Position | None, plan: EpochPlan) -> None:
+        """Save the data position at in-epoch `step` (`steps` in all, `done` samples of the epoch)."""
+        counts = self.consumed(ledger, position)
+        if plan.mode == "split":
+            done = int((counts > 0).sum())
+        here = Position(
+            mode=plan.mode, epoch=epoch, step=step, samples_done=done,
+            consumed=counts > 0 if plan.mode == "split" else None, dataset=self.manifest.fingerprint("train"),
+        )  # fmt: skip
+        samples_seen = self.progress.samples_seen + done - (position.samples_done if position else 0)
+        self.progress = Progress(epoch=epoch, steps=steps, samples_seen=samples_seen, position=here)
+        metrics = {"epoch": epoch, "step": steps, "samples_seen": samples_seen, "epoch_samples_done": done, "inside_epoch": True}
+        if self.world.is_main:
+            print(f"step {steps}: checkpoint inside epoch {epoch + 1} ({done}/{self.num_samples} samples done)", flush=True)
+        self.emit(metrics)
+
+    def finish_epoch(self, epoch: int, result: EpochResult, ledger: Ledger, position: Position | None, plan: EpochPlan) -> None:
+        cfg, world = self.cfg, self.world
         (num_samples, loss_sum), seconds = _sum_and_max(world, [result.num_samples, result.loss_sum], result.seconds)
-        if cfg.mode == "split" and num_samples != manifest.num_samples("train"):
-            raise RuntimeError(f"split epoch {epoch} trained on {num_samples:.0f} samples, the manifest has {manifest.num_samples('train')}")
-        samples_seen += int(num_samples)
-        metrics = {
+        counts = self.consumed(ledger, position)
+        metrics: Metrics = {
             "epoch": epoch + 1,
+            "step": self.progress.steps + plan.max_batches,
             "train_loss": loss_sum / max(num_samples, 1),
             "train_samples": int(num_samples),
-            "samples_seen": samples_seen,
+            "samples_seen": self.progress.samples_seen + int(num_samples),
+            "epoch_samples": int(counts.sum()),
+            "epoch_distinct": int((counts > 0).sum()),
+            "epoch_duplicates": int(np.maximum(counts - 1, 0).sum()),
+            "epoch_missing": int((counts == 0).sum()),
             "images_per_s": num_samples / max(seconds, 1e-9),
             "lr": lr_at(cfg, world, epoch + 1),
-            **evaluate(model, val_loader(manifest, cfg, world), world),
         }
+        if plan.mode == "split" and (metrics["epoch_duplicates"] or metrics["epoch_missing"] or metrics["epoch_samples"] != self.num_samples):
+            raise DataError(
+                f"split epoch {epoch + 1} was not exact: {metrics['epoch_samples']} samples trained, the manifest has "
+                f"{self.num_samples}; {metrics['epoch_duplicates']} repeated, {metrics['epoch_missing']} missing"
+            )
+        metrics.update(evaluate(self.model, val_loader(self.manifest, cfg, world), world))
+        self.progress = Progress(epoch=epoch + 1, steps=metrics["step"], samples_seen=metrics["samples_seen"])
         if world.is_main:
             print(epoch_line(metrics, cfg.num_epochs), flush=True)
-        if report is not None:
-            state = checkpoint_state(model, optimizer, cfg, epoch, manifest.classes) if world.is_main else None
-            report(metrics, state)
-    return metrics
+        self.emit(metrics)
+
+    def emit(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        if self.report is not None:
+            self.report(metrics, self.state() if self.world.is_main else None)
+
+    def state(self) -> dict[str, Any]:
+        """Model, optimizer and position; the learning rate is a function of progress, so it needs no state."""
+        position = self.progress.position
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "epoch": self.progress.epoch,
+            "steps": self.progress.steps,
+            "samples_seen": self.progress.samples_seen,
+            "position": position.to_state() if position else None,
+            "config": self.cfg.to_dict(),
+            "classes": self.manifest.classes,
+        }
 
 
-def _lr_in_epoch(cfg: TrainConfig, world: World, epoch: int, steps_per_epoch: int, step: int) -> float:
-    return lr_at(cfg, world, epoch + min(step / steps_per_epoch, 1.0))
-
-
-def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, epoch: int, classes: list[str]) -> dict[str, Any]:
-    """Model, optimizer and position; the learning rate is a function of the epoch, so it needs no state."""
-    return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "epoch": epoch + 1,
-        "config": cfg.to_dict(),
-        "classes": classes,
-    }
+def train(cfg: TrainConfig, world: World, report: Report | None = None, resume: dict[str, Any] | None = None) -> Metrics:
+    """Train for cfg.num_epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or
+    cfg.resume_from when given; returns the last metrics, the same on every rank."""
+    if resume is None and cfg.resume_from:
+        resume = load_checkpoint(cfg.resume_from)
+    return Trainer(cfg, world, report, resume).fit()
 
 
 def epoch_line(m: Metrics, num_epochs: int) -> str:
@@ -231,14 +405,16 @@ def summary_line(m: Metrics) -> str:
 
 
 class LocalReport:
-    """Writes metrics.jsonl and checkpoint.pt (the latest epoch) under `out_dir`."""
+    """Writes metrics.jsonl and checkpoint.pt (the latest) under `out_dir`; `append` keeps the
+    metrics of the run being resumed."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, *, append: bool = False):
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = out_dir / "metrics.jsonl"
-        self.checkpoint_path = out_dir / "checkpoint.pt"
-        self.metrics_path.write_text("")
+        self.checkpoint_path = out_dir / CHECKPOINT_FILE
+        if not append:
+            self.metrics_path.write_text("")
 
     def __call__(self, metrics: Metrics, state: dict[str, Any] | None) -> None:
         if state is None:
@@ -258,7 +434,8 @@ def run_local(cfg: TrainConfig) -> tuple[Metrics, LocalReport | None]:
         if world.device.startswith("cuda"):
             torch.cuda.set_device(world.local_rank)
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.pg_timeout_s))
-    report = LocalReport(Path(cfg.out_dir)) if world.is_main else None
+    resuming_here = cfg.resume_from is not None and Path(cfg.resume_from).resolve() in (Path(cfg.out_dir).resolve(), (Path(cfg.out_dir) / CHECKPOINT_FILE).resolve())
+    report = LocalReport(Path(cfg.out_dir), append=resuming_here) if world.is_main else None
     try:
         return train(cfg, world, report), report
     finally:

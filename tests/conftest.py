@@ -24,3 +24,55 @@ def shards(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("shards")
     convert(tree, out, ConvertOptions(maxcount=16, seed=3))
     return out
+
+
+UNEVEN_SIZES = [1, 30, 7, 16, 2, 25, 9, 13, 17]  # 120 samples in 9 shards of very different sizes
+
+
+def recut(shards: Path, out: Path, sizes: list[int]) -> Path:
+    """The converter's train samples, re-cut into shards of `sizes` (val shards copied as they are)."""
+    import hashlib
+    import json
+    import shutil
+
+    import webdataset as wds
+
+    manifest = json.loads((shards / "manifest.json").read_text())
+    samples = []
+    for shard in manifest["splits"]["train"]["shards"]:
+        samples += list(wds.WebDataset(str(shards / shard["name"]), shardshuffle=False))
+    assert sum(sizes) == len(samples)
+    out.mkdir(parents=True)
+    written, start = [], 0
+    for i, size in enumerate(sizes):
+        name = f"uneven-train-{i:06d}.tar"
+        with wds.TarWriter(str(out / name), mtime=0) as sink:
+            for sample in samples[start : start + size]:
+                sink.write({k: v for k, v in sample.items() if k in ("__key__", "jpg", "cls", "json")})
+        start += size
+        data = (out / name).read_bytes()
+        written.append({"name": name, "num_samples": size, "num_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    for shard in manifest["splits"]["val"]["shards"]:
+        shutil.copy(shards / shard["name"], out / shard["name"])
+    manifest["splits"]["train"] = {"num_samples": sum(sizes), "shards": written}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.fixture(scope="session")
+def uneven(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same 120 train samples in 9 shards of 1 to 30 samples."""
+    return recut(shards, tmp_path_factory.mktemp("uneven") / "shards", UNEVEN_SIZES)
+
+
+def tar_keys(shards: Path, split: str = "train") -> list[str]:
+    """Every sample key of a split, read straight from the tars (not through raywds)."""
+    import json
+    import tarfile
+
+    manifest = json.loads((shards / "manifest.json").read_text())
+    keys = []
+    for shard in manifest["splits"][split]["shards"]:
+        with tarfile.open(shards / shard["name"]) as tar:
+            keys += list(dict.fromkeys(m.name.split(".", 1)[0] for m in tar.getmembers()))  # tar order
+    return keys

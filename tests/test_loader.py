@@ -1,4 +1,5 @@
-"""Loaders on simulated ranks: equal batch counts (resample), exact coverage (split, validation)."""
+"""Loaders on simulated ranks with real DataLoader workers: equal batch counts (resample),
+exactly-once epochs (split, validation, resumed epochs), and the stages fed plain lists."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from conftest import UNEVEN_SIZES, tar_keys
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
-from raywds.loader import train_loader, val_loader
-from raywds.shards import ShardInfo, deal, read_manifest
+from raywds.loader import Batch, check_plan, epoch_plan, fold_single_tail, numbered, rebatched, train_loader, val_loader
+from raywds.position import Position
+from raywds.shards import read_manifest
 from raywds.world import World
 
 
@@ -23,82 +27,140 @@ def config(shards: Path, **overrides: object) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def fingerprints(batches) -> Counter:
-    """(label, pixel checksum) per sample: the val transform is deterministic, so this names a sample."""
-    found: Counter = Counter()
-    for images, labels in batches:
-        for image, label in zip(images, labels):
-            found[(int(label), round(float(image.double().sum()), 3))] += 1
-    return found
+def epoch(shards: Path, cfg: TrainConfig, world_size: int, n: int = 0, position: Position | None = None) -> list[list[Batch]]:
+    """Every rank's batches for epoch `n`, each rank built as training builds it."""
+    manifest = read_manifest(str(shards))
+    plan = epoch_plan(manifest, cfg, world_size, epoch=n, position=position)
+    check_plan(plan, manifest)
+    ranks = []
+    for rank in range(world_size):
+        loader = train_loader(manifest, cfg, World(rank=rank, world_size=world_size), plan, epoch=n, position=position)
+        batches = list(loader)
+        assert len(batches) == len(loader) == plan.batches_per_rank[rank], f"rank {rank}: the plan must predict the batch count"
+        ranks.append(batches)
+    return ranks
+
+
+def keys(ranks: list[list[Batch]]) -> Counter:
+    return Counter(k for batches in ranks for b in batches for k in b.keys)
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_resample_gives_every_rank_the_same_batch_count(shards: Path, world_size: int) -> None:
-    manifest = read_manifest(str(shards))
-    cfg = config(shards)
+    ranks = epoch(shards, config(shards), world_size)
     expected = math.ceil(120 / (world_size * 8))
-    label_runs = []
-    for rank in range(world_size):
-        batches = list(train_loader(manifest, cfg, World(rank=rank, world_size=world_size), epoch=0))
-        assert len(batches) == expected, f"rank {rank} of {world_size}"
-        assert all(images.shape == (8, 3, 24, 24) for images, _ in batches), "resample batches are always full"
-        label_runs.append(torch.cat([labels for _, labels in batches]).tolist())
+    assert [len(r) for r in ranks] == [expected] * world_size
+    assert all(b.images.shape == (8, 3, 24, 24) for r in ranks for b in r), "resample batches are always full"
     if world_size > 1:
-        assert label_runs[0] != label_runs[1], "ranks must draw different data"
+        streams = [[k for b in r for k in b.keys] for r in ranks]
+        assert streams[0] != streams[1], "ranks must draw different data"
 
 
-def test_resample_is_seeded_per_epoch(shards: Path) -> None:
-    manifest = read_manifest(str(shards))
+def test_resample_batches_per_epoch_and_cross_worker_shuffle_keep_counts(shards: Path) -> None:
+    ranks = epoch(shards, config(shards, batches_per_epoch=5, cross_worker_shuffle_samples=20), 3)
+    assert [len(r) for r in ranks] == [5, 5, 5]
+    assert all(len(b.keys) == 8 for r in ranks for b in r)
+
+
+def test_resample_is_seeded_per_epoch_and_reseeded_on_resume(shards: Path) -> None:
     cfg = config(shards, num_loader_workers_per_rank=0)
-    world = World(rank=0, world_size=2)
 
-    def labels(epoch: int) -> list[int]:
-        return torch.cat([y for _, y in train_loader(manifest, cfg, world, epoch=epoch)]).tolist()
+    def stream(n: int, position: Position | None = None) -> list[str]:
+        return [k for b in epoch(shards, cfg, 2, n, position)[0] for k in b.keys]
 
-    assert labels(0) == labels(0)
-    assert labels(0) != labels(1)
+    assert stream(0) == stream(0)
+    assert stream(0) != stream(1)
+    manifest = read_manifest(str(shards))
+    resumed = Position(mode="resample", epoch=0, step=3, samples_done=48, consumed=None, dataset=manifest.fingerprint("train"))
+    after = stream(0, resumed)
+    assert len(after) == 8 * math.ceil((120 - 48) / 16), "a resumed epoch takes only the batches that were left"
+    assert after != stream(0)[: len(after)], "and draws a fresh stream"
 
 
 @pytest.mark.parametrize("world_size,workers", [(1, 0), (2, 2), (3, 1)])
 def test_validation_sees_every_sample_once_across_ranks(shards: Path, world_size: int, workers: int) -> None:
     manifest = read_manifest(str(shards))
-    reference = fingerprints(val_loader(manifest, config(shards, num_loader_workers_per_rank=0), World()))
-    assert sum(reference.values()) == 50 and len(reference) == 50
     cfg = config(shards, num_loader_workers_per_rank=workers)
-    combined: Counter = Counter()
-    for rank in range(world_size):
-        combined += fingerprints(val_loader(manifest, cfg, World(rank=rank, world_size=world_size)))
-    assert combined == reference
+    seen = Counter(k for rank in range(world_size) for b in val_loader(manifest, cfg, World(rank=rank, world_size=world_size)) for k in b.keys)
+    assert seen == Counter(tar_keys(shards, "val"))
 
 
-def test_split_mode_covers_the_epoch_exactly_and_reshuffles(shards: Path) -> None:
-    manifest = read_manifest(str(shards))
-    cfg = config(shards, mode="split", num_loader_workers_per_rank=2, image_size_px=32, crop_scale_min=1.0)
-    labels_per_epoch = []
-    for epoch in range(2):
-        counts, labels = [], Counter()
-        for rank in range(2):
-            batches = list(train_loader(manifest, cfg, World(rank=rank, world_size=2), epoch=epoch))
-            counts.append(sum(len(y) for _, y in batches))
-            labels += Counter(int(v) for _, y in batches for v in y)
-        assert sum(counts) == 120
-        assert labels == Counter({c: 12 for c in range(10)})
-        labels_per_epoch.append(counts)
-    assert sorted(labels_per_epoch[0]) == [56, 64]  # 4 slots: 32+32 / 32+24 or similar, never all on one rank
+@pytest.mark.parametrize(
+    "world_size,workers,batch,cross",
+    [(1, 0, 7, 0), (2, 2, 8, 0), (3, 1, 5, 0), (2, 2, 16, 50), (4, 2, 3, 10)],
+)
+def test_split_sees_every_key_once_on_uneven_shards(uneven: Path, world_size: int, workers: int, batch: int, cross: int) -> None:
+    cfg = config(uneven, mode="split", num_loader_workers_per_rank=workers, batch_size_per_rank=batch, cross_worker_shuffle_samples=cross)
+    ranks = epoch(uneven, cfg, world_size)
+    assert keys(ranks) == Counter(tar_keys(uneven)), "each key exactly once across ranks and workers"
+    for batches in ranks:
+        sizes = [len(b.keys) for b in batches]
+        assert all(s >= 2 for s in sizes[-1:]) or len(sizes) == 1, "no last batch of a single sample"
+        assert all(s == batch for s in sizes[:-2]), "rebatched in the main process: only the tail is partial"
+        for b in batches:
+            assert b.images.shape[0] == b.labels.shape[0] == b.ids.shape[0] == len(b.keys)
 
 
-def test_split_mode_refuses_fewer_shards_than_slots(shards: Path) -> None:
-    manifest = read_manifest(str(shards))
+def test_split_reshuffles_each_epoch(uneven: Path) -> None:
+    cfg = config(uneven, mode="split", num_loader_workers_per_rank=1)
+    first = [[k for b in r for k in b.keys] for r in epoch(uneven, cfg, 2, 0)]
+    second = [[k for b in r for k in b.keys] for r in epoch(uneven, cfg, 2, 1)]
+    assert first != second and sorted(sum(first, [])) == sorted(sum(second, []))
+
+
+def test_batch_ids_name_the_sample(uneven: Path) -> None:
+    """An id is the shard's offset in manifest order plus the place in the shard, so ids map back to keys."""
+    cfg = config(uneven, mode="split", num_loader_workers_per_rank=2)
+    by_id = {int(i): k for r in epoch(uneven, cfg, 2) for b in r for i, k in zip(b.ids, b.keys)}
+    assert sorted(by_id) == list(range(120))
+    assert [by_id[i] for i in range(120)] == tar_keys(uneven)
+
+
+@pytest.mark.parametrize("new_world_size", [2, 3])
+def test_split_resume_trains_on_exactly_the_rest(uneven: Path, new_world_size: int) -> None:
+    manifest = read_manifest(str(uneven))
+    cfg = config(uneven, mode="split", num_loader_workers_per_rank=2)
+    done = np.zeros(120, dtype=bool)
+    done[random.Random(1).sample(range(120), 47)] = True  # what an interrupted epoch delivered
+    position = Position(mode="split", epoch=0, step=3, samples_done=47, consumed=done, dataset=manifest.fingerprint("train"))
+    rest = keys(epoch(uneven, cfg, new_world_size, 0, position))
+    all_keys = tar_keys(uneven)
+    assert rest == Counter(k for i, k in enumerate(all_keys) if not done[i])
+
+
+def test_split_refuses_fewer_shards_than_slots(shards: Path) -> None:
     cfg = config(shards, mode="split", num_loader_workers_per_rank=4)
-    with pytest.raises(ConfigError, match=r"8 shards < 3 ranks x 4 workers; reconvert with a smaller --maxcount"):
-        train_loader(manifest, cfg, World(rank=0, world_size=3), epoch=0)
+    manifest = read_manifest(str(shards))
+    with pytest.raises(ConfigError, match=r"8 shards < 3 ranks x 4 workers, so 4 workers would read nothing; reconvert with a smaller --maxcount"):
+        check_plan(epoch_plan(manifest, cfg, 3, epoch=0), manifest)
 
 
-def test_deal_places_every_shard_once_and_balances_samples() -> None:
-    rng = random.Random(0)
-    for _ in range(200):
-        shards = [ShardInfo(f"s{i}", rng.randint(1, 100), 0, "") for i in range(rng.randint(1, 40))]
-        slots = deal(shards, rng.randint(1, 12))
-        assert sorted(s.name for slot in slots for s in slot) == sorted(s.name for s in shards)
-        loads = [sum(s.num_samples for s in slot) for slot in slots]
-        assert max(loads) - min(loads) <= max(s.num_samples for s in shards)
+def _batch(keys: list[str]) -> Batch:
+    n = len(keys)
+    return Batch(torch.zeros(n, 1), torch.zeros(n, dtype=torch.long), torch.arange(n), keys)
+
+
+def test_fold_single_tail_from_plain_batches() -> None:
+    folded = list(fold_single_tail([_batch(["a", "b"]), _batch(["c", "d"]), _batch(["e"])]))
+    assert [b.keys for b in folded] == [["a", "b"], ["c", "d", "e"]]
+    assert [b.keys for b in fold_single_tail([_batch(["a"])])] == [["a"]]
+    assert [b.keys for b in fold_single_tail([_batch(["a", "b"]), _batch(["c", "d"])])] == [["a", "b"], ["c", "d"]]
+
+
+def test_rebatched_mixes_workers_and_keeps_every_sample() -> None:
+    worker_batches = [_batch([f"w{w}-{i}-{j}" for j in range(4)]) for i in range(5) for w in range(2)]
+    out = list(rebatched(worker_batches, batch_size=6, buffer=12, rng=random.Random(0), partial=True))
+    flat = [k for b in out for k in b.keys]
+    assert sorted(flat) == sorted(k for b in worker_batches for k in b.keys)
+    assert [len(b.keys) for b in out] == [6] * 6 + [4]
+    assert flat != [k for b in worker_batches for k in b.keys], "the buffer reorders"
+
+
+def test_numbered_restarts_per_shard_from_plain_samples() -> None:
+    samples = [{"__url__": u, "__key__": k} for u, k in [("x/a.tar", "1"), ("x/a.tar", "2"), ("x/b.tar", "9"), ("x/a.tar", "1"), ("x/a.tar", "2")]]
+    ids = [s["__id__"] for s in numbered(iter(samples), {"a.tar": 0, "b.tar": 2})]
+    assert ids == [0, 1, 2, 0, 1]
+
+
+def test_uneven_fixture_is_really_uneven(uneven: Path) -> None:
+    assert [s.num_samples for s in read_manifest(str(uneven)).shards("train")] == UNEVEN_SIZES
