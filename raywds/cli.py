@@ -34,6 +34,14 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, dest="image_size_px", help="crop side in pixels")
     p.add_argument("--loader-workers", type=int, dest="num_loader_workers_per_rank", help="DataLoader workers per rank")
     p.add_argument("--seed", type=int)
+    p.add_argument("--shuffle-buffer", type=int, dest="cross_worker_shuffle_samples", help="main-process buffer that shuffles samples across loader workers (default 0: off)")
+    p.add_argument("--worker-shuffle-buffer", type=int, dest="shuffle_buffer_samples", help="samples in each loader worker's shuffle buffer (default 1000)")
+    p.add_argument("--batches-per-epoch", type=int, help="resample mode: batches per epoch on every rank (default ceil(N / (ranks x batch)))")
+    p.add_argument("--checkpoint-every-steps", type=int, help="also checkpoint inside epochs, every this many steps")
+    p.add_argument("--max-steps", type=int, help="stop after this many steps, with a checkpoint (continue later with --resume)")
+    p.add_argument("--resume", dest="resume_from", help="checkpoint file or folder to continue from: weights, optimizer, data position")
+    p.add_argument("--audit-dir", help="write the key of every trained sample, per epoch and rank, into files here")
+    p.add_argument("--pg-timeout", type=int, dest="pg_timeout_s", help="seconds before a stalled collective is an error (default 300)")
     p.add_argument("--demo-dir", default=DEMO_DIR, help=f"where --demo keeps its images and shards (default {DEMO_DIR})")
     p.add_argument("--server-backend", default="auto", choices=["auto", "docker", "nginx", "embedded"], help="shard server for --demo")
 
@@ -73,6 +81,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="port (default %(default)s; 0 picks a free one)")
 
+    p = sub.add_parser("plan", help="show what each rank and loader worker reads in an epoch, and whether the setup would hang")
+    p.add_argument("--data", help="shard folder, manifest.json or URL (or give --num-shards and --samples-per-shard)")
+    p.add_argument("--num-shards", type=int, help="without --data: this many training shards")
+    p.add_argument("--samples-per-shard", type=int, help="without --data: samples in each shard")
+    p.add_argument("--last-shard-samples", type=int, help="without --data: samples in the last shard (default: as the others)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the job (default %(default)s)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default %(default)s)")
+    p.add_argument("--loader-workers", "--workers", type=int, default=2, help="DataLoader workers per rank (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64, help="batch per rank (default %(default)s)")
+    p.add_argument("--mode", choices=["resample", "split"], default="resample")
+    p.add_argument("--batches-per-epoch", type=int, help="resample mode: batches per epoch per rank")
+    p.add_argument("--epoch", type=int, default=0, help="which epoch's shuffle to show (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks-shown", type=int, default=16, help="rows of the per-rank table (default %(default)s)")
+    p.add_argument("--shuffle-report", action="store_true", help="also measure how well the loader order mixes the data")
+    p.add_argument("--classes", type=int, default=1000, help="--shuffle-report without --data: classes in the data (default %(default)s)")
+    p.add_argument("--shuffle-buffer", type=int, default=0, help="--shuffle-report: main-process buffer across workers (default %(default)s)")
+    p.add_argument("--worker-shuffle-buffer", type=int, default=1000, help="--shuffle-report: each worker's buffer (default %(default)s)")
+    p.add_argument("--report-batches", type=int, default=50, help="--shuffle-report: batches per rank to simulate (default %(default)s)")
+
     p = sub.add_parser("train", help="train in this process (or one torchrun rank), no Ray")
     _add_train_flags(p)
     p.add_argument("--out", dest="out_dir", help="checkpoint and metrics folder (default runs/local, runs/demo for --demo)")
@@ -90,8 +118,9 @@ def _config(args: argparse.Namespace, data: str) -> Any:
     from raywds.config import TrainConfig, demo_config
 
     names = [
-        "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr",
-        "image_size_px", "num_loader_workers_per_rank", "seed", "out_dir",
+        "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr", "image_size_px",
+        "num_loader_workers_per_rank", "seed", "out_dir", "cross_worker_shuffle_samples", "shuffle_buffer_samples",
+        "batches_per_epoch", "checkpoint_every_steps", "max_steps", "resume_from", "audit_dir", "pg_timeout_s",
     ]  # fmt: skip
     given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if args.demo:
@@ -174,6 +203,40 @@ def cmd_serve(args: argparse.Namespace) -> None:
             pass
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    from raywds import plan as planner
+    from raywds.shards import ShardInfo, read_manifest
+
+    if args.data:
+        shards = read_manifest(args.data).shards("train")
+    elif args.num_shards and args.samples_per_shard:
+        sizes = [args.samples_per_shard] * args.num_shards
+        if args.last_shard_samples is not None:
+            sizes[-1] = args.last_shard_samples
+        shards = [ShardInfo(f"shard-{i:06d}.tar", n, 0, "") for i, n in enumerate(sizes)]
+    else:
+        raise RaywdsError("plan needs --data SHARDS, or --num-shards N --samples-per-shard K")
+    ranks = args.nodes * args.gpus_per_node
+    workers = max(1, args.loader_workers)
+    if args.mode == "split":
+        plan = planner.split_plan(shards, num_ranks=ranks, num_workers=workers, batch_size=args.batch_size, seed=args.seed, epoch=args.epoch)
+    else:
+        plan = planner.resample_plan(
+            sum(s.num_samples for s in shards), num_ranks=ranks, num_workers=workers, batch_size=args.batch_size,
+            batches_per_epoch=args.batches_per_epoch,
+        )  # fmt: skip
+    findings = planner.check(plan, num_shards=len(shards))
+    print(planner.render(plan, findings, gpus_per_node=args.gpus_per_node, max_ranks_shown=args.ranks_shown))
+    if args.shuffle_report:
+        from raywds.mixing import report
+
+        print(report(plan, shards, data=args.data, num_classes=args.classes, seed=args.seed, epoch=args.epoch,
+                     worker_buffer=args.worker_shuffle_buffer, cross_buffer=args.shuffle_buffer, num_batches=args.report_batches))  # fmt: skip
+    refused = planner.refusals(findings)
+    if refused:
+        raise RaywdsError(refused[0])
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from raywds.train import run_local, summary_line
 
@@ -205,7 +268,10 @@ def cmd_ray(args: argparse.Namespace) -> None:
     print(summary_line(run.metrics))
 
 
-COMMANDS = {"demo": cmd_demo, "convert": cmd_convert, "verify": cmd_verify, "shardsum": cmd_shardsum, "serve": cmd_serve, "train": cmd_train, "ray": cmd_ray}
+COMMANDS = {
+    "demo": cmd_demo, "convert": cmd_convert, "verify": cmd_verify, "shardsum": cmd_shardsum, "serve": cmd_serve,
+    "plan": cmd_plan, "train": cmd_train, "ray": cmd_ray,
+}  # fmt: skip
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

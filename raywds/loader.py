@@ -163,17 +163,17 @@ def collate(samples: list[Sample]) -> Batch:
 
 
 def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
-    """A last batch of one sample joins the batch before it: BatchNorm cannot train on one."""
-    held: Batch | None = None
+    """A last batch of one sample joins the batch before it: BatchNorm cannot train on one.
+    (With a batch size of one every batch is single, and nothing is folded.)"""
+    held: list[Batch] = []  # the last two batches: the tail is only known at the end
     for batch in batches:
-        if held is not None:
-            if len(batch.keys) == 1:
-                yield collate([*_samples(held), *_samples(batch)])
-                return
-            yield held
-        held = batch
-    if held is not None:
-        yield held
+        held.append(batch)
+        if len(held) == 3:
+            yield held.pop(0)
+    if len(held) == 2 and len(held[1].keys) == 1 and len(held[0].keys) > 1:
+        yield collate([*_samples(held[0]), *_samples(held[1])])
+    else:
+        yield from held
 
 
 def _samples(batch: Batch) -> list[Sample]:

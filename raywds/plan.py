@@ -182,7 +182,7 @@ def render(plan: EpochPlan, findings: list[Finding], *, gpus_per_node: int, max_
         lines.append(f"{rank:>5} {rank // gpus_per_node:>5} {num_shards:>7} {samples:>8} {batches:>8} {last:>11}")
     if plan.mode == "split":
         lines.append("shards each worker opens:")
-        for rank in shown[: min(len(shown), 4)]:
+        for rank in shown[:2]:
             for worker in range(plan.num_workers):
                 names = sorted(s.name for s in plan.slot(rank, worker))
                 lines.append(f"  rank {rank} worker {worker}: " + (" ".join(shardsum(names)) if names else "(none)"))

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -20,10 +21,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError, RaywdsError
-from raywds.train import Metrics, train
+from raywds.loader import check_plan, epoch_plan
+from raywds.shards import read_manifest
+from raywds.train import CHECKPOINT_FILE, Metrics, load_checkpoint, train
 from raywds.world import World
-
-CHECKPOINT_FILE = "checkpoint.pt"
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         local_rank=context.get_local_rank(),
         device=str(ray.train.torch.get_device()),  # RAY
     )
-    train(cfg, world, report_to_ray)
+    resume = None
+    checkpoint = ray.train.get_checkpoint()  # RAY: set when Ray restarts the run after a failure
+    if checkpoint is not None:
+        with checkpoint.as_directory() as where:
+            resume = load_checkpoint(where)
+    train(cfg, world, report_to_ray, resume)
 
 
 def connect(address: str | None) -> None:
@@ -100,7 +106,7 @@ class RayRun:
     path: str
     plan: WorkerPlan
     history: list[Metrics]
-    """Metrics of every epoch whose checkpoint was kept, oldest first."""
+    """Metrics of every finished epoch whose checkpoint was kept, oldest first."""
 
 
 def run(
@@ -113,6 +119,12 @@ def run(
 ) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics."""
     plan = plan_workers(ray.cluster_resources(), num_workers)  # RAY
+    manifest = read_manifest(cfg.data)  # refuse a data plan that would hang before starting any worker
+    check_plan(epoch_plan(manifest, cfg, plan.num_workers, epoch=0), manifest)
+    if cfg.resume_from:
+        resume_from = os.path.abspath(cfg.resume_from)
+        load_checkpoint(resume_from)  # fail here, naming the path, rather than in every worker
+        cfg = dataclasses.replace(cfg, resume_from=resume_from)
     print(f"raywds: training on {plan.describe()} ({node_count()} node(s))", flush=True)
     storage = os.path.abspath(storage_path or "runs/ray")
     trainer = TorchTrainer(  # RAY
@@ -133,5 +145,5 @@ def run(
     if not result.metrics:
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    history = sorted((dict(m) for _, m in result.best_checkpoints or []), key=lambda m: m["epoch"])
+    history = sorted((dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"])
     return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)

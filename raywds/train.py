@@ -398,6 +398,8 @@ def epoch_line(m: Metrics, num_epochs: int) -> str:
 
 def summary_line(m: Metrics) -> str:
     """The one line a script can parse at the end of a run."""
+    if m.get("inside_epoch"):
+        return f"stopped at step {m['step']} inside epoch {m['epoch'] + 1}  samples seen {m['samples_seen']}  (continue with --resume)"
     return (
         f"epochs {m['epoch']}  top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}"
         f"  samples seen {m['samples_seen']}  images/s {m['images_per_s']:.1f}"

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torch.nn.parallel import DistributedDataParallel
+
+from conftest import UNEVEN_SIZES, tar_keys
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.loader import val_loader
 from raywds.shards import read_manifest
-from raywds.train import DemoNet, LocalReport, build_model, evaluate, lr_at, summary_line, train
+from raywds.loader import Batch
+from raywds.position import Position
+from raywds.train import CollectiveError, DemoNet, LocalReport, build_model, evaluate, lr_at, summary_line, train, train_epoch
 from raywds.world import World
 
 
@@ -87,3 +97,108 @@ def test_config_errors_name_the_value_and_fix() -> None:
     with pytest.raises(ConfigError, match="mode='exact' is not one of resample, split"):
         TrainConfig(data="x", mode="exact")  # type: ignore[arg-type]
     assert TrainConfig(data="x", batch_size_per_rank=64).peak_lr(world_size=8) == pytest.approx(0.2)
+
+
+def audited(audit: Path, epoch: int) -> Counter:
+    """Keys trained on in `epoch`, over every rank and process that wrote to `audit`."""
+    return Counter(k for f in sorted(audit.glob(f"epoch{epoch:04d}-*.keys")) for k in f.read_text().split())
+
+
+def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(uneven: Path, tmp_path: Path) -> None:
+    audit, out = tmp_path / "audit", tmp_path / "run"
+    cfg = tiny(uneven, mode="split", batch_size_per_rank=8, num_epochs=2, max_steps=5, audit_dir=str(audit), out_dir=str(out))
+    report = LocalReport(out)
+    stopped = train(cfg, World(), report)
+    assert stopped["inside_epoch"] and stopped["step"] == 5 and stopped["epoch_samples_done"] == 40
+    assert sum(audited(audit, 0).values()) == 40 and not audited(audit, 1)
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert state["position"]["step"] == 5 and state["epoch"] == 0
+
+    resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
+    final = train(resumed, World(), LocalReport(out, append=True))
+    everything = Counter(tar_keys(uneven))
+    assert audited(audit, 0) == everything, "the two runs together saw epoch 1 exactly once"
+    assert audited(audit, 1) == everything
+    assert final["epoch"] == 2 and final["samples_seen"] == 240 and final["epoch_duplicates"] == 0
+    assert final["step"] == 30  # 15 batches of 8 in each epoch
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [5, 15, 30]
+
+
+def test_resample_resume_continues_the_counters(shards: Path, tmp_path: Path) -> None:
+    cfg = tiny(shards, num_epochs=2, max_steps=3, out_dir=str(tmp_path))
+    train(cfg, World(), LocalReport(tmp_path))
+    final = train(dataclasses.replace(cfg, max_steps=None, resume_from=str(tmp_path / "checkpoint.pt")), World())
+    whole = train(dataclasses.replace(cfg, max_steps=None), World())
+    assert (final["epoch"], final["step"], final["samples_seen"]) == (whole["epoch"], whole["step"], whole["samples_seen"]) == (2, 16, 256)
+
+
+def test_resume_refuses_other_data(shards: Path, uneven: Path, tmp_path: Path) -> None:
+    train(tiny(shards, num_epochs=1, max_steps=2), World(), LocalReport(tmp_path))
+    with pytest.raises(ConfigError, match="the checkpoint was taken on other training shards .* resume with the same --data"):
+        train(tiny(uneven, num_epochs=1, resume_from=str(tmp_path)), World())
+
+
+def _stop_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        report = LocalReport(Path(out)) if rank == 0 else None
+        Path(out, f"rank{rank}.json").write_text(json.dumps(train(cfg, World(rank=rank, world_size=2), report)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_path: Path) -> None:
+    """Two gloo ranks stop inside epoch 1; one process finishes it: every key once, none repeated."""
+    audit, out = tmp_path / "audit", tmp_path / "run"
+    cfg = tiny(uneven, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=3, audit_dir=str(audit), out_dir=str(out))
+    mp.start_processes(_stop_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    first = audited(audit, 0)
+    assert sum(first.values()) == 2 * 3 * 8 and max(first.values()) == 1
+    final = train(dataclasses.replace(cfg, max_steps=None, resume_from=str(out)), World())
+    assert audited(audit, 0) == Counter(tar_keys(uneven))
+    assert final["epoch_samples"] == 120 and final["epoch_missing"] == 0 and final["train_samples"] == 120 - 48
+
+
+def _stall_rank(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=4))
+    model = DistributedDataParallel(DemoNet(10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    # Rank 0 has 3 batches, rank 1 only 2 and no Join: rank 0's third all-reduce has no partner.
+    batches = [Batch(torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)), torch.arange(4), list("abcd"))] * (3 - rank)
+    start = time.monotonic()
+    try:
+        train_epoch(model, batches, optimizer, lambda step: 0.01, World(rank=rank, world_size=2), uneven=False, where="in epoch 1", pg_timeout_s=4)
+        if rank == 1:
+            time.sleep(10)  # stalled, not dead: rank 0 must give up on its own
+        Path(out, f"rank{rank}.txt").write_text("finished")
+    except CollectiveError as e:
+        Path(out, f"rank{rank}.txt").write_text(f"{time.monotonic() - start:.1f}\n{e}")
+
+
+def test_a_stalled_collective_is_an_error_naming_rank_and_step(tmp_path: Path) -> None:
+    mp.start_processes(_stall_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert re.match(r"rank 0 of 2: a collective failed in epoch 1 step 3 after \d+ s \(process-group timeout 4 s\)", message), message
+    assert float(seconds) < 15
+    assert (tmp_path / "rank1.txt").read_text() == "finished"
+
+
+def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: Path, tmp_path: Path) -> None:
+    """Near the end of an epoch the rest may fit in one shard: the idle rank joins at once."""
+    cfg = tiny(uneven, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=1, out_dir=str(tmp_path / "run"))
+    train(cfg, World(), LocalReport(tmp_path / "run"))
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    left = range(sum(UNEVEN_SIZES[:3]), sum(UNEVEN_SIZES[:4]))  # only the 16 samples of shard 3 are left
+    consumed = np.ones(120, dtype=bool)
+    consumed[list(left)] = False
+    state["position"] = Position(
+        mode="split", epoch=0, step=13, samples_done=104, consumed=consumed, dataset=state["position"]["dataset"]
+    ).to_state()
+    torch.save(state, tmp_path / "nearly.pt")
+    resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(tmp_path / "nearly.pt"), out_dir=str(tmp_path / "two"))
+    mp.start_processes(_split_rank, args=(resumed, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    result = json.loads((tmp_path / "rank1.json").read_text())
+    assert result["train_samples"] == 16 and result["epoch_samples"] == 120 and result["epoch_missing"] == 0
