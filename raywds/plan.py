@@ -5,8 +5,8 @@ what training does.
     raywds plan --data shards/ --nodes 4 --gpus-per-node 8 --workers 8 --batch-size 256 --mode split
     raywds plan --num-shards 1282 --samples-per-shard 1000 --nodes 64 --gpus-per-node 8 --workers 6
 
-split: shards shuffled by (seed, epoch) and dealt to the R x W (rank, worker) slots by
-sample count; each rank's batches are ceil(samples / B), the last one partial (a last batch
+split: shards shuffled by (seed, epoch) and dealt by sample count to the R ranks, then each
+rank's to its W DataLoader workers; each rank's batches are ceil(samples / B), the last one partial (a last batch
 of one sample is folded into the one before: BatchNorm cannot train on a single sample).
 resample: every rank takes the same number of full batches, ceil(N / (R x B)) unless set.
 """
@@ -79,7 +79,9 @@ def split_plan(
     """Deal `shards` (num_samples = samples still to read) to the slots, shuffled by (seed, epoch)."""
     order = [s for s in shards if s.num_samples > 0]
     random.Random(f"split-{seed}-{epoch}").shuffle(order)
-    slots = deal(order, num_ranks * num_workers)
+    # Ranks first, then each rank's shards to its workers: ranks wait on each other at every
+    # step, so their balance matters most; workers of one rank only share its queue.
+    slots = [slot for rank_shards in deal(order, num_ranks) for slot in deal(rank_shards, num_workers)]
     per_rank = [
         sum(s.num_samples for slot in slots[r * num_workers : (r + 1) * num_workers] for s in slot) for r in range(num_ranks)
     ]
@@ -124,6 +126,9 @@ def check(plan: EpochPlan, *, num_shards: int) -> list[Finding]:
                 f"read nothing; reconvert with a smaller --maxcount (about {max(plan.num_samples // slots, 1)}) "
                 f"or use fewer --loader-workers"
             )))  # fmt: skip
+        idle = sum(1 for slot in plan.slots if not slot)
+        if idle and not plan.resumed and num_shards >= slots:
+            found.append(Finding("warn", f"{idle} loader workers get no shard (a few shards are much larger than the rest); smaller shards (--maxcount) keep every worker busy"))
         if plan.min_batches != plan.max_batches:
             late = plan.batches_per_rank.index(plan.max_batches)
             found.append(Finding("note", (
@@ -184,8 +189,9 @@ def render(plan: EpochPlan, findings: list[Finding], *, gpus_per_node: int, max_
         lines.append("shards each worker opens:")
         for rank in shown[:2]:
             for worker in range(plan.num_workers):
-                names = sorted(s.name for s in plan.slot(rank, worker))
-                lines.append(f"  rank {rank} worker {worker}: " + (" ".join(shardsum(names)) if names else "(none)"))
+                names = shardsum(sorted(s.name for s in plan.slot(rank, worker)))
+                more = f" ... ({len(plan.slot(rank, worker))} shards)" if len(names) > 6 else ""
+                lines.append(f"  rank {rank} worker {worker}: " + (" ".join(names[:6]) + more if names else "(none)"))
     else:
         per_worker = plan.max_batches * plan.batch_size / plan.num_workers
         lines.append(f"shards each worker opens: drawn at random with replacement, seeded by (seed, epoch, rank, worker), about {per_worker:.0f} samples per worker")

@@ -21,11 +21,11 @@ def raywds(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.Compl
 def test_help_lists_every_command() -> None:
     out = raywds("--help")
     assert out.returncode == 0
-    for command in ("demo", "convert", "serve", "train", "ray"):
+    for command in ("demo", "convert", "serve", "plan", "train", "ray"):
         assert re.search(rf"^\s+{command}\s", out.stdout, re.M), command
 
 
-@pytest.mark.parametrize("command", ["demo", "convert", "serve", "train", "ray"])
+@pytest.mark.parametrize("command", ["demo", "convert", "serve", "plan", "train", "ray"])
 def test_each_command_has_help(command: str) -> None:
     out = raywds(command, "--help")
     assert out.returncode == 0 and out.stdout.startswith(f"usage: raywds {command}")
@@ -68,3 +68,42 @@ def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
     assert re.search(r"serving .* at http://127\.0\.0\.1:\d+ \((nginx|embedded|docker)\)", out.stdout)
     match = SUMMARY.search(out.stdout)
     assert match and float(match.group(2)) > 0.3, out.stdout  # one epoch, 10 classes: chance is 0.1
+
+
+def test_plan_prints_ranks_and_a_verdict(shards: Path) -> None:
+    out = raywds("plan", "--data", str(shards), "--gpus-per-node", "2", "--workers", "2", "--batch-size", "8", "--mode", "split")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("split mode: 2 ranks x 2 loader workers, batch 8 per rank, 120 samples")
+    assert "shards each worker opens:" in out.stdout and out.stdout.rstrip().splitlines()[-1].startswith("verdict: OK")
+    out = raywds("plan", "--num-shards", "8", "--samples-per-shard", "16", "--gpus-per-node", "3", "--workers", "4", "--mode", "split")
+    assert out.returncode == 1 and "verdict: REFUSED: split mode needs at least one shard per (rank, loader worker)" in out.stdout
+    assert out.stderr.startswith("raywds: error: split mode needs at least one shard")
+
+
+def test_plan_shuffle_report_on_real_shards(shards: Path) -> None:
+    out = raywds("plan", "--data", str(shards), "--gpus-per-node", "1", "--batch-size", "8", "--shuffle-report", "--report-batches", "5")
+    assert out.returncode == 0, out.stderr
+    row = re.search(r"^these shards\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)$", out.stdout, re.M)
+    assert row, out.stdout
+    assert float(row.group(2)) == pytest.approx(10 * (1 - 0.9**8), abs=0.05)  # ideal for 10 classes, batch 8
+    assert 1 <= float(row.group(1)) <= 8
+
+
+def test_training_refuses_a_plan_that_would_leave_workers_idle(shards: Path, tmp_path: Path) -> None:
+    out = raywds("train", "--data", str(shards), "--model", "demo", "--mode", "split", "--loader-workers", "9", "--out", str(tmp_path))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "raywds: error: split mode needs at least one shard per (rank, loader worker): 8 shards < 1 ranks x 9 workers" in out.stderr
+
+
+def test_stop_with_max_steps_then_resume_from_the_command_line(shards: Path, tmp_path: Path) -> None:
+    common = [
+        "train", "--data", str(shards), "--model", "demo", "--epochs", "1", "--batch-size", "8", "--image-size", "24",
+        "--loader-workers", "1", "--mode", "split", "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    out = raywds(*common, "--max-steps", "4")
+    assert out.returncode == 0, out.stderr
+    assert "stopped at step 4 inside epoch 1  samples seen 32  (continue with --resume)" in out.stdout
+    out = raywds(*common, "--resume", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    match = SUMMARY.search(out.stdout)
+    assert match and match.group(1) == "1" and match.group(4) == "120", out.stdout

@@ -139,7 +139,7 @@ def test_odd_images_are_kept_and_broken_ones_skipped_and_listed(odd_tree: Path, 
     m["splits"]["val"] = m["splits"]["train"]
     (tmp_path / "as_val" / "manifest.json").write_text(json.dumps(m))
     cfg = TrainConfig(data=str(tmp_path / "as_val"), image_size_px=16, num_loader_workers_per_rank=0)
-    images = [x for x, _ in val_loader(read_manifest(cfg.data), cfg, World())]
+    images = [batch.images for batch in val_loader(read_manifest(cfg.data), cfg, World())]
     assert sum(len(x) for x in images) == 6 and all(x.shape[1] == 3 for x in images)
 
 

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 
+from conftest import tar_keys
 from raywds import ray_train
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def local_cluster() -> Iterator[None]:
     # A short private temp dir (Ray's socket paths have a length limit) and never a running cluster.
     temp_dir = tempfile.mkdtemp(prefix="rwt-", dir="/tmp")
@@ -56,3 +59,42 @@ def test_worker_plan_follows_the_cluster() -> None:
         ray_train.plan_workers({"CPU": 2}, 3)
     with pytest.raises(ConfigError, match="needs 16 GPUs but the cluster has 8"):
         ray_train.plan_workers({"CPU": 64, "GPU": 8}, 16)
+
+
+def split_config(data: Path, audit: Path, **overrides: object) -> TrainConfig:
+    values: dict = dict(
+        data=str(data), model="demo", optimizer="adamw", lr=3e-3, batch_size_per_rank=8, image_size_px=28,
+        crop_scale_min=0.5, num_loader_workers_per_rank=1, num_epochs=1, warmup_epochs=0.0, mode="split",
+        audit_dir=str(audit), pg_timeout_s=60,
+    )  # fmt: skip
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def audited(audit: Path, epoch: int) -> Counter:
+    return Counter(k for f in sorted(audit.glob(f"epoch{epoch:04d}-*.keys")) for k in f.read_text().split())
+
+
+def test_split_mode_on_uneven_shards_finishes_with_every_sample_once(uneven: Path, tmp_path: Path, local_cluster: None) -> None:
+    # 9 shards of 1..30 samples dealt to 2 ranks: different batch counts per rank, finished under Join.
+    run = ray_train.run(split_config(uneven, tmp_path / "audit"), storage_path=str(tmp_path), name=f"split-{uuid.uuid4().hex[:8]}")
+    assert run.metrics["epoch_samples"] == run.metrics["train_samples"] == 120
+    assert run.metrics["epoch_duplicates"] == run.metrics["epoch_missing"] == 0
+    assert audited(tmp_path / "audit", 0) == Counter(tar_keys(uneven))
+    assert len(list((tmp_path / "audit").glob("*.keys"))) == 2, "both ranks trained"
+
+
+def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_path: Path, local_cluster: None) -> None:
+    audit = tmp_path / "audit"
+    cfg = split_config(uneven, audit, num_epochs=2, max_steps=3)
+    first = ray_train.run(cfg, storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}")
+    assert first.metrics["inside_epoch"] and first.metrics["step"] == 3 and first.checkpoint is not None
+    assert sum(audited(audit, 0).values()) == 2 * 3 * 8
+
+    second = ray_train.run(dataclasses.replace(cfg, max_steps=None, resume_from=first.checkpoint), storage_path=str(tmp_path), name=f"resume-{uuid.uuid4().hex[:8]}")
+    everything = Counter(tar_keys(uneven))
+    assert audited(audit, 0) == everything, "epoch 1 over both runs: every key once"
+    assert audited(audit, 1) == everything
+    assert second.metrics["epoch"] == 2 and second.metrics["samples_seen"] == 240
+    assert [m["epoch"] for m in second.history] == [1, 2]
+    assert second.history[0]["train_samples"] == 120 - 48, "the resumed run trained only on the rest of epoch 1"
