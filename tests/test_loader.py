@@ -56,6 +56,14 @@ def test_resample_gives_every_rank_the_same_batch_count(shards: Path, world_size
         assert streams[0] != streams[1], "ranks must draw different data"
 
 
+def test_resample_workers_of_one_rank_draw_different_streams(shards: Path) -> None:
+    # A DataLoader hands over its workers' batches in turn: even batches from worker 0, odd from worker 1.
+    (batches,) = epoch(shards, config(shards, batches_per_epoch=8, shuffle_buffer_samples=0), 1)
+    worker0 = [k for b in batches[0::2] for k in b.keys]
+    worker1 = [k for b in batches[1::2] for k in b.keys]
+    assert len(worker0) == len(worker1) == 32 and worker0 != worker1
+
+
 def test_resample_batches_per_epoch_and_cross_worker_shuffle_keep_counts(shards: Path) -> None:
     ranks = epoch(shards, config(shards, batches_per_epoch=5, cross_worker_shuffle_samples=20), 3)
     assert [len(r) for r in ranks] == [5, 5, 5]
