@@ -284,9 +284,11 @@ class Trainer:
         step_before = position.step if position else 0
         steps_before = self.progress.steps
 
+        global_batch = world.world_size * cfg.batch_size_per_rank
+        epoch_size = cfg.batches_per_epoch * global_batch if cfg.batches_per_epoch else self.num_samples
+
         def lr(step: int) -> float:
-            done = done_before + step * world.world_size * cfg.batch_size_per_rank
-            return lr_at(cfg, world, epoch + min(done / self.num_samples, 1.0))
+            return lr_at(cfg, world, epoch + min((done_before + step * global_batch) / epoch_size, 1.0))
 
         def after_step(step: int, batch: Batch) -> bool:
             ledger.mark(batch.ids)
@@ -297,7 +299,7 @@ class Trainer:
             at_stop = cfg.max_steps is not None and steps_before + step >= cfg.max_steps
             at_checkpoint = cfg.checkpoint_every_steps is not None and (step_before + step) % cfg.checkpoint_every_steps == 0
             if at_stop or at_checkpoint:
-                done = done_before + step * world.world_size * cfg.batch_size_per_rank  # resample: every batch full
+                done = done_before + step * global_batch  # resample: every batch is full
                 self.checkpoint_inside(epoch, step_before + step, steps_before + step, done, ledger, position, plan)
             return at_stop
 
