@@ -42,6 +42,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", dest="resume_from", help="checkpoint file or folder to continue from: weights, optimizer, data position")
     p.add_argument("--audit-dir", help="write the key of every trained sample, per epoch and rank, into files here")
     p.add_argument("--pg-timeout", type=int, dest="pg_timeout_s", help="seconds before a stalled collective is an error (default 300)")
+    p.add_argument("--read-timeout", type=float, dest="read_timeout_s", help="seconds to wait for a shard's next bytes before retrying (default 60)")
+    p.add_argument("--read-retries", type=int, help="retries of a failed shard read, resuming where it stopped (default 3)")
+    p.add_argument("--cache-dir", help="keep http shards on local disk after their first read")
     p.add_argument("--demo-dir", default=DEMO_DIR, help=f"where --demo keeps its images and shards (default {DEMO_DIR})")
     p.add_argument("--server-backend", default="auto", choices=["auto", "docker", "nginx", "embedded"], help="shard server for --demo")
 
@@ -121,6 +124,7 @@ def _config(args: argparse.Namespace, data: str) -> Any:
         "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr", "image_size_px",
         "num_loader_workers_per_rank", "seed", "out_dir", "cross_worker_shuffle_samples", "shuffle_buffer_samples",
         "batches_per_epoch", "checkpoint_every_steps", "max_steps", "resume_from", "audit_dir", "pg_timeout_s",
+        "read_timeout_s", "read_retries", "cache_dir",
     ]  # fmt: skip
     given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if args.demo:

@@ -57,6 +57,12 @@ class TrainConfig:
     """Where checkpoints and metrics go when not running under Ray."""
     pg_timeout_s: int = 300
     """Process-group timeout: a stalled collective becomes an error after this long."""
+    read_timeout_s: float = 60.0
+    """Longest wait for the next bytes of a shard before a retry; a stalled server becomes an error."""
+    read_retries: int = 3
+    """Retries of a failed shard read (backoff 1, 2, 4 s, resuming where it stopped)."""
+    cache_dir: str | None = None
+    """Keep http shards on local disk after their first read (for repeated epochs over slow links)."""
     checkpoint_every_steps: int | None = None
     """Also checkpoint inside an epoch, every this many steps (at steps every rank reaches)."""
     max_steps: int | None = None
@@ -85,7 +91,9 @@ class TrainConfig:
             raise ConfigError(f"crop_scale_min={self.crop_scale_min} must lie in (0, 1]")
         if self.warmup_epochs < 0:
             raise ConfigError(f"warmup_epochs={self.warmup_epochs} must be 0 or more")
-        for name in ("shuffle_buffer_samples", "cross_worker_shuffle_samples"):
+        if self.read_timeout_s <= 0:
+            raise ConfigError(f"read_timeout_s={self.read_timeout_s} must be positive")
+        for name in ("shuffle_buffer_samples", "cross_worker_shuffle_samples", "read_retries"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be 0 or more")
         for name in ("batches_per_epoch", "checkpoint_every_steps", "max_steps"):

@@ -39,6 +39,7 @@ from raywds.config import TrainConfig
 from raywds.errors import ConfigError, DataError
 from raywds.plan import EpochPlan
 from raywds.position import Position
+from raywds.readers import ReadPolicy, tar_samples
 from raywds.shards import Manifest, ShardInfo, deal
 from raywds.world import World
 
@@ -188,6 +189,15 @@ def rebatched(batches: Iterable[Batch], *, batch_size: int, buffer: int, rng: ra
     return fold_single_tail(out) if partial else out
 
 
+def read_policy(cfg: TrainConfig, *, skip_unreadable: bool) -> ReadPolicy:
+    """Exact passes (split, validation) raise on a shard that stays unreadable; resample skips it."""
+    return ReadPolicy(read_timeout_s=cfg.read_timeout_s, retries=cfg.read_retries, skip_unreadable=skip_unreadable, cache_dir=cfg.cache_dir)
+
+
+def _known(manifest: Manifest, split: str) -> dict[str, tuple[int, str]]:
+    return {s.name: (s.num_bytes, s.sha256) for s in manifest.shards(split)}
+
+
 def _num_workers(cfg: TrainConfig) -> int:
     return max(1, cfg.num_loader_workers_per_rank)
 
@@ -265,7 +275,7 @@ def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: Epoch
         consumed = position.consumed if resuming and position else None
     pipeline = wds.DataPipeline(
         source,
-        wds.tarfile_to_samples(handler=wds.reraise_exception),
+        bind(tar_samples, policy=read_policy(cfg, skip_unreadable=plan.mode == "resample"), known=_known(manifest, "train")),
         bind(numbered, offsets=manifest.offsets("train")),
         bind(unconsumed, consumed=consumed),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
@@ -299,7 +309,7 @@ def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[B
     slots = split_slots(manifest, "val", world.world_size * _num_workers(cfg))
     pipeline = wds.DataPipeline(
         bind(_val_urls, slots, world.rank, manifest),
-        wds.tarfile_to_samples(handler=wds.reraise_exception),
+        bind(tar_samples, policy=read_policy(cfg, skip_unreadable=False), known=_known(manifest, "val")),
         bind(numbered, offsets=manifest.offsets("val")),
         wds.map(Decode(val_transform(cfg))),
         wds.batched(cfg.batch_size_per_rank, collation_fn=collate, partial=True),
