@@ -78,11 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shardsum", help="shard names (arguments or stdin) in brace notation")
     p.add_argument("names", nargs="*", help="shard names; read from stdin when none are given")
 
-    p = sub.add_parser("serve", help="serve a shard folder over HTTP until interrupted")
-    p.add_argument("shards", help="shard folder (with manifest.json)")
+    p = sub.add_parser("serve", help="serve a shard folder over HTTP until interrupted (nginx in Docker, local nginx, or embedded)")
+    p.add_argument("shards", nargs="?", help="shard folder (with manifest.json)")
     p.add_argument("--backend", default="auto", choices=["auto", "docker", "nginx", "embedded"])
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default %(default)s: every interface, for multi-node jobs)")
+    p.add_argument("--local", action="store_true", help="listen on 127.0.0.1 only (single-node jobs)")
     p.add_argument("--port", type=int, default=8080, help="port (default %(default)s; 0 picks a free one)")
+    p.add_argument("--advertise", help="host name or IP workers should use (default: this node's IP, or 127.0.0.1 with --local)")
+    p.add_argument("--image", default="nginx:stable", help="Docker image with nginx (default %(default)s)")
+    p.add_argument("--network", choices=["host", "bridge"], default="host", help="Docker: host networking, or publish the port from a bridge network (default %(default)s)")
+    p.add_argument("--no-pull", action="store_true", help="Docker: use only a local image, never pull one")
+    p.add_argument("--stop-all", action="store_true", help="remove every raywds shard-server container and exit")
 
     p = sub.add_parser("plan", help="show what each rank and loader worker reads in an epoch, and whether the setup would hang")
     p.add_argument("--data", help="shard folder, manifest.json or URL (or give --num-shards and --samples-per-shard)")
@@ -147,6 +153,8 @@ def _data(args: argparse.Namespace, host: str = "127.0.0.1") -> Iterator[str]:
     shards = prepare(Path(args.demo_dir))
     print(f"raywds: demo shards ready in {shards} ({time.perf_counter() - start:.1f} s)", flush=True)
     with ShardServer(shards, backend=args.server_backend, host=host) as server:
+        for line in server.skipped:
+            print(f"raywds: skipped {line}", flush=True)
         print(f"raywds: serving {shards} at {server.url} ({server.backend})", flush=True)
         yield server.url
 
@@ -196,10 +204,24 @@ def cmd_shardsum(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from raywds.server import ShardServer
+    from raywds.server import ShardServer, stop_all
+    from raywds.shards import read_manifest, shardsum
 
-    with ShardServer(args.shards, backend=args.backend, host=args.host, port=args.port) as server:
-        print(f"raywds: serving {server.root} at {server.url} ({server.backend}); Ctrl-C stops", flush=True)
+    if args.stop_all:
+        print(f"raywds: removed {stop_all()} shard-server container(s)")
+        return
+    if not args.shards:
+        raise RaywdsError("serve needs a shard folder (or --stop-all)")
+    host = "127.0.0.1" if args.local else args.host
+    server = ShardServer(args.shards, backend=args.backend, host=host, port=args.port, advertise=args.advertise, image=args.image, network=args.network, pull=not args.no_pull)
+    with server:
+        for line in server.skipped:
+            print(f"raywds: skipped {line}", flush=True)
+        manifest = read_manifest(str(server.root))
+        print(f"raywds: serving {server.root} at {server.url} ({server.backend}, listening on {host}:{server.port}); Ctrl-C stops", flush=True)
+        for split in manifest.splits:
+            for pattern in shardsum([s.name for s in manifest.shards(split)]):
+                print(f"  {split}: {server.url}/{pattern}", flush=True)
         try:
             while True:
                 time.sleep(3600)
@@ -258,12 +280,9 @@ def cmd_ray(args: argparse.Namespace) -> None:
     from raywds.train import summary_line
 
     ray_train.connect(args.address)
-    # A single-node cluster reads the demo server over loopback; a multi-node one needs the head's address.
-    host = "127.0.0.1"
-    if args.demo and ray_train.node_count() > 1:
-        import ray.util
-
-        host = ray.util.get_node_ip_address()
+    # A single-node cluster reads the demo server over loopback; a multi-node one listens on
+    # every interface and hands workers the head's IP as Ray sees it.
+    host = "0.0.0.0" if args.demo and ray_train.node_count() > 1 else "127.0.0.1"
     with _data(args, host=host) as data:
         cfg = _config(args, data)
         start = time.perf_counter()
