@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import signal
 import sys
 import time
@@ -302,17 +303,26 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     sys.exit(128 + signum)
 
 
+def _message(e: BaseException) -> str:
+    """The error's own words; an error raised in a DataLoader worker arrives wrapped in the
+    worker's traceback, whose last line holds them."""
+    text = str(e)
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        return re.sub(r"^[\w.]+(Error|Exception): ", "", last)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         COMMANDS[args.command](args)
     except RaywdsError as e:
-        first, *_ = str(e).splitlines() or [""]
-        print(f"raywds: error: {first}", file=sys.stderr)
-        rest = str(e).splitlines()[1:]
-        if rest:
-            print("\n".join(rest), file=sys.stderr)
+        lines = _message(e).splitlines() or [""]
+        print(f"raywds: error: {lines[0]}", file=sys.stderr)
+        if lines[1:]:
+            print("\n".join(lines[1:]), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -107,3 +107,17 @@ def test_stop_with_max_steps_then_resume_from_the_command_line(shards: Path, tmp
     assert out.returncode == 0, out.stderr
     match = SUMMARY.search(out.stdout)
     assert match and match.group(1) == "1" and match.group(4) == "120", out.stdout
+
+
+def test_a_missing_shard_read_in_a_loader_worker_is_one_clear_line(shards: Path, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(shards, tmp_path / "holed")
+    missing = sorted((tmp_path / "holed").glob("imagenet-train-*.tar"))[3]
+    missing.unlink()
+    out = raywds(
+        "train", "--data", str(tmp_path / "holed"), "--model", "demo", "--mode", "split", "--epochs", "1",
+        "--batch-size", "8", "--image-size", "16", "--loader-workers", "1", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr == f"raywds: error: cannot open shard {missing}: No such file or directory\n"
