@@ -43,6 +43,14 @@ class TrainConfig:
     """Side of the square crop the model sees."""
     crop_scale_min: float = 0.08
     """Smallest area fraction RandomResizedCrop may take for training."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the training loss (0.1 in the ImageNet recipes)."""
+    precision: str = "auto"
+    """`auto` (bf16 autocast on CUDA, float32 on CPU), `bf16` or `fp32`."""
+    memory_format: str = "auto"
+    """`auto` (channels_last on CUDA, contiguous on CPU), `channels_last` or `contiguous`."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
     num_loader_workers_per_rank: int = 2
     """DataLoader worker processes on each rank."""
     shuffle_buffer_samples: int = 1000
@@ -63,6 +71,8 @@ class TrainConfig:
     """Retries of a failed shard read (backoff 1, 2, 4 s, resuming where it stopped)."""
     cache_dir: str | None = None
     """Keep http shards on local disk after their first read (for repeated epochs over slow links)."""
+    val_every_epochs: int = 1
+    """Validate every this many epochs (and always after the last)."""
     checkpoint_every_steps: int | None = None
     """Also checkpoint inside an epoch, every this many steps (at steps every rank reaches)."""
     max_steps: int | None = None
@@ -75,7 +85,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.data:
             raise ConfigError("data is empty: give a shard directory, manifest.json or http URL (--data)")
-        for name in ("num_epochs", "batch_size_per_rank", "image_size_px", "pg_timeout_s"):
+        for name in ("num_epochs", "batch_size_per_rank", "image_size_px", "pg_timeout_s", "val_every_epochs"):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name}={value} must be at least 1")
@@ -87,6 +97,12 @@ class TrainConfig:
             raise ConfigError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be positive (or None for the default)")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"precision={self.precision!r} is not one of auto, bf16, fp32")
+        if self.memory_format not in ("auto", "channels_last", "contiguous"):
+            raise ConfigError(f"memory_format={self.memory_format!r} is not one of auto, channels_last, contiguous")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"label_smoothing={self.label_smoothing} must lie in [0, 1)")
         if not 0 < self.crop_scale_min <= 1:
             raise ConfigError(f"crop_scale_min={self.crop_scale_min} must lie in (0, 1]")
         if self.warmup_epochs < 0:

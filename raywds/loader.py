@@ -44,8 +44,6 @@ from raywds.shards import Manifest, ShardInfo, deal
 from raywds.world import World
 
 IMAGE_KEYS = ("jpg", "png", "webp", "jpeg")
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
 
 
 
@@ -66,8 +64,7 @@ def train_transform(cfg: TrainConfig) -> Callable[[Image.Image], torch.Tensor]:
         [
             transforms.RandomResizedCrop(cfg.image_size_px, scale=(cfg.crop_scale_min, 1.0)),
             transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-            transforms.Normalize(MEAN, STD),
+            transforms.PILToTensor(),  # uint8: normalised on the device (raywds.compute)
         ]
     )
 
@@ -77,8 +74,7 @@ def val_transform(cfg: TrainConfig) -> Callable[[Image.Image], torch.Tensor]:
         [
             transforms.Resize(round(cfg.image_size_px / 0.875)),
             transforms.CenterCrop(cfg.image_size_px),
-            transforms.ToTensor(),
-            transforms.Normalize(MEAN, STD),
+            transforms.PILToTensor(),
         ]
     )
 

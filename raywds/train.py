@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+from raywds.compute import Compute
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError, DataError, RaywdsError
 from raywds.loader import Batch, check_plan, epoch_plan, train_loader, val_loader
@@ -73,10 +74,14 @@ def build_model(name: str, num_classes: int) -> nn.Module:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, world: World) -> torch.optim.Optimizer:
+    """SGD (nesterov momentum) or AdamW; weight decay only on weights, never on norms and biases."""
     lr = cfg.peak_lr(world.world_size)
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(groups, lr=lr)
+    return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True)
 
 
 def lr_at(cfg: TrainConfig, world: World, progress_epochs: float) -> float:
@@ -104,6 +109,8 @@ class EpochResult:
     num_steps: int
     stopped: bool
     """True when `after_step` asked to stop before the epoch's end."""
+    data_wait_s: float = 0.0
+    """Time the loop spent waiting for the loader."""
 
 
 class CollectiveError(RaywdsError):
@@ -121,8 +128,10 @@ def train_epoch(
     optimizer: torch.optim.Optimizer,
     lr: Callable[[int], float],
     world: World,
+    compute: Compute,
     *,
     uneven: bool,
+    label_smoothing: float = 0.0,
     after_step: Callable[[int, Batch], bool] | None = None,
     where: str = "",
     pg_timeout_s: float | None = None,
@@ -131,17 +140,23 @@ def train_epoch(
     batch)` runs after it and may stop the epoch by returning True. With `uneven` (split mode)
     Join lets ranks that run out early shadow the collectives of the rest."""
     model.train()
-    loss_fn = nn.CrossEntropyLoss()
-    num_samples, loss_sum, step, stopped = 0, 0.0, 0, False
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+    num_samples, loss_sum, step, stopped, waited = 0, 0.0, 0, False, 0.0
     start = time.perf_counter()
     joinable = uneven and isinstance(model, DistributedDataParallel)
     try:
         with Join([model]) if joinable else contextlib.nullcontext():  # type: ignore[list-item]
-            for batch in batches:
+            it = iter(batches)
+            while True:
+                asked = time.perf_counter()
+                batch = next(it, None)
+                waited += time.perf_counter() - asked  # time the step waited for the loader
+                if batch is None:
+                    break
                 set_lr(optimizer, lr(step))
-                images = batch.images.to(world.device, non_blocking=True)
-                labels = batch.labels.to(world.device, non_blocking=True)
-                loss = loss_fn(model(images), labels)
+                images, labels = compute.inputs(batch.images, batch.labels)
+                with compute.autocast():
+                    loss = loss_fn(model(images), labels)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -159,18 +174,19 @@ def train_epoch(
                 f"stalled or died, see its log. {str(e).splitlines()[0][:300]}"
             ) from e
         raise
-    return EpochResult(num_samples, loss_sum, time.perf_counter() - start, step, stopped)
+    return EpochResult(num_samples, loss_sum, time.perf_counter() - start, step, stopped, waited)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[Batch], world: World) -> dict[str, float]:
+def evaluate(model: nn.Module, batches: Iterable[Batch], world: World, compute: Compute) -> dict[str, float]:
     """Exact validation: each rank sums its share, then one all_reduce, so uneven ranks never block."""
     model.eval()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     totals = torch.zeros(4, dtype=torch.float64, device=world.device)  # top1, top5, loss, count
     for batch in batches:
-        images, labels = batch.images.to(world.device), batch.labels.to(world.device)
-        logits = model(images)
+        images, labels = compute.inputs(batch.images, batch.labels)
+        with compute.autocast():
+            logits = model(images).float()
         k = min(5, logits.shape[1])
         top = logits.topk(k, dim=1).indices
         hits = top.eq(labels[:, None])
@@ -194,6 +210,15 @@ def _sum_and_max(world: World, total: list[float], longest: float) -> tuple[list
     dist.all_reduce(t)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
     return t.tolist()[:-1], m.item()
+
+
+def _per_rank(world: World, values: list[float]) -> list[list[float]]:
+    """Each rank's `values`, on every rank (one all_reduce of a ranks x values table)."""
+    table = torch.zeros(world.world_size, len(values), dtype=torch.float64, device=world.device)
+    table[world.rank] = torch.tensor(values, dtype=torch.float64)
+    if world.distributed:
+        dist.all_reduce(table)
+    return table.tolist()  # type: ignore[no-any-return]
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
@@ -241,11 +266,14 @@ class Trainer:
         self.cfg, self.world, self.report = cfg, world, report
         self.manifest = read_manifest(cfg.data)
         self.num_samples = self.manifest.num_samples("train")
-        self.model = build_model(cfg.model, len(self.manifest.classes)).to(world.device)
+        self.compute = Compute.for_run(cfg, world.device)
+        self.model = self.compute.model(build_model(cfg.model, len(self.manifest.classes)))
         self.wrapped: nn.Module = self.model
         if world.distributed:
             device_ids = [world.local_rank] if world.device.startswith("cuda") else None
             self.wrapped = DistributedDataParallel(self.model, device_ids=device_ids)
+        if cfg.compile:
+            self.wrapped = torch.compile(self.wrapped)  # type: ignore[assignment]
         self.optimizer = make_optimizer(self.model, cfg, world)
         self.progress = Progress()
         if resume is not None:
@@ -304,8 +332,8 @@ class Trainer:
             return at_stop
 
         result = train_epoch(
-            self.wrapped, batches, self.optimizer, lr, world, uneven=plan.mode == "split", after_step=after_step,
-            where=f"in epoch {epoch + 1}", pg_timeout_s=cfg.pg_timeout_s,
+            self.wrapped, batches, self.optimizer, lr, world, self.compute, uneven=plan.mode == "split",
+            label_smoothing=cfg.label_smoothing, after_step=after_step, where=f"in epoch {epoch + 1}", pg_timeout_s=cfg.pg_timeout_s,
         )  # fmt: skip
         if result.stopped:
             return True
@@ -338,6 +366,7 @@ class Trainer:
     def finish_epoch(self, epoch: int, result: EpochResult, ledger: Ledger, position: Position | None, plan: EpochPlan) -> None:
         cfg, world = self.cfg, self.world
         (num_samples, loss_sum), seconds = _sum_and_max(world, [result.num_samples, result.loss_sum], result.seconds)
+        ranks = _per_rank(world, [result.num_samples / max(result.seconds, 1e-9), result.data_wait_s / max(result.seconds, 1e-9)])
         counts = self.consumed(ledger, position)
         metrics: Metrics = {
             "epoch": epoch + 1,
@@ -350,6 +379,9 @@ class Trainer:
             "epoch_duplicates": int(np.maximum(counts - 1, 0).sum()),
             "epoch_missing": int((counts == 0).sum()),
             "images_per_s": num_samples / max(seconds, 1e-9),
+            "images_per_s_per_rank": [round(r[0], 2) for r in ranks],
+            "data_wait_per_rank": [round(r[1], 4) for r in ranks],
+            "data_wait_max": max(r[1] for r in ranks),
             "lr": lr_at(cfg, world, epoch + 1),
         }
         if plan.mode == "split" and (metrics["epoch_duplicates"] or metrics["epoch_missing"] or metrics["epoch_samples"] != self.num_samples):
@@ -357,7 +389,8 @@ class Trainer:
                 f"split epoch {epoch + 1} was not exact: {metrics['epoch_samples']} samples trained, the manifest has "
                 f"{self.num_samples}; {metrics['epoch_duplicates']} repeated, {metrics['epoch_missing']} missing"
             )
-        metrics.update(evaluate(self.model, val_loader(self.manifest, cfg, world), world))
+        if (epoch + 1) % cfg.val_every_epochs == 0 or epoch + 1 == cfg.num_epochs:
+            metrics.update(evaluate(self.model, val_loader(self.manifest, cfg, world), world, self.compute))
         self.progress = Progress(epoch=epoch + 1, steps=metrics["step"], samples_seen=metrics["samples_seen"])
         if world.is_main:
             print(epoch_line(metrics, cfg.num_epochs), flush=True)
@@ -392,9 +425,10 @@ def train(cfg: TrainConfig, world: World, report: Report | None = None, resume: 
 
 
 def epoch_line(m: Metrics, num_epochs: int) -> str:
+    val = f"  val top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}" if "val_top1" in m else ""
     return (
-        f"epoch {m['epoch']}/{num_epochs}  loss {m['train_loss']:.3f}  val top-1 {m['val_top1']:.3f}"
-        f"  top-5 {m['val_top5']:.3f}  images/s {m['images_per_s']:.1f}"
+        f"epoch {m['epoch']}/{num_epochs}  loss {m['train_loss']:.3f}{val}  images/s {m['images_per_s']:.1f}"
+        f"  data wait {100 * m['data_wait_max']:.0f}%"
     )
 
 

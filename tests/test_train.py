@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from conftest import UNEVEN_SIZES, tar_keys
+from raywds.compute import Compute
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.loader import val_loader
@@ -51,7 +52,7 @@ def test_local_training_learns_and_checkpoints(shards: Path, tmp_path: Path) -> 
     assert state["epoch"] == 4 and state["classes"] == read_manifest(str(shards)).classes
     model = DemoNet(10)
     model.load_state_dict(state["model"])
-    again = evaluate(model, val_loader(read_manifest(str(shards)), cfg, World()), World())
+    again = evaluate(model, val_loader(read_manifest(str(shards)), cfg, World()), World(), Compute.for_run(cfg, "cpu"))
     assert again["val_top1"] == pytest.approx(final["val_top1"])
     assert summary_line(final).startswith("epochs 4  top-1 ")
 
@@ -170,7 +171,8 @@ def _stall_rank(rank: int, store: str, out: str) -> None:
     batches = [Batch(torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)), torch.arange(4), list("abcd"))] * (3 - rank)
     start = time.monotonic()
     try:
-        train_epoch(model, batches, optimizer, lambda step: 0.01, World(rank=rank, world_size=2), uneven=False, where="in epoch 1", pg_timeout_s=4)
+        world = World(rank=rank, world_size=2)
+        train_epoch(model, batches, optimizer, lambda step: 0.01, world, Compute("cpu", None, False), uneven=False, where="in epoch 1", pg_timeout_s=4)
         if rank == 1:
             time.sleep(10)  # stalled, not dead: rank 0 must give up on its own
         Path(out, f"rank{rank}.txt").write_text("finished")
