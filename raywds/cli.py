@@ -26,13 +26,23 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--data", help="shard directory, manifest.json, or http(s) URL of a shard server")
     source.add_argument("--demo", action="store_true", help="generate, convert and serve the demo data, then train on it")
+    p.add_argument("--recipe", choices=["imagenet-resnet50", "imagenet-resnet18", "demo"], help="preset values (flags and --config override them)")
+    p.add_argument("--config", help="a .json or .toml file of config fields (overrides the recipe; flags override it)")
     p.add_argument("--epochs", type=int, dest="num_epochs", help="passes over the training split")
     p.add_argument("--batch-size", type=int, dest="batch_size_per_rank", help="samples per batch on each rank")
     p.add_argument("--model", help="`demo` (small CPU CNN) or any torchvision model name, e.g. resnet50")
     p.add_argument("--mode", choices=["resample", "split"], help="resample (default): equal batches per rank; split: exact epochs")
     p.add_argument("--optimizer", choices=["sgd", "adamw"])
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 256 for sgd)")
+    p.add_argument("--weight-decay", type=float, help="weight decay on weights (never on norms and biases)")
+    p.add_argument("--warmup-epochs", type=float, help="linear warm-up before the cosine decay")
+    p.add_argument("--label-smoothing", type=float, help="label smoothing of the training loss")
     p.add_argument("--image-size", type=int, dest="image_size_px", help="crop side in pixels")
+    p.add_argument("--crop-scale-min", type=float, help="smallest area fraction of the random-resized crop")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="auto: bf16 autocast on CUDA, float32 on CPU")
+    p.add_argument("--memory-format", choices=["auto", "channels_last", "contiguous"], help="auto: channels_last on CUDA")
+    p.add_argument("--compile", action="store_const", const=True, help="wrap the model in torch.compile")
+    p.add_argument("--val-every", type=int, dest="val_every_epochs", help="validate every N epochs (and after the last)")
     p.add_argument("--loader-workers", type=int, dest="num_loader_workers_per_rank", help="DataLoader workers per rank")
     p.add_argument("--seed", type=int)
     p.add_argument("--shuffle-buffer", type=int, dest="cross_worker_shuffle_samples", help="main-process buffer that shuffles samples across loader workers (default 0: off)")
@@ -124,19 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace, data: str) -> Any:
-    from raywds.config import TrainConfig, demo_config
+TRAIN_FIELDS = [
+    "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr", "weight_decay", "warmup_epochs",
+    "label_smoothing", "image_size_px", "crop_scale_min", "precision", "memory_format", "compile", "val_every_epochs",
+    "num_loader_workers_per_rank", "seed", "out_dir", "cross_worker_shuffle_samples", "shuffle_buffer_samples",
+    "batches_per_epoch", "checkpoint_every_steps", "max_steps", "resume_from", "audit_dir", "pg_timeout_s",
+    "read_timeout_s", "read_retries", "cache_dir",
+]  # fmt: skip
 
-    names = [
-        "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr", "image_size_px",
-        "num_loader_workers_per_rank", "seed", "out_dir", "cross_worker_shuffle_samples", "shuffle_buffer_samples",
-        "batches_per_epoch", "checkpoint_every_steps", "max_steps", "resume_from", "audit_dir", "pg_timeout_s",
-        "read_timeout_s", "read_retries", "cache_dir",
-    ]  # fmt: skip
-    given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    if args.demo:
-        return demo_config(data, **given)
-    return TrainConfig(data=data, **given)
+
+def _config(args: argparse.Namespace, data: str) -> Any:
+    """Recipe (`demo` for --demo), then --config, then the flags given."""
+    from raywds.config import resolve
+
+    recipe = args.recipe or ("demo" if args.demo else None)
+    given = {n: getattr(args, n, None) for n in TRAIN_FIELDS}
+    return resolve(data, recipe=recipe, config_file=args.config, **given)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tempfile
 import time
@@ -127,13 +128,17 @@ def run(
         cfg = dataclasses.replace(cfg, resume_from=resume_from)
     print(f"raywds: training on {plan.describe()} ({node_count()} node(s))", flush=True)
     storage = os.path.abspath(storage_path or "runs/ray")
+    name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
+    os.makedirs(os.path.join(storage, name), exist_ok=True)
+    with open(os.path.join(storage, name, "raywds-config.json"), "w") as f:  # the resolved config, beside Ray's files
+        json.dump(cfg.to_dict(), f, indent=1)
     trainer = TorchTrainer(  # RAY
         train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
         scaling_config=ray.train.ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu),
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout_s),
         run_config=ray.train.RunConfig(
-            name=name or time.strftime("raywds-%Y%m%d-%H%M%S"),
+            name=name,
             storage_path=storage,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_checkpoints_to_keep),
         ),

@@ -2,7 +2,7 @@
 both call `train(cfg, world, report)`.
 
     raywds train --data shards/ --model resnet18 --epochs 3          # one process
-    torchrun --nproc-per-node 4 -m raywds.cli train --data shards/     # DDP without Ray
+    torchrun --nproc-per-node 4 -m raywds.train --data shards/         # DDP without Ray (same flags)
 """
 
 from __future__ import annotations
@@ -474,8 +474,18 @@ def run_local(cfg: TrainConfig) -> tuple[Metrics, LocalReport | None]:
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.pg_timeout_s))
     resuming_here = cfg.resume_from is not None and Path(cfg.resume_from).resolve() in (Path(cfg.out_dir).resolve(), (Path(cfg.out_dir) / CHECKPOINT_FILE).resolve())
     report = LocalReport(Path(cfg.out_dir), append=resuming_here) if world.is_main else None
+    if report is not None:
+        (report.out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")  # the resolved config
     try:
         return train(cfg, world, report), report
     finally:
         if world.distributed:
             dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m raywds.train --data ... (the `raywds train` flags)
+    import sys
+
+    from raywds.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))
