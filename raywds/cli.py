@@ -43,6 +43,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-format", choices=["auto", "channels_last", "contiguous"], help="auto: channels_last on CUDA")
     p.add_argument("--compile", action="store_const", const=True, help="wrap the model in torch.compile")
     p.add_argument("--val-every", type=int, dest="val_every_epochs", help="validate every N epochs (and after the last)")
+    p.add_argument("--log-every", type=float, dest="log_every_s", help="seconds between progress lines inside an epoch (default 60)")
     p.add_argument("--loader-workers", type=int, dest="num_loader_workers_per_rank", help="DataLoader workers per rank")
     p.add_argument("--seed", type=int)
     p.add_argument("--shuffle-buffer", type=int, dest="cross_worker_shuffle_samples", help="main-process buffer that shuffles samples across loader workers (default 0: off)")
@@ -121,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-shuffle-buffer", type=int, default=1000, help="--shuffle-report: each worker's buffer (default %(default)s)")
     p.add_argument("--report-batches", type=int, default=50, help="--shuffle-report: batches per rank to simulate (default %(default)s)")
 
+    p = sub.add_parser("report", help="plot a run's loss, accuracy, throughput and data wait to a PNG")
+    p.add_argument("run_dir", help="the --out folder of a local run, or a Ray run folder (with metrics.jsonl)")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
+
     p = sub.add_parser("train", help="train in this process (or one torchrun rank), no Ray")
     _add_train_flags(p)
     p.add_argument("--out", dest="out_dir", help="checkpoint and metrics folder (default runs/local, runs/demo for --demo)")
@@ -137,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 TRAIN_FIELDS = [
     "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr", "weight_decay", "warmup_epochs",
     "label_smoothing", "image_size_px", "crop_scale_min", "precision", "memory_format", "compile", "val_every_epochs",
-    "num_loader_workers_per_rank", "seed", "out_dir", "cross_worker_shuffle_samples", "shuffle_buffer_samples",
+    "num_loader_workers_per_rank", "seed", "out_dir", "log_every_s", "cross_worker_shuffle_samples", "shuffle_buffer_samples",
     "batches_per_epoch", "checkpoint_every_steps", "max_steps", "resume_from", "audit_dir", "pg_timeout_s",
     "read_timeout_s", "read_retries", "cache_dir",
 ]  # fmt: skip
@@ -277,6 +282,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise RaywdsError(refused[0])
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from raywds.report import plot, read_epochs
+
+    out = plot(Path(args.run_dir), Path(args.out) if args.out else None)
+    last = read_epochs(Path(args.run_dir))[-1]
+    print(f"raywds: wrote {out} ({last['epoch']} epochs)")
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from raywds.train import run_local, summary_line
 
@@ -307,7 +320,7 @@ def cmd_ray(args: argparse.Namespace) -> None:
 
 COMMANDS = {
     "demo": cmd_demo, "convert": cmd_convert, "verify": cmd_verify, "shardsum": cmd_shardsum, "serve": cmd_serve,
-    "plan": cmd_plan, "train": cmd_train, "ray": cmd_ray,
+    "plan": cmd_plan, "report": cmd_report, "train": cmd_train, "ray": cmd_ray,
 }  # fmt: skip
 
 

@@ -71,6 +71,8 @@ class TrainConfig:
     """Retries of a failed shard read (backoff 1, 2, 4 s, resuming where it stopped)."""
     cache_dir: str | None = None
     """Keep http shards on local disk after their first read (for repeated epochs over slow links)."""
+    log_every_s: float = 60.0
+    """Rank 0 prints a progress line (loss, lr, images/s, data wait, ETA) this often inside an epoch."""
     val_every_epochs: int = 1
     """Validate every this many epochs (and always after the last)."""
     checkpoint_every_steps: int | None = None

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -59,8 +60,12 @@ def plan_workers(resources: dict[str, float], num_workers: int | None, *, defaul
     return WorkerPlan(wanted, False)
 
 
-def report_to_ray(metrics: Metrics, state: dict[str, Any] | None) -> None:
-    """Every rank reports; rank 0 attaches the checkpoint, so Result.metrics is filled."""
+def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, metrics_path: Path | None = None) -> None:
+    """Every rank reports; rank 0 attaches the checkpoint, so Result.metrics is filled, and
+    appends the metrics to the run folder's metrics.jsonl (a local or shared storage path)."""
+    if state is not None and metrics_path is not None and metrics_path.parent.is_dir():
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
     if state is None:
         ray.train.report(metrics)  # RAY
         return
@@ -84,7 +89,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as where:
             resume = load_checkpoint(where)
-    train(cfg, world, report_to_ray, resume)
+    train(cfg, world, functools.partial(report_to_ray, metrics_path=Path(cfg.out_dir) / "metrics.jsonl"), resume)
 
 
 def connect(address: str | None) -> None:
@@ -130,6 +135,7 @@ def run(
     storage = os.path.abspath(storage_path or "runs/ray")
     name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
     os.makedirs(os.path.join(storage, name), exist_ok=True)
+    cfg = dataclasses.replace(cfg, out_dir=os.path.join(storage, name))  # rank 0 appends metrics.jsonl here
     with open(os.path.join(storage, name, "raywds-config.json"), "w") as f:  # the resolved config, beside Ray's files
         json.dump(cfg.to_dict(), f, indent=1)
     trainer = TorchTrainer(  # RAY

@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torchvision
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 from raywds.compute import Compute
 from raywds.config import TrainConfig
@@ -103,11 +105,13 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 @dataclass
 class EpochResult:
-    num_samples: int
-    loss_sum: float
-    seconds: float
-    num_steps: int
-    stopped: bool
+    """This rank's counts, updated as the epoch runs (after_step sees them) and returned at its end."""
+
+    num_samples: int = 0
+    loss_sum: float = 0.0
+    seconds: float = 0.0
+    num_steps: int = 0
+    stopped: bool = False
     """True when `after_step` asked to stop before the epoch's end."""
     data_wait_s: float = 0.0
     """Time the loop spent waiting for the loader."""
@@ -132,16 +136,16 @@ def train_epoch(
     *,
     uneven: bool,
     label_smoothing: float = 0.0,
-    after_step: Callable[[int, Batch], bool] | None = None,
+    after_step: Callable[[int, Batch, EpochResult], bool] | None = None,
     where: str = "",
     pg_timeout_s: float | None = None,
 ) -> EpochResult:
     """One pass; `lr(steps done)` sets the rate before each step, and `after_step(steps done,
-    batch)` runs after it and may stop the epoch by returning True. With `uneven` (split mode)
+    batch, counts so far)` runs after it and may stop the epoch by returning True. With `uneven` (split mode)
     Join lets ranks that run out early shadow the collectives of the rest."""
     model.train()
     loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
-    num_samples, loss_sum, step, stopped, waited = 0, 0.0, 0, False, 0.0
+    r = EpochResult()
     start = time.perf_counter()
     joinable = uneven and isinstance(model, DistributedDataParallel)
     try:
@@ -150,31 +154,33 @@ def train_epoch(
             while True:
                 asked = time.perf_counter()
                 batch = next(it, None)
-                waited += time.perf_counter() - asked  # time the step waited for the loader
+                r.data_wait_s += time.perf_counter() - asked  # time the step waited for the loader
                 if batch is None:
                     break
-                set_lr(optimizer, lr(step))
+                set_lr(optimizer, lr(r.num_steps))
                 images, labels = compute.inputs(batch.images, batch.labels)
                 with compute.autocast():
                     loss = loss_fn(model(images), labels)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                step += 1
-                num_samples += len(labels)
-                loss_sum += loss.item() * len(labels)
-                if after_step is not None and after_step(step, batch):
-                    stopped = True
+                r.num_steps += 1
+                r.num_samples += len(labels)
+                r.loss_sum += loss.item() * len(labels)
+                r.seconds = time.perf_counter() - start
+                if after_step is not None and after_step(r.num_steps, batch, r):
+                    r.stopped = True
                     break
     except RuntimeError as e:
         if world.distributed and _is_collective_failure(e):
             raise CollectiveError(
-                f"rank {world.rank} of {world.world_size}: a collective failed {where} step {step + 1} "
+                f"rank {world.rank} of {world.world_size}: a collective failed {where} step {r.num_steps + 1} "
                 f"after {time.perf_counter() - start:.0f} s (process-group timeout {pg_timeout_s} s): another rank "
                 f"stalled or died, see its log. {str(e).splitlines()[0][:300]}"
             ) from e
         raise
-    return EpochResult(num_samples, loss_sum, time.perf_counter() - start, step, stopped, waited)
+    r.seconds = time.perf_counter() - start
+    return r
 
 
 @torch.no_grad()
@@ -258,6 +264,41 @@ class Audit:
                 f.write("".join(k + "\n" for k in keys))
 
 
+class ProgressLog:
+    """Rank 0's view inside an epoch: a progress bar with ETA on a terminal, and every
+    `log_every_s` a line (and, for local runs, a `"kind": "progress"` row in metrics.jsonl)."""
+
+    def __init__(self, cfg: TrainConfig, world: World, epoch: int, num_steps: int, report: Report | None):
+        self.cfg, self.world, self.epoch, self.num_steps = cfg, world, epoch, num_steps
+        self.file = report.metrics_path if isinstance(report, LocalReport) else None
+        self.last = time.monotonic()
+        on = world.is_main and sys.stderr.isatty()
+        self.bar = tqdm(total=num_steps, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", unit="step", disable=not on, leave=False)
+
+    def update(self, step: int, r: EpochResult, lr: float) -> None:
+        self.bar.update(1)
+        if not self.world.is_main or time.monotonic() - self.last < self.cfg.log_every_s:
+            return
+        self.last = time.monotonic()
+        row: dict[str, Any] = {
+            "kind": "progress", "epoch": self.epoch + 1, "step_in_epoch": step, "steps_in_epoch": self.num_steps,
+            "loss": r.loss_sum / max(r.num_samples, 1), "lr": lr,
+            "images_per_s_rank0": r.num_samples / max(r.seconds, 1e-9), "data_wait_rank0": r.data_wait_s / max(r.seconds, 1e-9),
+            "eta_epoch_s": (self.num_steps - step) * r.seconds / step,
+        }  # fmt: skip
+        self.bar.write(
+            f"epoch {row['epoch']} step {step}/{self.num_steps}  loss {row['loss']:.3f}  lr {lr:.4g}  "
+            f"images/s {row['images_per_s_rank0'] * self.world.world_size:.0f} (~{self.world.world_size} ranks)  "
+            f"data wait {100 * row['data_wait_rank0']:.0f}%  epoch ends in {row['eta_epoch_s']:.0f} s"
+        )
+        if self.file is not None:
+            with self.file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class Trainer:
     """One rank's run: model, optimizer, data and the counters; `fit()` is the epoch loop."""
 
@@ -318,9 +359,12 @@ class Trainer:
         def lr(step: int) -> float:
             return lr_at(cfg, world, epoch + min((done_before + step * global_batch) / epoch_size, 1.0))
 
-        def after_step(step: int, batch: Batch) -> bool:
+        progress = ProgressLog(cfg, world, epoch, len(batches), report=self.report)
+
+        def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
             ledger.mark(batch.ids)
             self.audit.write(epoch, batch.keys)
+            progress.update(step, so_far, lr(step))
             # Only where every rank is still in the loop: collectives here cannot meet a joined rank.
             if step > plan.min_batches:
                 return False
@@ -331,10 +375,13 @@ class Trainer:
                 self.checkpoint_inside(epoch, step_before + step, steps_before + step, done, ledger, position, plan)
             return at_stop
 
-        result = train_epoch(
-            self.wrapped, batches, self.optimizer, lr, world, self.compute, uneven=plan.mode == "split",
-            label_smoothing=cfg.label_smoothing, after_step=after_step, where=f"in epoch {epoch + 1}", pg_timeout_s=cfg.pg_timeout_s,
-        )  # fmt: skip
+        try:
+            result = train_epoch(
+                self.wrapped, batches, self.optimizer, lr, world, self.compute, uneven=plan.mode == "split",
+                label_smoothing=cfg.label_smoothing, after_step=after_step, where=f"in epoch {epoch + 1}", pg_timeout_s=cfg.pg_timeout_s,
+            )  # fmt: skip
+        finally:
+            progress.close()
         if result.stopped:
             return True
         self.finish_epoch(epoch, result, ledger, position, plan)

@@ -21,11 +21,11 @@ def raywds(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.Compl
 def test_help_lists_every_command() -> None:
     out = raywds("--help")
     assert out.returncode == 0
-    for command in ("demo", "convert", "serve", "plan", "train", "ray"):
+    for command in ("demo", "convert", "serve", "plan", "report", "train", "ray"):
         assert re.search(rf"^\s+{command}\s", out.stdout, re.M), command
 
 
-@pytest.mark.parametrize("command", ["demo", "convert", "serve", "plan", "train", "ray"])
+@pytest.mark.parametrize("command", ["demo", "convert", "serve", "plan", "report", "train", "ray"])
 def test_each_command_has_help(command: str) -> None:
     out = raywds(command, "--help")
     assert out.returncode == 0 and out.stdout.startswith(f"usage: raywds {command}")
@@ -121,3 +121,17 @@ def test_a_missing_shard_read_in_a_loader_worker_is_one_clear_line(shards: Path,
     )  # fmt: skip
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr == f"raywds: error: cannot open shard {missing}: No such file or directory\n"
+
+
+def test_report_draws_a_png_from_a_run(shards: Path, tmp_path: Path) -> None:
+    out = raywds(
+        "train", "--data", str(shards), "--model", "demo", "--epochs", "2", "--batch-size", "16", "--image-size", "24",
+        "--loader-workers", "1", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    out = raywds("report", str(tmp_path / "run"))
+    assert out.returncode == 0 and out.stdout.strip() == f"raywds: wrote {tmp_path / 'run' / 'report.png'} (2 epochs)"
+    png = (tmp_path / "run" / "report.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+    out = raywds("report", str(tmp_path))
+    assert out.returncode == 1 and "no metrics.jsonl in" in out.stderr

@@ -204,3 +204,20 @@ def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: P
     mp.start_processes(_split_rank, args=(resumed, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
     result = json.loads((tmp_path / "rank1.json").read_text())
     assert result["train_samples"] == 16 and result["epoch_samples"] == 120 and result["epoch_missing"] == 0
+
+
+def test_progress_rows_and_per_rank_metrics(shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tiny(shards, num_epochs=1, log_every_s=0.0, val_every_epochs=1)
+    report = LocalReport(tmp_path)
+    final = train(cfg, World(), report)
+    rows = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
+    progress = [r for r in rows if r.get("kind") == "progress"]
+    assert [r["step_in_epoch"] for r in progress] == list(range(1, 9)) and progress[-1]["eta_epoch_s"] == 0
+    assert re.search(r"^epoch 1 step 8/8  loss [\d.]+  lr [\d.e-]+  images/s \d+ \(~1 ranks\)  data wait \d+%  epoch ends in 0 s$", capsys.readouterr().out, re.M)
+    assert len(final["images_per_s_per_rank"]) == 1 and 0 <= final["data_wait_max"] <= 1
+
+
+def test_validation_every_n_epochs_and_always_the_last(shards: Path) -> None:
+    rows: list = []
+    train(tiny(shards, num_epochs=3, val_every_epochs=2), World(), lambda m, s: rows.append(m))
+    assert ["val_top1" in r for r in rows] == [False, True, True]

@@ -1,0 +1,63 @@
+"""`raywds report RUN_DIR`: loss, accuracy, throughput and data-wait plots from a run's
+metrics.jsonl (written by local runs, torchrun and Ray runs alike), as one PNG.
+
+    raywds report runs/demo            # -> runs/demo/report.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from raywds.errors import ConfigError
+
+
+def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
+    """The per-epoch rows of RUN_DIR/metrics.jsonl (progress rows and mid-epoch checkpoints left out)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"no metrics.jsonl in {run_dir}: give the --out folder of a run, or a Ray run folder")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    epochs = {row["epoch"]: row for row in rows if "train_loss" in row}  # a resumed run may repeat an epoch: keep the last
+    if not epochs:
+        raise ConfigError(f"{path} has no finished epoch yet")
+    return [epochs[e] for e in sorted(epochs)]
+
+
+def plot(run_dir: Path, out: Path | None = None) -> Path:
+    """Draw the four panels to `out` (default RUN_DIR/report.png); returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_epochs(run_dir)
+    epochs = [r["epoch"] for r in rows]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+    ax[0][0].plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
+    val = [r for r in rows if "val_loss" in r]
+    ax[0][0].plot([r["epoch"] for r in val], [r["val_loss"] for r in val], "s-", label="validation")
+    ax[0][0].set(title="loss", xlabel="epoch")
+    ax[0][1].plot([r["epoch"] for r in val], [r["val_top1"] for r in val], "o-", label="top-1")
+    ax[0][1].plot([r["epoch"] for r in val], [r["val_top5"] for r in val], "s-", label="top-5")
+    ax[0][1].set(title="validation accuracy", xlabel="epoch", ylim=(0, 1.02))
+    ax[1][0].plot(epochs, [r["images_per_s"] for r in rows], "o-", label="all ranks")
+    per_rank = [r.get("images_per_s_per_rank", []) for r in rows]
+    for rank in range(max(len(p) for p in per_rank)):
+        ax[1][0].plot(epochs, [p[rank] if rank < len(p) else None for p in per_rank], ".--", label=f"rank {rank}")
+    ax[1][0].set(title="throughput (images/s)", xlabel="epoch", ylim=(0, None))
+    waits = [r.get("data_wait_per_rank", []) for r in rows]
+    for rank in range(max(len(w) for w in waits)):
+        ax[1][1].plot(epochs, [100 * w[rank] if rank < len(w) else None for w in waits], "o-", label=f"rank {rank}")
+    ax[1][1].set(title="time waiting for data (% of step time)", xlabel="epoch", ylim=(0, 100))
+    for a in ax.flat:
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.suptitle(f"{run_dir.name}: {len(rows)} epochs, last top-1 {val[-1]['val_top1']:.3f}" if val else run_dir.name)
+    fig.tight_layout()
+    out = out or run_dir / "report.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
