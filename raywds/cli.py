@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-workers", type=int, help="Ray Train workers (default: one per cluster GPU, else 2 CPU workers)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, a running `ray start`, else a new local cluster)")
     p.add_argument("--storage-path", default="runs/ray", help="Ray Train storage for checkpoints and results (default %(default)s)")
+    p.add_argument("--max-failures", type=int, default=0, help="restarts after a worker dies, each resuming from the latest checkpoint (default %(default)s)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept in the run folder (default %(default)s)")
     p.add_argument("--name", help="Ray Train run name (default raywds-DATE-TIME; reusing a name resumes that run)")
     return parser
 
@@ -313,7 +315,10 @@ def cmd_ray(args: argparse.Namespace) -> None:
     with _data(args, host=host) as data:
         cfg = _config(args, data)
         start = time.perf_counter()
-        run = ray_train.run(cfg, num_workers=args.num_workers, storage_path=args.storage_path, name=args.name)
+        run = ray_train.run(
+            cfg, num_workers=args.num_workers, storage_path=args.storage_path, name=args.name,
+            num_checkpoints_to_keep=args.keep_checkpoints, max_failures=args.max_failures,
+        )  # fmt: skip
     print(f"raywds: {run.plan.describe()}  checkpoint {run.checkpoint}  results {run.path}  ({time.perf_counter() - start:.0f} s)")
     print(summary_line(run.metrics))
 

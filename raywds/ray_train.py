@@ -122,6 +122,7 @@ def run(
     storage_path: str | None = None,
     name: str | None = None,
     num_checkpoints_to_keep: int | None = 2,
+    max_failures: int = 0,
 ) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics."""
     plan = plan_workers(ray.cluster_resources(), num_workers)  # RAY
@@ -147,6 +148,8 @@ def run(
             name=name,
             storage_path=storage,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_checkpoints_to_keep),
+            # After a worker dies, Ray restarts the group and each worker resumes from the latest checkpoint.
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
         ),
     )
     try:

@@ -98,3 +98,38 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_p
     assert second.metrics["epoch"] == 2 and second.metrics["samples_seen"] == 240
     assert [m["epoch"] for m in second.history] == [1, 2]
     assert second.history[0]["train_samples"] == 120 - 48, "the resumed run trained only on the rest of epoch 1"
+
+
+def test_a_killed_worker_is_restarted_from_the_last_checkpoint(shards: Path, tmp_path: Path, local_cluster: None) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    audit = tmp_path / "audit"
+    cfg = split_config(shards, audit, num_epochs=3, batch_size_per_rank=4)
+    killed: list[int] = []
+
+    def kill_rank1_in_epoch_3() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not killed:
+            # Epoch 3 began, so Ray has registered epoch 1's checkpoint at least (epoch 2's may be in flight).
+            for f in audit.glob("epoch0002-rank00001-pid*.keys"):
+                pid = int(f.name.split("pid")[1].split(".")[0])
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_rank1_in_epoch_3, daemon=True)
+    killer.start()
+    run = ray_train.run(cfg, storage_path=str(tmp_path), name=f"kill-{uuid.uuid4().hex[:8]}", max_failures=1, num_checkpoints_to_keep=None)
+    killer.join(timeout=5)
+    assert killed, "the test never saw epoch 3 start"
+    replacement = {f.name.split("pid")[1] for f in audit.glob("*-rank00001-*.keys")} - {f"{killed[0]}.keys"}
+    assert len(replacement) == 1, "rank 1 ran in two processes: the killed one and its replacement"
+    first = min(f.name for f in audit.glob(f"*-rank00001-pid{replacement.pop()}"))
+    assert not first.startswith("epoch0000"), f"the replacement resumed from a checkpoint, not from epoch 1: {first}"
+    assert run.metrics["epoch"] == 3 and run.metrics["step"] == 3 * 16  # ranks hold 64 and 56 samples: 16 batches of 4
+    assert run.metrics["epoch_samples"] == 120 and run.metrics["epoch_duplicates"] == 0
+    assert [m["epoch"] for m in run.history] == [1, 2, 3]
