@@ -26,6 +26,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--data", help="shard directory, manifest.json, or http(s) URL of a shard server")
     source.add_argument("--demo", action="store_true", help="generate, convert and serve the demo data, then train on it")
+    p.add_argument("--shards-at", help="where the shards are, if not beside the manifest: folder, base URL, or a template with {}, e.g. 'pipe:aws s3 cp s3://bucket/shards/{} -'")
     p.add_argument("--recipe", choices=["imagenet-resnet50", "imagenet-resnet18", "demo"], help="preset values (flags and --config override them)")
     p.add_argument("--config", help="a .json or .toml file of config fields (overrides the recipe; flags override it)")
     p.add_argument("--epochs", type=int, dest="num_epochs", help="passes over the training split")
@@ -58,7 +59,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-retries", type=int, help="retries of a failed shard read, resuming where it stopped (default 3)")
     p.add_argument("--cache-dir", help="keep http shards on local disk after their first read")
     p.add_argument("--demo-dir", default=DEMO_DIR, help=f"where --demo keeps its images and shards (default {DEMO_DIR})")
-    p.add_argument("--server-backend", default="auto", choices=["auto", "docker", "nginx", "embedded"], help="shard server for --demo")
+    p.add_argument("--server-backend", default="auto", choices=["auto", "docker", "nginx", "embedded"], help="shard server for --demo and --serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ray", help="train with a Ray Train TorchTrainer on the cluster (one worker per GPU)")
     _add_train_flags(p)
+    p.add_argument("--serve", action="store_true", help="serve the --data folder from this driver, so workers on every node read it over HTTP")
     p.add_argument("--num-workers", type=int, help="Ray Train workers (default: one per cluster GPU, else 2 CPU workers)")
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, a running `ray start`, else a new local cluster)")
     p.add_argument("--storage-path", default="runs/ray", help="Ray Train storage for checkpoints and results (default %(default)s)")
@@ -142,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 TRAIN_FIELDS = [
-    "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr", "weight_decay", "warmup_epochs",
+    "shards_at", "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr", "weight_decay", "warmup_epochs",
     "label_smoothing", "image_size_px", "crop_scale_min", "precision", "memory_format", "compile", "val_every_epochs",
     "num_loader_workers_per_rank", "seed", "out_dir", "log_every_s", "cross_worker_shuffle_samples", "shuffle_buffer_samples",
     "batches_per_epoch", "checkpoint_every_steps", "max_steps", "resume_from", "audit_dir", "pg_timeout_s",
@@ -165,7 +167,16 @@ def _data(args: argparse.Namespace, host: str = "127.0.0.1") -> Iterator[str]:
     if not args.demo:
         if not args.data:
             raise RaywdsError("no data: give --data SHARDS_DIR_OR_URL, or --demo to train on generated demo data")
-        yield args.data
+        if not getattr(args, "serve", False):
+            yield args.data
+            return
+        from raywds.server import ShardServer
+
+        with ShardServer(args.data, backend=args.server_backend, host=host) as server:  # workers read it over HTTP
+            for line in server.skipped:
+                print(f"raywds: skipped {line}", flush=True)
+            print(f"raywds: serving {server.root} at {server.url} ({server.backend})", flush=True)
+            yield server.url
         return
     from raywds.demo import prepare
     from raywds.server import ShardServer
@@ -311,7 +322,7 @@ def cmd_ray(args: argparse.Namespace) -> None:
     ray_train.connect(args.address)
     # A single-node cluster reads the demo server over loopback; a multi-node one listens on
     # every interface and hands workers the head's IP as Ray sees it.
-    host = "0.0.0.0" if args.demo and ray_train.node_count() > 1 else "127.0.0.1"
+    host = "0.0.0.0" if ray_train.node_count() > 1 else "127.0.0.1"
     with _data(args, host=host) as data:
         cfg = _config(args, data)
         start = time.perf_counter()

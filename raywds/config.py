@@ -23,6 +23,9 @@ class TrainConfig:
 
     data: str
     """Shards: a directory or manifest.json path, or an http(s) URL of the directory a shard server serves."""
+    shards_at: str | None = None
+    """Where the shards are when not beside the manifest: a folder, a base URL, or a template
+    with {} for the shard name, e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`."""
     num_epochs: int = 3
     """Passes over the training split."""
     batch_size_per_rank: int = 64

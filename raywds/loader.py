@@ -124,12 +124,12 @@ def slot_urls(plan: EpochPlan, rank: int, manifest: Manifest) -> Iterator[dict[s
 
 
 def numbered(samples: Iterable[dict[str, Any]], offsets: dict[str, int]) -> Iterator[dict[str, Any]]:
-    """Give each sample its id, the shard's offset plus its place in the shard (`__id__`)."""
+    """Give each sample its id, the shard's offset (by URL) plus its place in the shard (`__id__`)."""
     url, first, offset, index = "", "", 0, 0
     for sample in samples:
         if sample["__url__"] != url or sample["__key__"] == first:  # a new shard, or the same one drawn again
             url, first, index = sample["__url__"], sample["__key__"], 0
-            offset = offsets[url.rsplit("/", 1)[-1]]
+            offset = offsets[url]
         sample["__id__"] = offset + index
         index += 1
         yield sample
@@ -191,7 +191,13 @@ def read_policy(cfg: TrainConfig, *, skip_unreadable: bool) -> ReadPolicy:
 
 
 def _known(manifest: Manifest, split: str) -> dict[str, tuple[int, str]]:
-    return {s.name: (s.num_bytes, s.sha256) for s in manifest.shards(split)}
+    """Each shard's URL -> (bytes, sha256) from the manifest."""
+    return {manifest.url(s): (s.num_bytes, s.sha256) for s in manifest.shards(split)}
+
+
+def _url_offsets(manifest: Manifest, split: str) -> dict[str, int]:
+    offsets = manifest.offsets(split)
+    return {manifest.url(s): offsets[s.name] for s in manifest.shards(split)}
 
 
 def _num_workers(cfg: TrainConfig) -> int:
@@ -272,7 +278,7 @@ def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: Epoch
     pipeline = wds.DataPipeline(
         source,
         bind(tar_samples, policy=read_policy(cfg, skip_unreadable=plan.mode == "resample"), known=_known(manifest, "train")),
-        bind(numbered, offsets=manifest.offsets("train")),
+        bind(numbered, offsets=_url_offsets(manifest, "train")),
         bind(unconsumed, consumed=consumed),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
         wds.map(Decode(train_transform(cfg))),
@@ -306,7 +312,7 @@ def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[B
     pipeline = wds.DataPipeline(
         bind(_val_urls, slots, world.rank, manifest),
         bind(tar_samples, policy=read_policy(cfg, skip_unreadable=False), known=_known(manifest, "val")),
-        bind(numbered, offsets=manifest.offsets("val")),
+        bind(numbered, offsets=_url_offsets(manifest, "val")),
         wds.map(Decode(val_transform(cfg))),
         wds.batched(cfg.batch_size_per_rank, collation_fn=collate, partial=True),
     )

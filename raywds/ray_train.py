@@ -31,18 +31,20 @@ from raywds.world import World
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """How many Ray Train workers, and whether each holds a GPU."""
+    """How many Ray Train workers, whether each holds a GPU, and the CPUs each reserves."""
 
     num_workers: int
     use_gpu: bool
+    cpus_per_worker: int = 1
 
     def describe(self) -> str:
         kind = "GPU" if self.use_gpu else "CPU (gloo)"
         return f"{self.num_workers} {kind} worker{'s' if self.num_workers != 1 else ''}"
 
 
-def plan_workers(resources: dict[str, float], num_workers: int | None, *, default_cpu_workers: int = 2) -> WorkerPlan:
-    """One worker per GPU the cluster has; without GPUs, `num_workers` CPU workers.
+def plan_workers(resources: dict[str, float], num_workers: int | None, *, default_cpu_workers: int = 2, loader_workers: int = 0) -> WorkerPlan:
+    """One worker per GPU the cluster has, each reserving CPUs for its loader workers (as many
+    as the cluster has per GPU); without GPUs, `num_workers` CPU workers of one CPU each.
 
     Refuses plans the cluster can never place, which would otherwise wait forever."""
     gpus = int(resources.get("GPU", 0))
@@ -51,7 +53,7 @@ def plan_workers(resources: dict[str, float], num_workers: int | None, *, defaul
         wanted = gpus if num_workers is None else num_workers
         if wanted > gpus:
             raise ConfigError(f"--num-workers {wanted} needs {wanted} GPUs but the cluster has {gpus}; use --num-workers {gpus} or fewer")
-        return WorkerPlan(wanted, True)
+        return WorkerPlan(wanted, True, max(1, min(loader_workers + 1, cpus // gpus)))
     wanted = default_cpu_workers if num_workers is None else num_workers
     if wanted < 1:
         raise ConfigError(f"--num-workers {wanted} must be at least 1")
@@ -125,8 +127,8 @@ def run(
     max_failures: int = 0,
 ) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics."""
-    plan = plan_workers(ray.cluster_resources(), num_workers)  # RAY
-    manifest = read_manifest(cfg.data)  # refuse a data plan that would hang before starting any worker
+    plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=cfg.num_loader_workers_per_rank)  # RAY
+    manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)  # refuse a data plan that would hang before starting any worker
     check_plan(epoch_plan(manifest, cfg, plan.num_workers, epoch=0), manifest)
     if cfg.resume_from:
         resume_from = os.path.abspath(cfg.resume_from)
@@ -142,7 +144,9 @@ def run(
     trainer = TorchTrainer(  # RAY
         train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
-        scaling_config=ray.train.ScalingConfig(num_workers=plan.num_workers, use_gpu=plan.use_gpu),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=plan.num_workers, use_gpu=plan.use_gpu, resources_per_worker={"CPU": plan.cpus_per_worker}
+        ),
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout_s),
         run_config=ray.train.RunConfig(
             name=name,

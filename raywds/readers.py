@@ -257,7 +257,7 @@ def open_shards(sources: Iterable[dict[str, Any]], policy: ReadPolicy, failures:
                 previous = None
                 failures.succeeded()
             url = source["url"]
-            size, sha256 = known.get(url.rsplit("/", 1)[-1], (None, None))
+            size, sha256 = known.get(url, (None, None))
             try:
                 previous = open_shard(url, policy, size=size, sha256=sha256)
             except (ShardError, OSError) as e:
@@ -271,7 +271,7 @@ def open_shards(sources: Iterable[dict[str, Any]], policy: ReadPolicy, failures:
 
 def tar_samples(sources: Iterable[dict[str, Any]], policy: ReadPolicy, known: dict[str, tuple[int, str]] | None = None) -> Iterator[dict[str, Any]]:
     """{url} dicts -> samples (webdataset's tar expansion and key grouping), read by `policy`.
-    `known` maps shard names to (bytes, sha256) from the manifest, to catch short bodies."""
+    `known` maps shard URLs to (bytes, sha256) from the manifest, to catch short bodies."""
     failures = Failures(policy)
     files = wds.tariterators.tar_file_expander(open_shards(sources, policy, failures, known or {}), handler=failures)
     return wds.tariterators.group_by_keys(files)  # type: ignore[no-any-return]

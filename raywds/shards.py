@@ -74,7 +74,10 @@ def is_url(location: str) -> bool:
 
 
 def shard_url(base: str, name: str) -> str:
-    """The address webdataset opens for shard `name` under `base` (a directory or URL)."""
+    """The address of shard `name` under `base`: a directory, an http(s) URL, or a template in
+    which `{}` stands for the name (e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`)."""
+    if "{}" in base:
+        return base.replace("{}", name)
     if is_url(base):
         return base.rstrip("/") + "/" + name
     return str(Path(base) / name)
@@ -92,8 +95,9 @@ def _split_location(data: str) -> tuple[str, str]:
     return str(path), str(path / MANIFEST)
 
 
-def read_manifest(data: str, timeout_s: float = 30.0) -> Manifest:
-    """Load the manifest for the shards at `data` (directory, manifest path or URL)."""
+def read_manifest(data: str, timeout_s: float = 30.0, *, shards_at: str | None = None) -> Manifest:
+    """Load the manifest for the shards at `data` (directory, manifest path or URL); with
+    `shards_at` the shards live there instead of beside the manifest (see shard_url)."""
     base, where = _split_location(data)
     try:
         if is_url(where):
@@ -112,7 +116,7 @@ def read_manifest(data: str, timeout_s: float = 30.0) -> Manifest:
     splits = {
         split: [ShardInfo(**shard) for shard in info["shards"]] for split, info in raw["splits"].items()
     }
-    return Manifest(base=base, classes=list(raw["classes"]), splits=splits, raw=raw)
+    return Manifest(base=shards_at or base, classes=list(raw["classes"]), splits=splits, raw=raw)
 
 
 def write_json_atomic(path: Path, value: Any) -> None:

@@ -305,7 +305,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, world: World, report: Report | None, resume: dict[str, Any] | None):
         torch.manual_seed(cfg.seed)
         self.cfg, self.world, self.report = cfg, world, report
-        self.manifest = read_manifest(cfg.data)
+        self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
         self.num_samples = self.manifest.num_samples("train")
         self.compute = Compute.for_run(cfg, world.device)
         self.model = self.compute.model(build_model(cfg.model, len(self.manifest.classes)))

@@ -135,3 +135,13 @@ def test_report_draws_a_png_from_a_run(shards: Path, tmp_path: Path) -> None:
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
     out = raywds("report", str(tmp_path))
     assert out.returncode == 1 and "no metrics.jsonl in" in out.stderr
+
+
+def test_ray_serve_flag_hands_workers_an_http_url(shards: Path) -> None:
+    from raywds.cli import _data, build_parser
+    from raywds.shards import read_manifest
+
+    args = build_parser().parse_args(["ray", "--data", str(shards), "--serve", "--server-backend", "embedded"])
+    with _data(args) as url:
+        assert url.startswith("http://127.0.0.1:")
+        assert read_manifest(url).num_samples("train") == 120

@@ -166,7 +166,7 @@ def test_rebatched_mixes_workers_and_keeps_every_sample() -> None:
 
 def test_numbered_restarts_per_shard_from_plain_samples() -> None:
     samples = [{"__url__": u, "__key__": k} for u, k in [("x/a.tar", "1"), ("x/a.tar", "2"), ("x/b.tar", "9"), ("x/a.tar", "1"), ("x/a.tar", "2")]]
-    ids = [s["__id__"] for s in numbered(iter(samples), {"a.tar": 0, "b.tar": 2})]
+    ids = [s["__id__"] for s in numbered(iter(samples), {"x/a.tar": 0, "x/b.tar": 2})]
     assert ids == [0, 1, 2, 0, 1]
 
 

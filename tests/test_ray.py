@@ -53,6 +53,8 @@ def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path,
 def test_worker_plan_follows_the_cluster() -> None:
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None) == ray_train.WorkerPlan(8, True)
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, 4) == ray_train.WorkerPlan(4, True)
+    assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None, loader_workers=6).cpus_per_worker == 7
+    assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None, loader_workers=12).cpus_per_worker == 8, "no more than the cluster has per GPU"
     assert ray_train.plan_workers({"CPU": 2}, None) == ray_train.WorkerPlan(2, False)
     assert ray_train.plan_workers({"CPU": 16}, 6) == ray_train.WorkerPlan(6, False)
     with pytest.raises(ConfigError, match="--num-workers 3 needs 3 CPUs but the cluster has 2; use --num-workers 2"):

@@ -199,3 +199,16 @@ def test_pipe_urls_and_local_paths(shards: Path) -> None:
         assert stream.read() == data
     with pytest.raises(ShardError, match=r"cannot open shard .*/nope\.tar: No such file or directory"):
         open_shard(str(shards / "nope.tar"), FAST)
+
+
+def test_shards_elsewhere_through_a_pipe_template(shards: Path, tmp_path: Path) -> None:
+    """The manifest here, the shards behind a command (as with `pipe:aws s3 cp s3://bucket/{} -`)."""
+    (tmp_path / "manifest.json").write_bytes((shards / "manifest.json").read_bytes())
+    template = f"pipe:cat {shards}/{{}}"
+    manifest = read_manifest(str(tmp_path), shards_at=template)
+    assert manifest.url(manifest.shards("val")[0]) == f"pipe:cat {shards}/imagenet-val-000000.tar"
+    c = cfg(str(tmp_path), shards_at=template, mode="split")
+    seen = Counter(k for b in val_loader(manifest, c, World()) for k in b.keys)
+    assert seen == Counter(tar_keys(shards, "val"))
+    trained = Counter(k for b in train_loader(manifest, c, World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0) for k in b.keys)
+    assert trained == Counter(tar_keys(shards))
