@@ -25,7 +25,7 @@ from raywds.config import TrainConfig
 from raywds.errors import ConfigError, RaywdsError
 from raywds.loader import check_plan, epoch_plan
 from raywds.shards import read_manifest
-from raywds.train import CHECKPOINT_FILE, Metrics, load_checkpoint, train
+from raywds.train import CHECKPOINT_FILE, Metrics, keep_best, load_checkpoint, train
 from raywds.world import World
 
 
@@ -64,10 +64,12 @@ def plan_workers(resources: dict[str, float], num_workers: int | None, *, defaul
 
 def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, metrics_path: Path | None = None) -> None:
     """Every rank reports; rank 0 attaches the checkpoint, so Result.metrics is filled, and
-    appends the metrics to the run folder's metrics.jsonl (a local or shared storage path)."""
+    appends the metrics to the run folder's metrics.jsonl and keeps best/ there (a local or
+    shared storage path)."""
     if state is not None and metrics_path is not None and metrics_path.parent.is_dir():
         with metrics_path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
+        keep_best(metrics_path.parent, metrics, state)  # Ray keeps the last K; this keeps the best by top-1
     if state is None:
         ray.train.report(metrics)  # RAY
         return

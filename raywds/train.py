@@ -489,9 +489,26 @@ def summary_line(m: Metrics) -> str:
     )
 
 
+def keep_best(run_dir: Path, metrics: Metrics, state: dict[str, Any]) -> bool:
+    """Copy the checkpoint to RUN_DIR/best/ when its validation top-1 beats the one there
+    (read from best/metrics.json, so it holds across restarts); True when it did."""
+    if "val_top1" not in metrics or not run_dir.is_dir():
+        return False
+    best = run_dir / "best"
+    record = best / "metrics.json"
+    if record.is_file() and json.loads(record.read_text()).get("val_top1", -1.0) >= metrics["val_top1"]:
+        return False
+    best.mkdir(exist_ok=True)
+    tmp = best / (CHECKPOINT_FILE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(best / CHECKPOINT_FILE)
+    record.write_text(json.dumps(metrics) + "\n")
+    return True
+
+
 class LocalReport:
-    """Writes metrics.jsonl and checkpoint.pt (the latest) under `out_dir`; `append` keeps the
-    metrics of the run being resumed."""
+    """Writes metrics.jsonl, checkpoint.pt (the latest) and best/ (the best validation top-1)
+    under `out_dir`; `append` keeps the metrics of the run being resumed."""
 
     def __init__(self, out_dir: Path, *, append: bool = False):
         self.out_dir = out_dir
@@ -509,6 +526,7 @@ class LocalReport:
         tmp = self.checkpoint_path.with_suffix(".tmp")
         torch.save(state, tmp)
         tmp.replace(self.checkpoint_path)
+        keep_best(self.out_dir, metrics, state)
 
 
 def run_local(cfg: TrainConfig) -> tuple[Metrics, LocalReport | None]:

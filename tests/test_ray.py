@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import tempfile
 import uuid
@@ -47,6 +48,9 @@ def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path,
     assert run.metrics["train_samples"] == 2 * 4 * 16  # 2 ranks x ceil(120 / 32) batches x 16
     assert run.metrics["val_samples"] == 50
     assert run.checkpoint is not None and (Path(run.checkpoint) / ray_train.CHECKPOINT_FILE).is_file()
+    best = json.loads((Path(run.path) / "best" / "metrics.json").read_text())
+    assert best["val_top1"] == max(m["val_top1"] for m in run.history), "best/ holds the best top-1, beside Ray's last K"
+    assert (Path(run.path) / "best" / ray_train.CHECKPOINT_FILE).is_file()
     assert Path(run.path).is_relative_to(tmp_path)
 
 

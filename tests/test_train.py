@@ -221,3 +221,27 @@ def test_validation_every_n_epochs_and_always_the_last(shards: Path) -> None:
     rows: list = []
     train(tiny(shards, num_epochs=3, val_every_epochs=2), World(), lambda m, s: rows.append(m))
     assert ["val_top1" in r for r in rows] == [False, True, True]
+
+
+def test_best_checkpoint_is_kept_only_when_top1_improves(tmp_path: Path) -> None:
+    from raywds.train import keep_best
+
+    state = {"model": {}, "epoch": 1}
+    assert keep_best(tmp_path, {"epoch": 1, "val_top1": 0.5}, state)
+    assert not keep_best(tmp_path, {"epoch": 2, "val_top1": 0.4}, {**state, "epoch": 2})
+    assert not keep_best(tmp_path, {"epoch": 3}, {**state, "epoch": 3}), "an epoch without validation is never best"
+    assert keep_best(tmp_path, {"epoch": 4, "val_top1": 0.7}, {**state, "epoch": 4})
+    assert torch.load(tmp_path / "best" / "checkpoint.pt", weights_only=False)["epoch"] == 4
+    assert json.loads((tmp_path / "best" / "metrics.json").read_text())["val_top1"] == 0.7
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(shards: Path, tmp_path: Path) -> None:
+    """Same seed, split mode: the resumed run sees the same samples per epoch in another order,
+    so its weights differ; its results must agree within a stated tolerance (0.1 top-1, 30% loss)."""
+    cfg = tiny(shards, mode="split", num_epochs=5, batch_size_per_rank=8, out_dir=str(tmp_path / "a"))
+    whole = train(cfg, World())
+    train(dataclasses.replace(cfg, max_steps=20), World(), LocalReport(tmp_path / "b"))
+    resumed = train(dataclasses.replace(cfg, resume_from=str(tmp_path / "b")), World())
+    assert (resumed["epoch"], resumed["step"], resumed["samples_seen"]) == (whole["epoch"], whole["step"], whole["samples_seen"])
+    assert abs(resumed["val_top1"] - whole["val_top1"]) <= 0.1
+    assert abs(resumed["val_loss"] - whole["val_loss"]) <= 0.3 * whole["val_loss"]
