@@ -17,6 +17,7 @@ its first batch (worker start-up excluded), over one epoch's worth of images.
 from __future__ import annotations
 
 import argparse
+import io
 import shutil
 import tempfile
 import time
@@ -52,7 +53,7 @@ def decode_rate(datas: list[bytes], how: str) -> float:
         if how == "decode_jpeg":
             torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB)
         else:
-            with Image.open(__import__("io").BytesIO(data)) as img:
+            with Image.open(io.BytesIO(data)) as img:
                 img.convert("RGB")
     return len(datas) / (time.perf_counter() - start)
 

@@ -9,6 +9,7 @@ and the default layout. Every choice can be forced, so the CUDA path's plumbing 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,12 +42,17 @@ class Compute:
         model = model.to(self.device)
         return model.to(memory_format=torch.channels_last) if self.channels_last else model  # type: ignore[call-overload]
 
+    @functools.cached_property
+    def _mean_std(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Made on the device once, not per batch."""
+        mean = torch.tensor(MEAN_255, device=self.device).view(1, 3, 1, 1)
+        return mean, torch.tensor(STD_255, device=self.device).view(1, 3, 1, 1)
+
     def inputs(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 NCHW on the host -> normalised float on the device."""
         x = images.to(self.device, non_blocking=True)
         if x.dtype == torch.uint8:
-            mean = torch.tensor(MEAN_255, device=self.device).view(1, 3, 1, 1)
-            std = torch.tensor(STD_255, device=self.device).view(1, 3, 1, 1)
+            mean, std = self._mean_std
             x = (x.float() - mean) / std
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)

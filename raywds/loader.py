@@ -100,10 +100,15 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
+def slot_seed(tag: str, *parts: object) -> str:
+    """The seed string of one stream (the planner's shuffle report replays the same ones)."""
+    return "-".join(str(p) for p in (tag, *parts))
+
+
 def _slot_rng(tag: str, *parts: object) -> random.Random:
     """A generator private to `parts` and this DataLoader worker."""
     worker, _ = _worker()
-    return random.Random("-".join(str(p) for p in (tag, *parts, worker)))
+    return random.Random(slot_seed(tag, *parts, worker))
 
 
 def resampled_urls(urls: list[str], *, seed: int, epoch: int, rank: int, reseed: int = 0) -> Iterator[dict[str, str]]:
@@ -114,12 +119,13 @@ def resampled_urls(urls: list[str], *, seed: int, epoch: int, rank: int, reseed:
         yield {"url": rng.choice(urls)}
 
 
-def slot_urls(plan: EpochPlan, rank: int, manifest: Manifest) -> Iterator[dict[str, str]]:
-    """The shards the plan deals to this rank's current DataLoader worker."""
+def slot_urls(slots: list[list[ShardInfo]], rank: int, manifest: Manifest) -> Iterator[dict[str, str]]:
+    """The shards dealt to this rank's current DataLoader worker (slot rank x workers + worker)."""
     worker, num_workers = _worker()
-    if num_workers != plan.num_workers:
-        raise ConfigError(f"the plan has {plan.num_workers} workers per rank, the DataLoader {num_workers}")
-    for shard in plan.slot(rank, worker):
+    index = rank * num_workers + worker
+    if index >= len(slots):
+        raise ConfigError(f"slot {index} (rank {rank}, worker {worker} of {num_workers}) is not among the {len(slots)} dealt")
+    for shard in slots[index]:
         yield {"url": manifest.url(shard)}
 
 
@@ -273,7 +279,7 @@ def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: Epoch
         source = bind(resampled_urls, urls, seed=cfg.seed, epoch=epoch, rank=rank, reseed=reseed)
         consumed = None
     else:
-        source = bind(slot_urls, plan, rank, manifest)
+        source = bind(slot_urls, plan.slots, rank, manifest)
         consumed = position.consumed if resuming and position else None
     pipeline = wds.DataPipeline(
         source,
@@ -289,7 +295,7 @@ def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: Epoch
         return EpochLoader(lambda: iter(loader), plan, rank)
 
     def batches() -> Iterator[Batch]:
-        rng = random.Random(f"cross-{cfg.seed}-{epoch}-{rank}")
+        rng = random.Random(slot_seed("cross", cfg.seed, epoch, rank))
         return rebatched(loader, batch_size=cfg.batch_size_per_rank, buffer=cfg.cross_worker_shuffle_samples, rng=rng, partial=plan.mode == "split")
 
     return EpochLoader(batches, plan, rank)
@@ -300,17 +306,11 @@ def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[Sha
     return deal(list(manifest.shards(split)), num_slots)
 
 
-def _val_urls(slots: list[list[ShardInfo]], rank: int, manifest: Manifest) -> Iterator[dict[str, str]]:
-    worker, num_workers = _worker()
-    for shard in slots[rank * num_workers + worker]:
-        yield {"url": manifest.url(shard)}
-
-
 def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
     """This rank's share of the validation split: every sample once across ranks, no padding."""
     slots = split_slots(manifest, "val", world.world_size * _num_workers(cfg))
     pipeline = wds.DataPipeline(
-        bind(_val_urls, slots, world.rank, manifest),
+        bind(slot_urls, slots, world.rank, manifest),
         bind(tar_samples, policy=read_policy(cfg, skip_unreadable=False), known=_known(manifest, "val")),
         bind(numbered, offsets=_url_offsets(manifest, "val")),
         wds.map(Decode(val_transform(cfg))),

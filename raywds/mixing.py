@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raywds.loader import Batch, collate, rebatched, shuffled
+from raywds.loader import Batch, collate, rebatched, shuffled, slot_seed
 from raywds.plan import EpochPlan
 from raywds.shards import ShardInfo, is_url
 
@@ -72,13 +72,13 @@ def replay(
         if plan.mode == "split":
             source: Iterator[ShardInfo] = iter(plan.slot(rank, worker))
         else:
-            draw = random.Random(f"resample-{seed}-{epoch}-{rank}-{worker}")
+            draw = random.Random(slot_seed("resample", seed, epoch, rank, worker))
             source = (draw.choice(shards) for _ in iter(int, 1))
-        rng = random.Random(f"shuffle-{seed}-{epoch}-{rank}-{worker}")
+        rng = random.Random(slot_seed("shuffle", seed, epoch, rank, worker))
         streams.append(_worker_stream(source, offsets, labels, buffer=worker_buffer, rng=rng, batch_size=plan.batch_size))
     batches: Iterator[Batch] = _round_robin(streams)
     if plan.mode == "split" or cross_buffer:
-        rng = random.Random(f"cross-{seed}-{epoch}-{rank}")
+        rng = random.Random(slot_seed("cross", seed, epoch, rank))
         batches = rebatched(batches, batch_size=plan.batch_size, buffer=cross_buffer, rng=rng, partial=plan.mode == "split")
     if plan.mode == "resample":
         num_batches = plan.batches_per_rank[rank] if num_batches is None else min(num_batches, plan.batches_per_rank[rank])

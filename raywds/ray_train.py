@@ -25,7 +25,7 @@ from raywds.config import TrainConfig
 from raywds.errors import ConfigError, RaywdsError
 from raywds.loader import check_plan, epoch_plan
 from raywds.shards import read_manifest
-from raywds.train import CHECKPOINT_FILE, Metrics, keep_best, load_checkpoint, train
+from raywds.train import CHECKPOINT_FILE, Metrics, checkpoint_file, keep_best, load_checkpoint, train
 from raywds.world import World
 
 
@@ -134,7 +134,7 @@ def run(
     check_plan(epoch_plan(manifest, cfg, plan.num_workers, epoch=0), manifest)
     if cfg.resume_from:
         resume_from = os.path.abspath(cfg.resume_from)
-        load_checkpoint(resume_from)  # fail here, naming the path, rather than in every worker
+        checkpoint_file(resume_from)  # fail here, naming the path, rather than in every worker
         cfg = dataclasses.replace(cfg, resume_from=resume_from)
     print(f"raywds: training on {plan.describe()} ({node_count()} node(s))", flush=True)
     storage = os.path.abspath(storage_path or "runs/ray")

@@ -301,14 +301,12 @@ class ShardServer:
 
     @property
     def url(self) -> str:
-        host = advertised_host(self.host, self.advertise)
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        return f"http://{self._listen(advertised_host(self.host, self.advertise), self.port)}"
 
     @property
     def _local_url(self) -> str:
         """Where this process checks readiness: loopback when listening everywhere."""
-        host = "127.0.0.1" if self.host in ANY_HOST else self.host
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}/{MANIFEST}"
+        return f"http://{self._listen('127.0.0.1' if self.host in ANY_HOST else self.host, self.port)}/{MANIFEST}"
 
     def __enter__(self) -> ShardServer:
         if self.requested != "auto":
@@ -342,7 +340,9 @@ class ShardServer:
         self._stop.append(functools.partial(shutil.rmtree, run_dir, ignore_errors=True))
         return run_dir
 
-    def _listen(self, host: str, port: int) -> str:
+    @staticmethod
+    def _listen(host: str, port: int) -> str:
+        """host:port, with IPv6 addresses in brackets."""
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def _start_nginx(self) -> None:

@@ -227,14 +227,18 @@ def _per_rank(world: World, values: list[float]) -> list[list[float]]:
     return table.tolist()  # type: ignore[no-any-return]
 
 
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """A checkpoint file, or a directory holding checkpoint.pt (a run folder or a Ray checkpoint)."""
+def checkpoint_file(path: str) -> Path:
+    """A checkpoint file, or checkpoint.pt in a directory (a run folder or a Ray checkpoint)."""
     where = Path(path)
     if where.is_dir():
         where = where / CHECKPOINT_FILE
     if not where.is_file():
         raise ConfigError(f"no checkpoint at {where}: give a checkpoint.pt or the folder holding it (--resume)")
-    return torch.load(where, map_location="cpu", weights_only=False)
+    return where
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    return torch.load(checkpoint_file(path), map_location="cpu", weights_only=False)
 
 
 @dataclass
@@ -396,12 +400,12 @@ class Trainer:
 
     def checkpoint_inside(self, epoch: int, step: int, steps: int, done: int, ledger: Ledger, position: Position | None, plan: EpochPlan) -> None:
         """Save the data position at in-epoch `step` (`steps` in all, `done` samples of the epoch)."""
-        counts = self.consumed(ledger, position)
-        if plan.mode == "split":
-            done = int((counts > 0).sum())
+        consumed = None
+        if plan.mode == "split":  # resample mode resumes from the counts alone: no gather needed
+            consumed = self.consumed(ledger, position) > 0
+            done = int(consumed.sum())
         here = Position(
-            mode=plan.mode, epoch=epoch, step=step, samples_done=done,
-            consumed=counts > 0 if plan.mode == "split" else None, dataset=self.manifest.fingerprint("train"),
+            mode=plan.mode, epoch=epoch, step=step, samples_done=done, consumed=consumed, dataset=self.manifest.fingerprint("train"),
         )  # fmt: skip
         samples_seen = self.progress.samples_seen + done - (position.samples_done if position else 0)
         self.progress = Progress(epoch=epoch, steps=steps, samples_seen=samples_seen, position=here)
