@@ -43,6 +43,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="auto: bf16 autocast on CUDA, float32 on CPU")
     p.add_argument("--memory-format", choices=["auto", "channels_last", "contiguous"], help="auto: channels_last on CUDA")
     p.add_argument("--compile", action="store_const", const=True, help="wrap the model in torch.compile")
+    p.add_argument("--decode", choices=["cpu", "device", "pil"], help="where training JPEGs are decoded: cpu (default; loader workers), device (the GPU, nvJPEG), pil (torchvision's reference transform)")
     p.add_argument("--val-every", type=int, dest="val_every_epochs", help="validate every N epochs (and after the last)")
     p.add_argument("--log-every", type=float, dest="log_every_s", help="seconds between progress lines inside an epoch (default 60)")
     p.add_argument("--loader-workers", type=int, dest="num_loader_workers_per_rank", help="DataLoader workers per rank")
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 TRAIN_FIELDS = [
     "shards_at", "num_epochs", "batch_size_per_rank", "model", "mode", "optimizer", "lr", "weight_decay", "warmup_epochs",
-    "label_smoothing", "image_size_px", "crop_scale_min", "precision", "memory_format", "compile", "val_every_epochs",
+    "label_smoothing", "image_size_px", "crop_scale_min", "precision", "memory_format", "compile", "decode", "val_every_epochs",
     "num_loader_workers_per_rank", "seed", "out_dir", "log_every_s", "cross_worker_shuffle_samples", "shuffle_buffer_samples",
     "batches_per_epoch", "checkpoint_every_steps", "max_steps", "resume_from", "audit_dir", "pg_timeout_s",
     "read_timeout_s", "read_retries", "cache_dir",

@@ -1,7 +1,8 @@
 """How a rank computes: device, precision and memory format, chosen once and passed down.
 
-Batches arrive as uint8 images (workers do only the crop and flip); they are copied to the
-device (non-blocking, from pinned memory on CUDA), turned into floats and normalised there.
+Batches arrive as uint8 images (workers do only the crop and flip), or as JPEG bytes that the
+device decodes (`--decode device`, raywds.decode); they are copied to the device (non-blocking,
+from pinned memory on CUDA), turned into floats and normalised there.
 On CUDA the defaults are bf16 autocast, channels_last and cudnn.benchmark; on the CPU, float32
 and the default layout. Every choice can be forced, so the CUDA path's plumbing runs on a CPU.
 """
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from raywds.config import TrainConfig
+from raywds.decode import Encoded
 
 MEAN_255 = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD_255 = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -48,9 +50,9 @@ class Compute:
         mean = torch.tensor(MEAN_255, device=self.device).view(1, 3, 1, 1)
         return mean, torch.tensor(STD_255, device=self.device).view(1, 3, 1, 1)
 
-    def inputs(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 NCHW on the host -> normalised float on the device."""
-        x = images.to(self.device, non_blocking=True)
+    def inputs(self, images: torch.Tensor | Encoded, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 NCHW on the host, or JPEG bytes and crops (`--decode device`) -> normalised float on the device."""
+        x = images.decode(self.device) if isinstance(images, Encoded) else images.to(self.device, non_blocking=True)
         if x.dtype == torch.uint8:
             mean, std = self._mean_std
             x = (x.float() - mean) / std

@@ -15,6 +15,7 @@ from raywds.errors import ConfigError
 Mode = Literal["resample", "split"]
 MODES: tuple[str, ...] = ("resample", "split")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+DECODERS: tuple[str, ...] = ("cpu", "device", "pil")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,10 @@ class TrainConfig:
     """`auto` (channels_last on CUDA, contiguous on CPU), `channels_last` or `contiguous`."""
     compile: bool = False
     """Wrap the model in torch.compile."""
+    decode: str = "cpu"
+    """Where training JPEGs are decoded: `cpu` (loader workers, DCT-scaled when the crop allows),
+    `device` (workers send bytes; the training device decodes, with nvJPEG on a GPU) or `pil`
+    (torchvision's reference PIL transform). See raywds.decode."""
     num_loader_workers_per_rank: int = 2
     """DataLoader worker processes on each rank."""
     shuffle_buffer_samples: int = 1000
@@ -106,6 +111,8 @@ class TrainConfig:
             raise ConfigError(f"precision={self.precision!r} is not one of auto, bf16, fp32")
         if self.memory_format not in ("auto", "channels_last", "contiguous"):
             raise ConfigError(f"memory_format={self.memory_format!r} is not one of auto, channels_last, contiguous")
+        if self.decode not in DECODERS:
+            raise ConfigError(f"decode={self.decode!r} is not one of {', '.join(DECODERS)}")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"label_smoothing={self.label_smoothing} must lie in [0, 1)")
         if not 0 < self.crop_scale_min <= 1:

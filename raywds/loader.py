@@ -18,7 +18,6 @@ ids and keys, so the loop knows what it trained on (see raywds.position).
 
 from __future__ import annotations
 
-import io
 import itertools
 import multiprocessing
 import random
@@ -30,12 +29,12 @@ import numpy as np
 
 import torch
 import webdataset as wds
-from PIL import Image
 from torch.utils.data import DataLoader, get_worker_info
-from torchvision import transforms
 
+from raywds import decode
 from raywds import plan as planner
 from raywds.config import TrainConfig
+from raywds.decode import Encoded
 from raywds.errors import ConfigError, DataError
 from raywds.plan import EpochPlan
 from raywds.position import Position
@@ -48,7 +47,8 @@ IMAGE_KEYS = ("jpg", "png", "webp", "jpeg")
 
 
 class Batch(NamedTuple):
-    images: torch.Tensor
+    images: torch.Tensor | Encoded
+    """uint8 NCHW, or (`--decode device`) the JPEG bytes and crops the device decodes."""
     labels: torch.Tensor
     ids: torch.Tensor
     """Each sample's id: its shard's offset in manifest order plus its place in the shard."""
@@ -56,43 +56,32 @@ class Batch(NamedTuple):
     """Each sample's `__key__` in its tar."""
 
 
-Sample = tuple[torch.Tensor, int, int, str]
+Sample = tuple[Any, int, int, str]
 
 
-def train_transform(cfg: TrainConfig) -> Callable[[Image.Image], torch.Tensor]:
-    return transforms.Compose(
-        [
-            transforms.RandomResizedCrop(cfg.image_size_px, scale=(cfg.crop_scale_min, 1.0)),
-            transforms.RandomHorizontalFlip(),
-            transforms.PILToTensor(),  # uint8: normalised on the device (raywds.compute)
-        ]
-    )
+def train_decoder(cfg: TrainConfig) -> Callable[[bytes], Any]:
+    size, scale = cfg.image_size_px, (cfg.crop_scale_min, 1.0)
+    if cfg.decode == "pil":
+        return decode.reference_train(size, scale)
+    crop = decode.encoded_crop if cfg.decode == "device" else decode.train_crop
+    return bind(crop, size=size, scale=scale)
 
 
-def val_transform(cfg: TrainConfig) -> Callable[[Image.Image], torch.Tensor]:
-    return transforms.Compose(
-        [
-            transforms.Resize(round(cfg.image_size_px / 0.875)),
-            transforms.CenterCrop(cfg.image_size_px),
-            transforms.PILToTensor(),
-        ]
-    )
+def val_decoder(cfg: TrainConfig) -> Callable[[bytes], torch.Tensor]:
+    return decode.reference_val(cfg.image_size_px) if cfg.decode == "pil" else bind(decode.val_crop, size=cfg.image_size_px)
 
 
 class Decode:
-    """Sample dict -> (image tensor, class index). PIL sniffs the real format, so grayscale,
-    CMYK and PNG-named-JPEG files all come out RGB."""
+    """Sample dict -> (image, class index, id, key); the image as `decode` (raywds.decode) makes it."""
 
-    def __init__(self, transform: Callable[[Image.Image], torch.Tensor]):
-        self.transform = transform
+    def __init__(self, decode: Callable[[bytes], Any]):
+        self.decode = decode
 
     def __call__(self, sample: dict[str, Any]) -> Sample:
         key = next((k for k in IMAGE_KEYS if k in sample), None)
         if key is None or "cls" not in sample:
             raise DataError(f"sample {sample.get('__key__')} in {sample.get('__url__')} lacks an image or .cls")
-        with Image.open(io.BytesIO(sample[key])) as img:
-            rgb = img.convert("RGB")
-        return self.transform(rgb), int(sample["cls"]), sample["__id__"], sample["__key__"]
+        return self.decode(sample[key]), int(sample["cls"]), sample["__id__"], sample["__key__"]
 
 
 def _worker() -> tuple[int, int]:
@@ -162,7 +151,7 @@ def worker_shuffled(src: Iterable[Any], *, buffer: int, seed: int, epoch: int, r
 
 def collate(samples: list[Sample]) -> Batch:
     images, labels, ids, keys = zip(*samples)
-    return Batch(torch.stack(images), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys))
+    return Batch(decode.stack(list(images)), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys))
 
 
 def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -287,7 +276,7 @@ def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: Epoch
         bind(numbered, offsets=_url_offsets(manifest, "train")),
         bind(unconsumed, consumed=consumed),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
-        wds.map(Decode(train_transform(cfg))),
+        wds.map(Decode(train_decoder(cfg))),
         wds.batched(cfg.batch_size_per_rank, collation_fn=collate, partial=plan.mode == "split"),
     )
     loader = _loader(pipeline, cfg, world)
@@ -313,7 +302,7 @@ def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[B
         bind(slot_urls, slots, world.rank, manifest),
         bind(tar_samples, policy=read_policy(cfg, skip_unreadable=False), known=_known(manifest, "val")),
         bind(numbered, offsets=_url_offsets(manifest, "val")),
-        wds.map(Decode(val_transform(cfg))),
+        wds.map(Decode(val_decoder(cfg))),
         wds.batched(cfg.batch_size_per_rank, collation_fn=collate, partial=True),
     )
     return _loader(pipeline, cfg, world)

@@ -1,0 +1,173 @@
+"""Image bytes -> uint8 training and validation tensors, decoding no more than the crop needs.
+
+Three ways, chosen by `--decode`:
+
+- `cpu` (default): the random crop is drawn from the JPEG header alone (the same draw as
+  torchvision's RandomResizedCrop: `get_params`, then a flip with probability 1/2). When the
+  crop is at least twice the output size on both sides, libjpeg decodes at 1/2, 1/4 or 1/8
+  scale (DCT scaling, PIL's `draft`) and the crop is resized from that; otherwise the whole
+  JPEG is decoded by `torchvision.io.decode_jpeg` and the crop resized as a uint8 tensor.
+- `pil`: torchvision's own PIL transform, the reference the others are tested against.
+- `device`: workers draw the crop and send the JPEG bytes; the training device decodes the
+  batch (`decode_jpeg(..., device="cuda")` on a GPU) and crops, resizes and flips it there.
+
+Every way gives uint8 CHW; normalising happens on the device (raywds.compute).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torchvision
+from PIL import Image
+from torchvision import transforms
+from torchvision.transforms.v2 import functional as F
+
+RATIO = (3 / 4, 4 / 3)
+
+Box = tuple[int, int, int, int]
+"""top, left, height, width in the full image."""
+
+
+def reduction(box: Box, size: int) -> int:
+    """The largest libjpeg scale-down (1, 2, 4 or 8) that keeps the crop at least `size` on both sides."""
+    _, _, h, w = box
+    r = 8
+    while r > 1 and min(h, w) < r * size:
+        r //= 2
+    return r
+
+
+def draw_crop(img: Image.Image, scale: tuple[float, float]) -> tuple[Box, bool]:
+    """RandomResizedCrop's box, then RandomHorizontalFlip's coin, from torch's generator in
+    the same order as the reference transform, so a seed gives both the same crops."""
+    box = transforms.RandomResizedCrop.get_params(img, list(scale), list(RATIO))
+    return box, bool(torch.rand(1) < 0.5)
+
+
+def _as_rgb_tensor(img: Image.Image) -> torch.Tensor:
+    return F.pil_to_tensor(img.convert("RGB"))
+
+
+def _jpeg_tensor(data: bytes | torch.Tensor) -> torch.Tensor:
+    buf = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torchvision.io.decode_jpeg(buf, mode=torchvision.io.ImageReadMode.RGB)
+
+
+def _plain_jpeg(img: Image.Image) -> bool:
+    """JPEGs decode_jpeg turns into RGB as PIL would (CMYK and others go through PIL)."""
+    return img.format == "JPEG" and img.mode in ("RGB", "L")
+
+
+def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
+    """Crop `box` of a uint8 CHW tensor, resize it to size x size (bilinear, antialiased), flip."""
+    out = F.resized_crop(image, *box, [size, size], antialias=True)
+    return out.flip(-1) if flip else out
+
+
+def train_crop(data: bytes, size: int, scale: tuple[float, float]) -> torch.Tensor:
+    """The `cpu` decoder: a random crop of the image in `data`, decoding only what it needs."""
+    with Image.open(io.BytesIO(data)) as img:
+        box, flip = draw_crop(img, scale)
+        r = reduction(box, size) if img.format == "JPEG" else 1
+        if r == 1 and _plain_jpeg(img):
+            return cropped(_jpeg_tensor(data), box, flip, size)
+        width, height = img.size
+        if r > 1:
+            img.draft("RGB", (width // r, height // r))  # libjpeg decodes at 1/r scale
+        sx, sy = img.size[0] / width, img.size[1] / height
+        top, left, h, w = box
+        out = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
+    tensor = F.pil_to_tensor(out)
+    return tensor.flip(-1) if flip else tensor
+
+
+def val_crop(data: bytes, size: int) -> torch.Tensor:
+    """Resize the short side to size / 0.875, then the centre size x size."""
+    resize = round(size / 0.875)
+    with Image.open(io.BytesIO(data)) as img:
+        image = _jpeg_tensor(data) if _plain_jpeg(img) else _as_rgb_tensor(img)
+    return F.center_crop(F.resize(image, [resize], antialias=True), [size, size])
+
+
+def reference_train(size: int, scale: tuple[float, float]) -> Callable[[bytes], torch.Tensor]:
+    """The `pil` decoder: torchvision's standard train transform, uint8 out."""
+    transform = transforms.Compose([transforms.RandomResizedCrop(size, scale=scale), transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
+    return lambda data: transform(_open_rgb(data))
+
+
+def reference_val(size: int) -> Callable[[bytes], torch.Tensor]:
+    transform = transforms.Compose([transforms.Resize(round(size / 0.875)), transforms.CenterCrop(size), transforms.PILToTensor()])
+    return lambda data: transform(_open_rgb(data))
+
+
+def _open_rgb(data: bytes) -> Image.Image:
+    """PIL sniffs the real format, so grayscale, CMYK and PNG-named-JPEG files all come out RGB."""
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
+class EncodedImage(NamedTuple):
+    """One sample for the `device` decoder: its JPEG bytes and the crop drawn for it."""
+
+    data: torch.Tensor
+    box: Box
+    flip: bool
+    size: int
+
+
+class Encoded(NamedTuple):
+    """A batch for the `device` decoder: every sample's JPEG bytes in one uint8 tensor (one
+    shared-memory block between processes, not one per sample), with offsets and crops."""
+
+    data: torch.Tensor
+    offsets: torch.Tensor
+    """(N + 1,) int64: sample i is data[offsets[i]:offsets[i + 1]]."""
+    boxes: torch.Tensor
+    """(N, 4) int64: top, left, height, width."""
+    flips: torch.Tensor
+    size: int
+
+    def __len__(self) -> int:
+        return len(self.flips)
+
+    def __getitem__(self, i: int) -> EncodedImage:  # type: ignore[override]
+        box = tuple(int(v) for v in self.boxes[i])
+        return EncodedImage(self.data[self.offsets[i] : self.offsets[i + 1]], box, bool(self.flips[i]), self.size)  # type: ignore[arg-type]
+
+    @classmethod
+    def of(cls, images: list[EncodedImage]) -> Encoded:
+        lengths = torch.tensor([0] + [len(im.data) for im in images], dtype=torch.long)
+        return cls(
+            torch.cat([im.data for im in images]), torch.cumsum(lengths, 0), torch.tensor([im.box for im in images], dtype=torch.long).view(-1, 4),
+            torch.tensor([im.flip for im in images], dtype=torch.bool), images[0].size,
+        )  # fmt: skip
+
+    def decode(self, device: str) -> torch.Tensor:
+        """uint8 NCHW on `device`: one batched decode_jpeg call, then crop, resize and flip there."""
+        datas = [self.data[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self))]
+        images = torchvision.io.decode_jpeg(datas, mode=torchvision.io.ImageReadMode.RGB, device=device)
+        return torch.stack([cropped(img, self[i].box, self[i].flip, self.size) for i, img in enumerate(images)])
+
+
+def encoded_crop(data: bytes, size: int, scale: tuple[float, float]) -> EncodedImage:
+    """The `device` decoder's worker side: draw the crop from the header, keep the bytes.
+    Images decode_jpeg cannot read (PNG, CMYK JPEG) are re-encoded as JPEG (quality 95)."""
+    with Image.open(io.BytesIO(data)) as img:
+        box, flip = draw_crop(img, scale)
+        if not _plain_jpeg(img):
+            out = io.BytesIO()
+            img.convert("RGB").save(out, format="JPEG", quality=95)
+            data = out.getvalue()
+    return EncodedImage(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, size)
+
+
+def stack(images: list[torch.Tensor] | list[EncodedImage]) -> torch.Tensor | Encoded:
+    """A batch's images: uint8 tensors stacked, or encoded samples gathered."""
+    if isinstance(images[0], EncodedImage):
+        return Encoded.of(images)  # type: ignore[arg-type]
+    return torch.stack(images)  # type: ignore[arg-type]
+
