@@ -1,34 +1,47 @@
-"""Loader throughput on real ImageNet JPEGs against the decode limit and the usual alternative.
+"""Loader throughput on real-size JPEGs against the decode limit and the usual alternative.
 
-    .venv/bin/python benchmarks/loader_bench.py [--images ../shared/data/imagenet-sample-100] [--copies 10]
+    ./run-venv && .venv/bin/python benchmarks/loader_bench.py [--images DIR] [--copies 10] [--rounds 3]
 
-In one run, on the same images (`copies` x the sample, as an ImageFolder tree and as raywds
-shards):
+On the same images (`copies` x the photos in DIR, by default ../shared/data/imagenet-sample-100;
+without it, generated ~500x375 photo-like JPEGs), as an ImageFolder tree and as raywds shards:
+
 1. the limit: one process that only decodes each full JPEG to RGB, with
-   torchvision.io.decode_jpeg and with PIL;
+   torchvision.io.decode_jpeg and with PIL; and the same loop with raywds's crop (no loader);
 2. the usual alternative: torchvision ImageFolder + DataLoader with the standard train
    transform (RandomResizedCrop 224, flip, ToTensor, Normalize);
-3. raywds's train loader (resample mode, same crop and flip; uint8 out, normalised later on
-   the device);
-2 and 3 with 1 DataLoader worker and with 2 (all cores here). Each loader pass is timed after
-its first batch (worker start-up excluded), over one epoch's worth of images.
+3. raywds's train loader, `--decode cpu` (crop from the header, DCT-scaled or decode_jpeg
+   decoding, uint8 out, normalised later on the device) and `--decode pil` (torchvision's
+   PIL transform inside the raywds loader);
+2 and 3 with 1 DataLoader worker and with all cores; then 1 worker at a low resolution (128 px,
+as in progressive-resizing schedules), where DCT scaling applies to most crops.
+
+Loader passes are timed after their first batch (worker start-up excluded) over `copies` x
+the photos. This machine is shared and noisy, so the measurements are interleaved over
+`rounds` rounds and the median is reported; compare ratios within one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import shutil
+import statistics
 import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torchvision
-from PIL import Image
+from PIL import Image, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
+from raywds import decode
 from raywds.config import TrainConfig
 from raywds.convert import ConvertOptions, convert
 from raywds.loader import epoch_plan, train_loader
@@ -36,6 +49,21 @@ from raywds.shards import read_manifest
 from raywds.world import World
 
 BATCH = 64
+
+
+def photos(folder: Path, out: Path, count: int = 100) -> list[Path]:
+    """The JPEGs in `folder`, or `count` generated photo-like ~500x375 JPEGs (blurred noise)."""
+    found = sorted(folder.glob("*.JPEG")) if folder.is_dir() else []
+    if found:
+        return found
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        size = (500, 375) if i % 4 else (375, 500)
+        noise = rng.integers(0, 256, (size[1] // 4, size[0] // 4, 3), dtype=np.uint8)
+        img = Image.fromarray(noise).resize(size, Image.Resampling.BICUBIC).filter(ImageFilter.GaussianBlur(1.5))
+        img.save(out / f"n{i % 10:08d}_{i}.JPEG", quality=90)
+    return sorted(out.glob("*.JPEG"))
 
 
 def build_tree(images: list[Path], copies: int, root: Path) -> int:
@@ -47,15 +75,20 @@ def build_tree(images: list[Path], copies: int, root: Path) -> int:
     return len(images) * copies
 
 
-def decode_rate(datas: list[bytes], how: str) -> float:
+def loop_rate(datas: list[bytes], fn: Callable[[bytes], object]) -> float:
     start = time.perf_counter()
     for data in datas:
-        if how == "decode_jpeg":
-            torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB)
-        else:
-            with Image.open(io.BytesIO(data)) as img:
-                img.convert("RGB")
+        fn(data)
     return len(datas) / (time.perf_counter() - start)
+
+
+def decode_jpeg(data: bytes) -> torch.Tensor:
+    return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB)
+
+
+def decode_pil(data: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
 
 
 def timed(batches, num_images: int) -> float:
@@ -64,15 +97,15 @@ def timed(batches, num_images: int) -> float:
     first = next(it)
     seen, start = 0, time.perf_counter()
     for batch in it:
-        seen += len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch.keys)
+        seen += len(batch[0])
         if seen + len(first[0]) >= num_images:
             break
     return seen / (time.perf_counter() - start)
 
 
-def imagefolder_rate(root: Path, workers: int, num_images: int) -> float:
+def imagefolder_rate(root: Path, workers: int, num_images: int, size: int) -> float:
     transform = transforms.Compose([
-        transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+        transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
         transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
     ])  # fmt: skip
     dataset = torchvision.datasets.ImageFolder(str(root / "train"), transform=transform)
@@ -80,8 +113,8 @@ def imagefolder_rate(root: Path, workers: int, num_images: int) -> float:
     return timed(loader, num_images)
 
 
-def raywds_rate(shards: Path, workers: int, num_images: int) -> float:
-    cfg = TrainConfig(data=str(shards), model="demo", batch_size_per_rank=BATCH, num_loader_workers_per_rank=workers, image_size_px=224)
+def raywds_rate(shards: Path, workers: int, num_images: int, size: int, how: str) -> float:
+    cfg = TrainConfig(data=str(shards), model="demo", batch_size_per_rank=BATCH, num_loader_workers_per_rank=workers, image_size_px=size, decode=how)
     manifest = read_manifest(str(shards))
     return timed(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0), num_images)
 
@@ -90,30 +123,48 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/imagenet-sample-100")
     parser.add_argument("--copies", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    images = sorted(args.images.glob("*.JPEG"))
     torch.set_num_threads(1)
+    cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        images = photos(args.images, root / "generated")
         n = build_tree(images, args.copies, root / "tree")
-        convert(root / "tree", root / "shards", ConvertOptions(maxcount=100, num_workers=2))
-        print(f"{n} JPEGs ({len(images)} real ImageNet photos x {args.copies}), batch {BATCH}, 224 px crops")
+        convert(root / "tree", root / "shards", ConvertOptions(maxcount=100, num_workers=cores))
+        kind = "generated" if images[0].is_relative_to(root) else "real ImageNet"
+        print(f"{n} JPEGs ({len(images)} {kind} photos x {args.copies}), batch {BATCH}, {cores} cores, median of {args.rounds} rounds")
         datas = [p.read_bytes() for p in images] * 3
-        limit = {how: decode_rate(datas, how) for how in ("decode_jpeg", "PIL")}
-        for how, rate in limit.items():
-            print(f"limit, full decode, 1 process, {how:11s}: {rate:7.0f} images/s")
-        rows = {}
-        for workers in (1, 2):
-            rows[("ImageFolder", workers)] = imagefolder_rate(root / "tree", workers, n)
-            rows[("raywds", workers)] = raywds_rate(root / "shards", workers, n)
-        for (name, workers), rate in rows.items():
-            print(f"{name:11s} {workers} worker{'s' if workers > 1 else ' '}: {rate:7.0f} images/s  ({rate / workers:.0f} per worker)")
-        best = max(limit.values())
-        print(f"raywds / ImageFolder, 1 worker: {rows[('raywds', 1)] / rows[('ImageFolder', 1)]:.2f}x")
-        print(f"raywds / ImageFolder, 2 workers: {rows[('raywds', 2)] / rows[('ImageFolder', 2)]:.2f}x")
-        print(f"raywds 1 worker / fastest full decode ({max(limit, key=limit.get)}): {rows[('raywds', 1)] / best:.2f}x")
-        print(f"raywds 2 workers / 1 worker: {rows[('raywds', 2)] / rows[('raywds', 1)]:.2f}x")
-        print(f"ImageFolder 2 workers / 1 worker: {rows[('ImageFolder', 2)] / rows[('ImageFolder', 1)]:.2f}x")
+        runs: dict[str, Callable[[], float]] = {
+            "limit: full decode, decode_jpeg": partial(loop_rate, datas, decode_jpeg),
+            "limit: full decode, PIL": partial(loop_rate, datas, decode_pil),
+            "loop: raywds crop (cpu), 224": partial(loop_rate, datas, partial(decode.train_crop, size=224, scale=(0.08, 1.0))),
+        }
+        for workers in sorted({1, cores}):
+            runs[f"ImageFolder, {workers}w, 224"] = partial(imagefolder_rate, root / "tree", workers, n, 224)
+            runs[f"raywds cpu, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "cpu")
+            runs[f"raywds pil, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "pil")
+        runs["ImageFolder, 1w, 128"] = partial(imagefolder_rate, root / "tree", 1, n, 128)
+        runs["raywds cpu, 1w, 128"] = partial(raywds_rate, root / "shards", 1, n, 128, "cpu")
+        measured = defaultdict(list)
+        for _ in range(args.rounds):
+            for name, run in runs.items():
+                measured[name].append(run())
+        rate = {name: statistics.median(values) for name, values in measured.items()}
+        for name, value in rate.items():
+            spread = f"{min(measured[name]):.0f}-{max(measured[name]):.0f}"
+            print(f"{name:34s} {value:7.0f} images/s  (rounds: {spread})")
+        limit = rate["limit: full decode, decode_jpeg"]
+        all_w = f"{cores}w"
+        print("ratios (per core = 1 worker):")
+        print(f"  raywds / ImageFolder, 1 worker:        {rate['raywds cpu, 1w, 224'] / rate['ImageFolder, 1w, 224']:.2f}x")
+        print(f"  raywds / ImageFolder, {cores} workers:       {rate[f'raywds cpu, {all_w}, 224'] / rate[f'ImageFolder, {all_w}, 224']:.2f}x")
+        print(f"  raywds 1 worker / full decode_jpeg:   {rate['raywds cpu, 1w, 224'] / limit:.2f}x")
+        print(f"  raywds crop loop / full decode_jpeg:  {rate['loop: raywds crop (cpu), 224'] / limit:.2f}x")
+        print(f"  raywds {cores} workers / 1 worker:          {rate[f'raywds cpu, {all_w}, 224'] / rate['raywds cpu, 1w, 224']:.2f}x")
+        print(f"  raywds cpu / raywds pil, 1 worker:    {rate['raywds cpu, 1w, 224'] / rate['raywds pil, 1w, 224']:.2f}x")
+        print(f"  at 128 px, raywds / ImageFolder:      {rate['raywds cpu, 1w, 128'] / rate['ImageFolder, 1w, 128']:.2f}x")
+        print(f"  at 128 px, raywds / full decode_jpeg: {rate['raywds cpu, 1w, 128'] / limit:.2f}x")
 
 
 if __name__ == "__main__":

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torchvision
 from PIL import Image
+from torch.utils.data import get_worker_info
 from torchvision import transforms
 from torchvision.transforms.v2 import functional as F
 
@@ -119,7 +121,8 @@ class EncodedImage(NamedTuple):
     size: int
 
 
-class Encoded(NamedTuple):
+@dataclass(frozen=True)
+class Encoded:
     """A batch for the `device` decoder: every sample's JPEG bytes in one uint8 tensor (one
     shared-memory block between processes, not one per sample), with offsets and crops."""
 
@@ -134,9 +137,9 @@ class Encoded(NamedTuple):
     def __len__(self) -> int:
         return len(self.flips)
 
-    def __getitem__(self, i: int) -> EncodedImage:  # type: ignore[override]
-        box = tuple(int(v) for v in self.boxes[i])
-        return EncodedImage(self.data[self.offsets[i] : self.offsets[i + 1]], box, bool(self.flips[i]), self.size)  # type: ignore[arg-type]
+    def __getitem__(self, i: int) -> EncodedImage:
+        top, left, height, width = (int(v) for v in self.boxes[i])
+        return EncodedImage(self.data[self.offsets[i] : self.offsets[i + 1]], (top, left, height, width), bool(self.flips[i]), self.size)
 
     @classmethod
     def of(cls, images: list[EncodedImage]) -> Encoded:
@@ -166,8 +169,14 @@ def encoded_crop(data: bytes, size: int, scale: tuple[float, float]) -> EncodedI
 
 
 def stack(images: list[torch.Tensor] | list[EncodedImage]) -> torch.Tensor | Encoded:
-    """A batch's images: uint8 tensors stacked, or encoded samples gathered."""
+    """A batch's images: uint8 tensors stacked, or encoded samples gathered. In a DataLoader
+    worker the stack is made in shared memory, so handing it over copies nothing more
+    (as torch's default_collate does)."""
     if isinstance(images[0], EncodedImage):
         return Encoded.of(images)  # type: ignore[arg-type]
-    return torch.stack(images)  # type: ignore[arg-type]
+    first: torch.Tensor = images[0]  # type: ignore[assignment]
+    out = None
+    if get_worker_info() is not None:
+        out = first.new_empty((len(images), *first.shape)).share_memory_()
+    return torch.stack(images, out=out)  # type: ignore[arg-type]
 

@@ -14,6 +14,7 @@ import torch
 
 from conftest import UNEVEN_SIZES, tar_keys
 from raywds.config import TrainConfig
+from raywds.decode import Encoded
 from raywds.errors import ConfigError
 from raywds.loader import Batch, check_plan, epoch_plan, fold_single_tail, numbered, rebatched, train_loader, val_loader
 from raywds.position import Position
@@ -94,11 +95,11 @@ def test_validation_sees_every_sample_once_across_ranks(shards: Path, world_size
 
 
 @pytest.mark.parametrize(
-    "world_size,workers,batch,cross",
-    [(1, 0, 7, 0), (2, 2, 8, 0), (3, 1, 5, 0), (2, 2, 16, 50), (4, 2, 3, 10)],
+    "world_size,workers,batch,cross,decode",
+    [(1, 0, 7, 0, "cpu"), (2, 2, 8, 0, "cpu"), (3, 1, 5, 0, "pil"), (2, 2, 16, 50, "cpu"), (4, 2, 3, 10, "cpu"), (2, 2, 5, 10, "device")],
 )
-def test_split_sees_every_key_once_on_uneven_shards(uneven: Path, world_size: int, workers: int, batch: int, cross: int) -> None:
-    cfg = config(uneven, mode="split", num_loader_workers_per_rank=workers, batch_size_per_rank=batch, cross_worker_shuffle_samples=cross)
+def test_split_sees_every_key_once_on_uneven_shards(uneven: Path, world_size: int, workers: int, batch: int, cross: int, decode: str) -> None:
+    cfg = config(uneven, mode="split", num_loader_workers_per_rank=workers, batch_size_per_rank=batch, cross_worker_shuffle_samples=cross, decode=decode)
     ranks = epoch(uneven, cfg, world_size)
     assert keys(ranks) == Counter(tar_keys(uneven)), "each key exactly once across ranks and workers"
     for batches in ranks:
@@ -106,7 +107,10 @@ def test_split_sees_every_key_once_on_uneven_shards(uneven: Path, world_size: in
         assert all(s >= 2 for s in sizes[-1:]) or len(sizes) == 1, "no last batch of a single sample"
         assert all(s == batch for s in sizes[:-2]), "rebatched in the main process: only the tail is partial"
         for b in batches:
-            assert b.images.shape[0] == b.labels.shape[0] == b.ids.shape[0] == len(b.keys)
+            assert len(b.images) == b.labels.shape[0] == b.ids.shape[0] == len(b.keys)
+            assert isinstance(b.images, Encoded) == (decode == "device"), "device decoding: workers send JPEG bytes and crops"
+            images = b.images.decode("cpu") if isinstance(b.images, Encoded) else b.images
+            assert images.shape == (len(b.keys), 3, 24, 24) and images.dtype == torch.uint8
 
 
 def test_split_reshuffles_each_epoch(uneven: Path) -> None:

@@ -57,6 +57,13 @@ def test_local_training_learns_and_checkpoints(shards: Path, tmp_path: Path) -> 
     assert summary_line(final).startswith("epochs 4  top-1 ")
 
 
+def test_device_decoding_trains_on_the_cpu(shards: Path, tmp_path: Path) -> None:
+    """`--decode device` on a CPU: the main process decodes the workers' JPEG bytes, and it learns."""
+    final = train(tiny(shards, decode="device", num_epochs=3), World(), LocalReport(tmp_path))
+    assert final["samples_seen"] == 3 * 128 and final["val_samples"] == 50
+    assert final["val_top1"] > 0.3, final
+
+
 def _split_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
     torch.set_num_threads(1)  # one core per rank, as Ray gives each CPU worker
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
