@@ -56,8 +56,7 @@ class Compute:
         if x.dtype == torch.uint8:
             mean, std = self._mean_std
             x = (x.float() - mean) / std
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
         return x, labels.to(self.device, non_blocking=True)
 
     @contextlib.contextmanager

@@ -34,7 +34,7 @@ def _worker_stream(shards: Iterator[ShardInfo], offsets: dict[str, int], labels:
     def samples() -> Iterator[tuple[torch.Tensor, int, int, str]]:
         for shard in shards:
             for i, label in enumerate(labels(shard, offsets[shard.name])):
-                yield torch.empty(0), label, offsets[shard.name] + i, shard.name  # the shard stands in for the key
+                yield torch.empty(0, 0, 0, dtype=torch.uint8), label, offsets[shard.name] + i, shard.name  # no pixels; the shard stands in for the key
 
     batch: list[tuple[torch.Tensor, int, int, str]] = []
     for sample in shuffled(samples(), buffer=buffer, rng=rng):

@@ -149,7 +149,7 @@ def test_split_refuses_fewer_shards_than_slots(shards: Path) -> None:
 
 def _batch(keys: list[str]) -> Batch:
     n = len(keys)
-    return Batch(torch.zeros(n, 1), torch.zeros(n, dtype=torch.long), torch.arange(n), keys)
+    return Batch(torch.zeros(n, 3, 2, 2, dtype=torch.uint8), torch.zeros(n, dtype=torch.long), torch.arange(n), keys)
 
 
 def test_fold_single_tail_from_plain_batches() -> None:
