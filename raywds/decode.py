@@ -54,9 +54,8 @@ def _as_rgb_tensor(img: Image.Image) -> torch.Tensor:
     return F.pil_to_tensor(img.convert("RGB"))
 
 
-def _jpeg_tensor(data: bytes | torch.Tensor) -> torch.Tensor:
-    buf = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return torchvision.io.decode_jpeg(buf, mode=torchvision.io.ImageReadMode.RGB)
+def _jpeg_tensor(data: bytes) -> torch.Tensor:
+    return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB)
 
 
 def _plain_jpeg(img: Image.Image) -> bool:
