@@ -23,7 +23,6 @@ the photos. This machine is shared and noisy, so the measurements are interleave
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import shutil
 import statistics
@@ -82,15 +81,6 @@ def loop_rate(datas: list[bytes], fn: Callable[[bytes], object]) -> float:
     return len(datas) / (time.perf_counter() - start)
 
 
-def decode_jpeg(data: bytes) -> torch.Tensor:
-    return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB)
-
-
-def decode_pil(data: bytes) -> Image.Image:
-    with Image.open(io.BytesIO(data)) as img:
-        return img.convert("RGB")
-
-
 def timed(batches, num_images: int) -> float:
     """Images per second after the first batch, until `num_images` have arrived."""
     it = iter(batches)
@@ -136,8 +126,8 @@ def main() -> None:
         print(f"{n} JPEGs ({len(images)} {kind} photos x {args.copies}), batch {BATCH}, {cores} cores, median of {args.rounds} rounds")
         datas = [p.read_bytes() for p in images] * 3
         runs: dict[str, Callable[[], float]] = {
-            "limit: full decode, decode_jpeg": partial(loop_rate, datas, decode_jpeg),
-            "limit: full decode, PIL": partial(loop_rate, datas, decode_pil),
+            "limit: full decode, decode_jpeg": partial(loop_rate, datas, decode.jpeg_tensor),
+            "limit: full decode, PIL": partial(loop_rate, datas, decode.open_rgb),
             "loop: raywds crop (cpu), 224": partial(loop_rate, datas, partial(decode.train_crop, size=224, scale=(0.08, 1.0))),
         }
         for workers in sorted({1, cores}):

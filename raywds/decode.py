@@ -54,7 +54,8 @@ def _as_rgb_tensor(img: Image.Image) -> torch.Tensor:
     return F.pil_to_tensor(img.convert("RGB"))
 
 
-def _jpeg_tensor(data: bytes) -> torch.Tensor:
+def jpeg_tensor(data: bytes) -> torch.Tensor:
+    """A whole JPEG decoded to uint8 RGB CHW by torchvision.io.decode_jpeg."""
     return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB)
 
 
@@ -79,7 +80,7 @@ def train_crop(data: bytes, size: int, scale: tuple[float, float]) -> torch.Tens
         box, flip = draw_crop(img, scale)
         r = reduction(box, size) if img.format == "JPEG" else 1
         if r == 1 and _plain_jpeg(img):
-            return cropped(_jpeg_tensor(data), box, flip, size)
+            return cropped(jpeg_tensor(data), box, flip, size)
         width, height = img.size
         if r > 1:
             img.draft("RGB", (width // r, height // r))  # libjpeg decodes at 1/r scale
@@ -94,22 +95,22 @@ def val_crop(data: bytes, size: int) -> torch.Tensor:
     """Resize the short side to size / 0.875, then the centre size x size."""
     resize = round(size / 0.875)
     with Image.open(io.BytesIO(data)) as img:
-        image = _jpeg_tensor(data) if _plain_jpeg(img) else _as_rgb_tensor(img)
+        image = jpeg_tensor(data) if _plain_jpeg(img) else _as_rgb_tensor(img)
     return F.center_crop(F.resize(image, [resize], antialias=True), [size, size])
 
 
 def reference_train(size: int, scale: tuple[float, float]) -> Callable[[bytes], torch.Tensor]:
     """The `pil` decoder: torchvision's standard train transform, uint8 out."""
     transform = transforms.Compose([transforms.RandomResizedCrop(size, scale=scale), transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
-    return lambda data: transform(_open_rgb(data))
+    return lambda data: transform(open_rgb(data))
 
 
 def reference_val(size: int) -> Callable[[bytes], torch.Tensor]:
     transform = transforms.Compose([transforms.Resize(round(size / 0.875)), transforms.CenterCrop(size), transforms.PILToTensor()])
-    return lambda data: transform(_open_rgb(data))
+    return lambda data: transform(open_rgb(data))
 
 
-def _open_rgb(data: bytes) -> Image.Image:
+def open_rgb(data: bytes) -> Image.Image:
     """PIL sniffs the real format, so grayscale, CMYK and PNG-named-JPEG files all come out RGB."""
     with Image.open(io.BytesIO(data)) as img:
         return img.convert("RGB")
@@ -154,11 +155,9 @@ class Encoded:
 
     def decode(self, device: str) -> torch.Tensor:
         """uint8 NCHW on `device`: one batched decode_jpeg call, then crop, resize and flip there."""
-        datas = [self.data[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self))]
-        images = torchvision.io.decode_jpeg(datas, mode=torchvision.io.ImageReadMode.RGB, device=device)
-        batch = stack([cropped(img, self[i].box, self[i].flip, self.size) for i, img in enumerate(images)])
-        assert isinstance(batch, torch.Tensor)
-        return batch
+        samples = [self[i] for i in range(len(self))]
+        images = torchvision.io.decode_jpeg([s.data for s in samples], mode=torchvision.io.ImageReadMode.RGB, device=device)
+        return stack_crops([cropped(img, s.box, s.flip, s.size) for img, s in zip(images, samples)])
 
 
 def encoded_crop(data: bytes, size: int, scale: tuple[float, float]) -> EncodedImage:
@@ -173,15 +172,19 @@ def encoded_crop(data: bytes, size: int, scale: tuple[float, float]) -> EncodedI
     return EncodedImage(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, size)
 
 
-def stack(images: list[torch.Tensor] | list[EncodedImage]) -> torch.Tensor | Encoded:
-    """A batch's images: uint8 CHW tensors stacked into an NCHW batch stored channels-last
-    (the layout the crops come in and CUDA models want), or encoded samples gathered. In a
-    DataLoader worker the stack is made in shared memory, so handing it over copies nothing
-    more (as torch's default_collate does)."""
-    if isinstance(images[0], EncodedImage):
-        return Encoded.of(images)  # type: ignore[arg-type]
-    hwc = [image.permute(1, 2, 0) for image in images]  # type: ignore[union-attr]
+def stack_crops(images: list[torch.Tensor]) -> torch.Tensor:
+    """uint8 CHW crops -> an NCHW batch stored channels-last (the layout the crops come in and
+    CUDA models want). In a DataLoader worker the batch is made in shared memory, so handing
+    it over copies nothing more (as torch's default_collate does)."""
+    hwc = [image.permute(1, 2, 0) for image in images]
     out = None
     if get_worker_info() is not None:
         out = hwc[0].new_empty((len(hwc), *hwc[0].shape)).share_memory_()
     return torch.stack(hwc, out=out).permute(0, 3, 1, 2)
+
+
+def stack(images: list[torch.Tensor] | list[EncodedImage]) -> torch.Tensor | Encoded:
+    """A batch's images: crops stacked (`stack_crops`), or encoded samples gathered."""
+    if isinstance(images[0], EncodedImage):
+        return Encoded.of(images)  # type: ignore[arg-type]
+    return stack_crops(images)  # type: ignore[arg-type]

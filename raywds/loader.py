@@ -45,7 +45,6 @@ from raywds.world import World
 IMAGE_KEYS = ("jpg", "png", "webp", "jpeg")
 
 
-
 class Batch(NamedTuple):
     images: torch.Tensor | Encoded
     """uint8 NCHW, or (`--decode device`) the JPEG bytes and crops the device decodes."""
