@@ -3,10 +3,13 @@
 Three ways, chosen by `--decode`:
 
 - `cpu` (default): the random crop is drawn from the JPEG header alone (the same draw as
-  torchvision's RandomResizedCrop: `get_params`, then a flip with probability 1/2). When the
-  crop is at least twice the output size on both sides, libjpeg decodes at 1/2, 1/4 or 1/8
-  scale (DCT scaling, PIL's `draft`) and the crop is resized from that; otherwise the whole
-  JPEG is decoded by `torchvision.io.decode_jpeg` and the crop resized as a uint8 tensor.
+  torchvision's RandomResizedCrop: `get_params`, then a flip with probability 1/2). libjpeg
+  then decodes only the region the crop covers (raywds._jpeg, a small C extension over
+  libjpeg-turbo's jpeg_crop_scanline and jpeg_skip_scanlines), at 1/2, 1/4 or 1/8 scale
+  (DCT scaling) when the crop is at least twice the output size on both sides, and the crop
+  is resized as a uint8 tensor. Where the extension was not built (no C compiler or libjpeg
+  headers at install time), the whole JPEG is decoded instead: by PIL at the reduced scale
+  (`draft`), or else by `torchvision.io.decode_jpeg`.
 - `pil`: torchvision's own PIL transform, the reference the others are tested against.
 - `device`: workers draw the crop and send the JPEG bytes; the training device decodes the
   batch (`decode_jpeg(..., device="cuda")` on a GPU) and crops, resizes and flips it there.
@@ -27,6 +30,11 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 from torchvision import transforms
 from torchvision.transforms.v2 import functional as F
+
+try:
+    from raywds import _jpeg
+except ImportError:  # built without a C compiler or libjpeg's headers: decode whole JPEGs
+    _jpeg = None  # type: ignore[assignment]
 
 RATIO = (3 / 4, 4 / 3)
 
@@ -74,19 +82,33 @@ def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tenso
     return out.flip(-1) if flip else out
 
 
+def region(data: bytes, box: Box, r: int = 1) -> tuple[torch.Tensor, int, int]:
+    """Decode only the part of a JPEG under `box` (raywds._jpeg), at 1/r scale: uint8 CHW
+    (a view of HWC pixels, so channels-last) and where its top-left corner sits in the 1/r image."""
+    top, left, height, width = box
+    pixels, y0, x0, rows, cols = _jpeg.decode_region(data, top, left, height, width, r)
+    return torch.frombuffer(pixels, dtype=torch.uint8).view(rows, cols, 3).permute(2, 0, 1), y0, x0
+
+
 def train_crop(data: bytes, size: int, scale: tuple[float, float]) -> torch.Tensor:
     """The `cpu` decoder: a random crop of the image in `data`, decoding only what it needs."""
     with Image.open(io.BytesIO(data)) as img:
         box, flip = draw_crop(img, scale)
         r = reduction(box, size) if img.format == "JPEG" else 1
-        if r == 1 and _plain_jpeg(img):
-            return cropped(jpeg_tensor(data), box, flip, size)
-        width, height = img.size
-        if r > 1:
-            img.draft("RGB", (width // r, height // r))  # libjpeg decodes at 1/r scale
-        sx, sy = img.size[0] / width, img.size[1] / height
         top, left, h, w = box
-        out = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
+        if r == 1 and _plain_jpeg(img):
+            image, y0, x0 = region(data, box) if _jpeg is not None else (jpeg_tensor(data), 0, 0)
+            return cropped(image, (top - y0, left - x0, h, w), flip, size)
+        # DCT-scaled (or not a plain JPEG): PIL resamples the box, whose corners fall between
+        # pixels of the 1/r image, as the reference transform does on the full image.
+        y0 = x0 = 0
+        source: Image.Image = img
+        if r > 1 and _plain_jpeg(img) and _jpeg is not None:
+            image, y0, x0 = region(data, box, r)
+            source = Image.fromarray(image.permute(1, 2, 0).numpy())
+        elif r > 1:
+            img.draft("RGB", (img.width // r, img.height // r))  # libjpeg decodes the whole image at 1/r scale
+        out = source.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=(left / r - x0, top / r - y0, (left + w) / r - x0, (top + h) / r - y0))
     tensor = F.pil_to_tensor(out)
     return tensor.flip(-1) if flip else tensor
 

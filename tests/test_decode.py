@@ -5,6 +5,7 @@ plumbing run on the CPU."""
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import pytest
@@ -17,6 +18,19 @@ from raywds.compute import Compute
 from raywds.decode import Encoded, encoded_crop, reduction, reference_train, reference_val, train_crop, val_crop
 
 SCALE = (0.08, 1.0)
+
+
+@pytest.fixture(params=["region", "whole"])
+def jpeg_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the `cpu` decoder reads JPEGs: the region decoder (the raywds._jpeg
+    extension) and, as where the extension could not be built, whole-image decoding."""
+    if request.param == "whole":
+        monkeypatch.setattr(decode, "_jpeg", None)
+    elif decode._jpeg is None:
+        if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
+            pytest.fail("raywds._jpeg was not built (a C compiler and libjpeg's headers are needed)")
+        pytest.skip("raywds._jpeg was not built")
+    return request.param
 
 
 def photo(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -54,7 +68,7 @@ def mean_abs(a: torch.Tensor, b: torch.Tensor) -> float:
         (500, 375, "PNG", "RGB", 224, 0.5),  # not a JPEG: through PIL
     ],
 )
-def test_cpu_crop_matches_the_reference_for_the_same_seed(width: int, height: int, fmt: str, mode: str, size: int, tolerance: float) -> None:
+def test_cpu_crop_matches_the_reference_for_the_same_seed(width: int, height: int, fmt: str, mode: str, size: int, tolerance: float, jpeg_path: str) -> None:
     data = encoded(photo(width, height), fmt, mode)
     fast, ref = train_crop, reference_train(size, SCALE)
     for seed in range(12):
@@ -66,19 +80,28 @@ def test_cpu_crop_matches_the_reference_for_the_same_seed(width: int, height: in
         assert mean_abs(a, other) > 20, "the test image must tell different crops apart"
 
 
-def test_large_crops_decode_at_reduced_scale(monkeypatch: pytest.MonkeyPatch) -> None:
-    drafts: list[tuple[int, int]] = []
-    real = JpegImagePlugin.JpegImageFile.draft
+def test_large_crops_decode_at_reduced_scale(monkeypatch: pytest.MonkeyPatch, jpeg_path: str) -> None:
+    scales: list[int] = []
+    if jpeg_path == "region":
+        real_region = decode._jpeg.decode_region
 
-    def spy(self: Image.Image, mode: str, size: tuple[int, int]):  # type: ignore[no-untyped-def]
-        drafts.append(size)
-        return real(self, mode, size)
+        def spy_region(data: bytes, top: int, left: int, height: int, width: int, scale: int):  # type: ignore[no-untyped-def]
+            scales.append(scale)
+            return real_region(data, top, left, height, width, scale)
 
-    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
+        monkeypatch.setattr(decode._jpeg, "decode_region", spy_region)
+    else:
+        real_draft = JpegImagePlugin.JpegImageFile.draft
+
+        def spy_draft(self: Image.Image, mode: str, size: tuple[int, int]):  # type: ignore[no-untyped-def]
+            scales.append(round(self.width / size[0]))
+            return real_draft(self, mode, size)
+
+        monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy_draft)
     data = encoded(photo(1600, 1200))
     for seed in range(20):
         seeded(lambda d: train_crop(d, 224, SCALE), data, seed)
-    assert drafts, "crops at least twice the output size must be decoded at reduced scale"
+    assert any(s > 1 for s in scales), "crops at least twice the output size must be decoded at reduced scale"
     assert reduction((0, 0, 1200, 1600), 224) == 4 and reduction((0, 0, 447, 900), 224) == 1 and reduction((0, 0, 448, 448), 224) == 2
     assert reduction((0, 0, 2000, 2000), 224) == 8
 

@@ -1,0 +1,145 @@
+/* Region-of-interest JPEG decoding with libjpeg(-turbo): decode only the rows and iMCU
+ * columns a crop covers, optionally DCT-scaled by 1/2, 1/4 or 1/8.
+ *
+ * Rows above the crop are skipped (jpeg_skip_scanlines: entropy-decoded, not IDCT'd or
+ * colour-converted), rows below it are never read, and columns outside it are not
+ * IDCT'd or colour-converted (jpeg_crop_scanline). Needs libjpeg-turbo >= 1.5.1.
+ *
+ * raywds.decode uses it when it is built and falls back to torchvision.io.decode_jpeg.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <setjmp.h>
+#include <stdio.h>
+
+#include <jpeglib.h>
+
+struct error_mgr {
+    struct jpeg_error_mgr pub;
+    jmp_buf jump;
+    char message[JMSG_LENGTH_MAX];
+};
+
+static void on_error(j_common_ptr cinfo) {
+    struct error_mgr *err = (struct error_mgr *)cinfo->err;
+    (*cinfo->err->format_message)(cinfo, err->message);
+    longjmp(err->jump, 1);
+}
+
+/* Warnings (a truncated or slightly corrupt file) are not errors, as in PIL and torchvision. */
+static void on_message(j_common_ptr cinfo, int level) {
+    (void)cinfo;
+    (void)level;
+}
+
+static JDIMENSION floor_div(long a, long b) { return (JDIMENSION)(a / b); }
+static JDIMENSION ceil_div(long a, long b) { return (JDIMENSION)((a + b - 1) / b); }
+
+PyDoc_STRVAR(decode_region_doc,
+"decode_region(data, top, left, height, width, scale) -> (pixels, top, left, height, width)\n\n"
+"Decode the part of a JPEG (RGB or grayscale) that covers the box (top, left, height, width,\n"
+"in full-image pixels) at 1/scale size (scale 1, 2, 4 or 8), as RGB.\n"
+"Returns the pixels (a bytearray, height x width x 3) and where they sit in the 1/scale image:\n"
+"the region covers the scaled box, widened to whole iMCU columns on the left and right.");
+
+static PyObject *decode_region(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    long top, left, height, width;
+    int scale;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*lllli", &data, &top, &left, &height, &width, &scale))
+        return NULL;
+    if (scale != 1 && scale != 2 && scale != 4 && scale != 8) {
+        PyBuffer_Release(&data);
+        return PyErr_Format(PyExc_ValueError, "scale must be 1, 2, 4 or 8, not %d", scale);
+    }
+    if (top < 0 || left < 0 || height <= 0 || width <= 0) {
+        PyBuffer_Release(&data);
+        return PyErr_Format(PyExc_ValueError, "bad box (%ld, %ld, %ld, %ld)", top, left, height, width);
+    }
+
+    struct jpeg_decompress_struct cinfo;
+    struct error_mgr err;
+    cinfo.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = on_error;
+    err.pub.emit_message = on_message;
+    if (setjmp(err.jump)) {
+        jpeg_destroy_decompress(&cinfo);
+        PyBuffer_Release(&data);
+        return PyErr_Format(PyExc_ValueError, "JPEG: %s", err.message);
+    }
+    jpeg_create_decompress(&cinfo);
+    jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
+    jpeg_read_header(&cinfo, TRUE);
+    if (cinfo.jpeg_color_space != JCS_YCbCr && cinfo.jpeg_color_space != JCS_GRAYSCALE && cinfo.jpeg_color_space != JCS_RGB) {
+        jpeg_destroy_decompress(&cinfo);
+        PyBuffer_Release(&data);
+        return PyErr_Format(PyExc_ValueError, "JPEG colour space %d is not RGB, YCbCr or grayscale", (int)cinfo.jpeg_color_space);
+    }
+    if (top + height > (long)cinfo.image_height || left + width > (long)cinfo.image_width) {
+        long w = cinfo.image_width, h = cinfo.image_height;
+        jpeg_destroy_decompress(&cinfo);
+        PyBuffer_Release(&data);
+        return PyErr_Format(PyExc_ValueError, "box (%ld, %ld, %ld, %ld) outside the %ldx%ld image", top, left, height, width, w, h);
+    }
+    cinfo.out_color_space = JCS_RGB;
+    cinfo.scale_num = 1;
+    cinfo.scale_denom = (unsigned int)scale;
+    jpeg_start_decompress(&cinfo);
+
+    /* The box in the scaled image, widened to whole pixels and by one more column on each side
+     * (fancy chroma upsampling of an edge column needs its neighbour, which the edge of a
+     * cropped scanline would only replicate), clipped to the scaled image. */
+    JDIMENSION y0 = floor_div(top, scale), y1 = ceil_div(top + height, scale);
+    JDIMENSION x0 = floor_div(left, scale), x1 = ceil_div(left + width, scale) + 1;
+    if (x0 > 0) x0 -= 1;
+    if (y1 > cinfo.output_height) y1 = cinfo.output_height;
+    if (x1 > cinfo.output_width) x1 = cinfo.output_width;
+    JDIMENSION xoffset = x0, xwidth = x1 - x0;
+    if (xwidth < cinfo.output_width)
+        jpeg_crop_scanline(&cinfo, &xoffset, &xwidth); /* widens to iMCU boundaries */
+
+    Py_ssize_t stride = (Py_ssize_t)cinfo.output_width * cinfo.output_components; /* after the crop */
+    JDIMENSION rows = y1 - y0;
+    PyObject *pixels = PyByteArray_FromStringAndSize(NULL, stride * rows);
+    if (pixels == NULL) {
+        jpeg_destroy_decompress(&cinfo);
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    unsigned char *out = (unsigned char *)PyByteArray_AS_STRING(pixels);
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = setjmp(err.jump);
+    if (!failed) {
+        if (y0 > 0)
+            jpeg_skip_scanlines(&cinfo, y0);
+        while (cinfo.output_scanline < y1) {
+            JSAMPROW row = out + (Py_ssize_t)(cinfo.output_scanline - y0) * stride;
+            jpeg_read_scanlines(&cinfo, &row, 1);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        jpeg_destroy_decompress(&cinfo);
+        PyBuffer_Release(&data);
+        Py_DECREF(pixels);
+        return PyErr_Format(PyExc_ValueError, "JPEG: %s", err.message);
+    }
+    JDIMENSION out_width = cinfo.output_width;
+    jpeg_destroy_decompress(&cinfo); /* the rows below the box are never decoded */
+    PyBuffer_Release(&data);
+    return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)y0, (unsigned long)xoffset, (unsigned long)rows, (unsigned long)out_width);
+}
+
+static PyMethodDef methods[] = {
+    {"decode_region", decode_region, METH_VARARGS, decode_region_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_jpeg", "Region-of-interest JPEG decoding (libjpeg-turbo).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__jpeg(void) { return PyModule_Create(&module); }
