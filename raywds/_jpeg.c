@@ -133,8 +133,41 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)y0, (unsigned long)xoffset, (unsigned long)rows, (unsigned long)out_width);
 }
 
+PyDoc_STRVAR(size_doc,
+"size(data) -> (height, width) or None\n\n"
+"The size of a JPEG that decode_region can decode (RGB, YCbCr or grayscale), from its header\n"
+"alone; None for anything else (CMYK, not a JPEG, a broken header).");
+
+static PyObject *size(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    struct jpeg_decompress_struct cinfo;
+    struct error_mgr err;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*", &data))
+        return NULL;
+    cinfo.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = on_error;
+    err.pub.emit_message = on_message;
+    if (setjmp(err.jump)) {
+        jpeg_destroy_decompress(&cinfo);
+        PyBuffer_Release(&data);
+        Py_RETURN_NONE;
+    }
+    jpeg_create_decompress(&cinfo);
+    jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
+    jpeg_read_header(&cinfo, TRUE);
+    J_COLOR_SPACE space = cinfo.jpeg_color_space;
+    unsigned long height = cinfo.image_height, width = cinfo.image_width;
+    jpeg_destroy_decompress(&cinfo);
+    PyBuffer_Release(&data);
+    if (space != JCS_YCbCr && space != JCS_GRAYSCALE && space != JCS_RGB)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(kk)", height, width);
+}
+
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS, decode_region_doc},
+    {"size", size, METH_VARARGS, size_doc},
     {NULL, NULL, 0, NULL},
 };
 

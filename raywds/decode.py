@@ -51,10 +51,11 @@ def reduction(box: Box, size: int) -> int:
     return r
 
 
-def draw_crop(img: Image.Image, scale: tuple[float, float]) -> tuple[Box, bool]:
+def draw_crop(height: int, width: int, scale: tuple[float, float]) -> tuple[Box, bool]:
     """RandomResizedCrop's box, then RandomHorizontalFlip's coin, from torch's generator in
-    the same order as the reference transform, so a seed gives both the same crops."""
-    box = transforms.RandomResizedCrop.get_params(img, list(scale), list(RATIO))
+    the same order as the reference transform, so a seed gives both the same crops. (get_params
+    only asks the image its size: a zero-size tensor expanded to it stands in.)"""
+    box = transforms.RandomResizedCrop.get_params(torch.empty(1, 1, 1).expand(3, height, width), list(scale), list(RATIO))
     return box, bool(torch.rand(1) < 0.5)
 
 
@@ -92,23 +93,30 @@ def region(data: bytes, box: Box, r: int = 1) -> tuple[torch.Tensor, int, int]:
 
 def train_crop(data: bytes, size: int, scale: tuple[float, float]) -> torch.Tensor:
     """The `cpu` decoder: a random crop of the image in `data`, decoding only what it needs."""
-    with Image.open(io.BytesIO(data)) as img:
-        box, flip = draw_crop(img, scale)
-        r = reduction(box, size) if img.format == "JPEG" else 1
-        top, left, h, w = box
-        if r == 1 and _plain_jpeg(img):
-            image, y0, x0 = region(data, box) if _jpeg is not None else (jpeg_tensor(data), 0, 0)
+    shape = _jpeg.size(data) if _jpeg is not None else None
+    if shape is not None:  # a JPEG the region decoder reads: its header gives the size, no PIL
+        box, flip = draw_crop(*shape, scale)
+        r = reduction(box, size)
+        image, y0, x0 = region(data, box, r)
+        if r == 1:
+            top, left, h, w = box
             return cropped(image, (top - y0, left - x0, h, w), flip, size)
-        # DCT-scaled (or not a plain JPEG): PIL resamples the box, whose corners fall between
-        # pixels of the 1/r image, as the reference transform does on the full image.
-        y0 = x0 = 0
-        source: Image.Image = img
-        if r > 1 and _plain_jpeg(img) and _jpeg is not None:
-            image, y0, x0 = region(data, box, r)
-            source = Image.fromarray(image.permute(1, 2, 0).numpy())
-        elif r > 1:
+        return _resampled(Image.fromarray(image.permute(1, 2, 0).numpy()), box, r, (y0, x0), flip, size)
+    with Image.open(io.BytesIO(data)) as img:  # without the extension, or not a plain JPEG
+        box, flip = draw_crop(img.height, img.width, scale)
+        r = reduction(box, size) if img.format == "JPEG" else 1
+        if r == 1 and _plain_jpeg(img):
+            return cropped(jpeg_tensor(data), box, flip, size)
+        if r > 1:
             img.draft("RGB", (img.width // r, img.height // r))  # libjpeg decodes the whole image at 1/r scale
-        out = source.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=(left / r - x0, top / r - y0, (left + w) / r - x0, (top + h) / r - y0))
+        return _resampled(img, box, r, (0, 0), flip, size)
+
+
+def _resampled(img: Image.Image, box: Box, r: int, origin: tuple[int, int], flip: bool, size: int) -> torch.Tensor:
+    """PIL resamples `box` from `img`, the image (or the part from `origin` on) at 1/r scale,
+    where the box's corners fall between pixels, as the reference transform does at full scale."""
+    (top, left, h, w), (y0, x0) = box, origin
+    out = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=(left / r - x0, top / r - y0, (left + w) / r - x0, (top + h) / r - y0))
     tensor = F.pil_to_tensor(out)
     return tensor.flip(-1) if flip else tensor
 
@@ -186,7 +194,7 @@ def encoded_crop(data: bytes, size: int, scale: tuple[float, float]) -> EncodedI
     """The `device` decoder's worker side: draw the crop from the header, keep the bytes.
     Images decode_jpeg cannot read (PNG, CMYK JPEG) are re-encoded as JPEG (quality 95)."""
     with Image.open(io.BytesIO(data)) as img:
-        box, flip = draw_crop(img, scale)
+        box, flip = draw_crop(img.height, img.width, scale)
         if not _plain_jpeg(img):
             out = io.BytesIO()
             img.convert("RGB").save(out, format="JPEG", quality=95)

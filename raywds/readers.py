@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 
 import webdataset as wds
 
+from raywds import tars
 from raywds.errors import DataError
 
 TRANSIENT = (OSError, http.client.HTTPException, socket.timeout)
@@ -270,8 +271,8 @@ def open_shards(sources: Iterable[dict[str, Any]], policy: ReadPolicy, failures:
 
 
 def tar_samples(sources: Iterable[dict[str, Any]], policy: ReadPolicy, known: dict[str, tuple[int, str]] | None = None) -> Iterator[dict[str, Any]]:
-    """{url} dicts -> samples (webdataset's tar expansion and key grouping), read by `policy`.
-    `known` maps shard URLs to (bytes, sha256) from the manifest, to catch short bodies."""
+    """{url} dicts -> samples (raywds.tars's members, webdataset's key grouping), read by
+    `policy`. `known` maps shard URLs to (bytes, sha256) from the manifest, to catch short bodies."""
     failures = Failures(policy)
-    files = wds.tariterators.tar_file_expander(open_shards(sources, policy, failures, known or {}), handler=failures)
+    files = tars.tar_files(open_shards(sources, policy, failures, known or {}), handler=failures)
     return wds.tariterators.group_by_keys(files)  # type: ignore[no-any-return]
