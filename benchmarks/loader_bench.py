@@ -6,14 +6,17 @@ On the same images (`copies` x the photos in DIR, by default ../shared/data/imag
 without it, generated ~500x375 photo-like JPEGs), as an ImageFolder tree and as raywds shards:
 
 1. the limit: one process that only decodes each full JPEG to RGB, with
-   torchvision.io.decode_jpeg and with PIL; and the same loop with raywds's crop (no loader);
+   torchvision.io.decode_jpeg and with PIL; and the same loop with raywds's crop (no loader),
+   with the region decoder (raywds._jpeg) and without it (whole-image decoding);
 2. the usual alternative: torchvision ImageFolder + DataLoader with the standard train
    transform (RandomResizedCrop 224, flip, ToTensor, Normalize);
-3. raywds's train loader, `--decode cpu` (crop from the header, DCT-scaled or decode_jpeg
+3. raywds's train loader, `--decode cpu` (crop from the header, region and DCT-scaled
    decoding, uint8 out, normalised later on the device) and `--decode pil` (torchvision's
    PIL transform inside the raywds loader);
 2 and 3 with 1 DataLoader worker and with all cores; then 1 worker at a low resolution (128 px,
-as in progressive-resizing schedules), where DCT scaling applies to most crops.
+as in progressive-resizing schedules), where DCT scaling applies to most crops; and raywds
+in the training process itself (0 workers: no batches cross processes). Also the shards' tar
+members read by webdataset (tarfile) and by raywds.tars.
 
 Loader passes are timed after their first batch (worker start-up excluded) over `copies` x
 the photos. This machine is shared and noisy, so the measurements are interleaved over
@@ -23,19 +26,21 @@ the photos. This machine is shared and noisy, so the measurements are interleave
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import statistics
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 import torchvision
+import webdataset as wds
 from PIL import Image, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms
@@ -45,6 +50,7 @@ from raywds.config import TrainConfig
 from raywds.convert import ConvertOptions, convert
 from raywds.loader import epoch_plan, train_loader
 from raywds.shards import read_manifest
+from raywds.tars import members
 from raywds.world import World
 
 BATCH = 64
@@ -79,6 +85,24 @@ def loop_rate(datas: list[bytes], fn: Callable[[bytes], object]) -> float:
     for data in datas:
         fn(data)
     return len(datas) / (time.perf_counter() - start)
+
+
+def whole_image_crop(data: bytes) -> object:
+    """raywds's crop as it runs where raywds._jpeg was not built."""
+    saved, decode._jpeg = decode._jpeg, None  # type: ignore[assignment]
+    try:
+        return decode.train_crop(data, 224, (0.08, 1.0))
+    finally:
+        decode._jpeg = saved
+
+
+def tar_rate(shards: list[Path], read: Callable[[io.BufferedReader], Iterable[object]]) -> float:
+    """Samples per second (3 members each: image, class, metadata) through a tar reader."""
+    start, count = time.perf_counter(), 0
+    for path in shards:
+        with open(path, "rb") as stream:
+            count += sum(1 for _ in read(stream))
+    return count / 3 / (time.perf_counter() - start)
 
 
 def timed(batches, num_images: int) -> float:
@@ -129,11 +153,16 @@ def main() -> None:
             "limit: full decode, decode_jpeg": partial(loop_rate, datas, decode.jpeg_tensor),
             "limit: full decode, PIL": partial(loop_rate, datas, decode.open_rgb),
             "loop: raywds crop (cpu), 224": partial(loop_rate, datas, partial(decode.train_crop, size=224, scale=(0.08, 1.0))),
+            "loop: same, whole-image decoding": partial(loop_rate, datas, whole_image_crop),
         }
+        tars = sorted((root / "shards").glob("*train-*.tar"))
+        runs["tar members, webdataset (samples/s)"] = partial(tar_rate, tars, wds.tariterators.tar_file_iterator)
+        runs["tar members, raywds.tars (samples/s)"] = partial(tar_rate, tars, members)
         for workers in sorted({1, cores}):
             runs[f"ImageFolder, {workers}w, 224"] = partial(imagefolder_rate, root / "tree", workers, n, 224)
             runs[f"raywds cpu, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "cpu")
             runs[f"raywds pil, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "pil")
+        runs["raywds cpu, 0w (in-process), 224"] = partial(raywds_rate, root / "shards", 0, n, 224, "cpu")
         runs["ImageFolder, 1w, 128"] = partial(imagefolder_rate, root / "tree", 1, n, 128)
         runs["raywds cpu, 1w, 128"] = partial(raywds_rate, root / "shards", 1, n, 128, "cpu")
         measured = defaultdict(list)
@@ -151,10 +180,13 @@ def main() -> None:
         print(f"  raywds / ImageFolder, {cores} workers:       {rate[f'raywds cpu, {all_w}, 224'] / rate[f'ImageFolder, {all_w}, 224']:.2f}x")
         print(f"  raywds 1 worker / full decode_jpeg:   {rate['raywds cpu, 1w, 224'] / limit:.2f}x")
         print(f"  raywds crop loop / full decode_jpeg:  {rate['loop: raywds crop (cpu), 224'] / limit:.2f}x")
+        print(f"  crop loop, region / whole-image decoding: {rate['loop: raywds crop (cpu), 224'] / rate['loop: same, whole-image decoding']:.2f}x")
         print(f"  raywds {cores} workers / 1 worker:          {rate[f'raywds cpu, {all_w}, 224'] / rate['raywds cpu, 1w, 224']:.2f}x")
+        print(f"  raywds in-process / full decode_jpeg: {rate['raywds cpu, 0w (in-process), 224'] / limit:.2f}x")
         print(f"  raywds cpu / raywds pil, 1 worker:    {rate['raywds cpu, 1w, 224'] / rate['raywds pil, 1w, 224']:.2f}x")
         print(f"  at 128 px, raywds / ImageFolder:      {rate['raywds cpu, 1w, 128'] / rate['ImageFolder, 1w, 128']:.2f}x")
         print(f"  at 128 px, raywds / full decode_jpeg: {rate['raywds cpu, 1w, 128'] / limit:.2f}x")
+        print(f"  tar members, raywds.tars / webdataset: {rate['tar members, raywds.tars (samples/s)'] / rate['tar members, webdataset (samples/s)']:.2f}x")
 
 
 if __name__ == "__main__":
