@@ -12,7 +12,6 @@
 
 #include <setjmp.h>
 #include <stdio.h>
-#include <string.h>
 
 #include <jpeglib.h>
 
@@ -41,8 +40,8 @@ PyDoc_STRVAR(decode_region_doc,
 "decode_region(data, top, left, height, width, scale) -> (pixels, top, left, height, width)\n\n"
 "Decode the part of a JPEG (RGB or grayscale) that covers the box (top, left, height, width,\n"
 "in full-image pixels) at 1/scale size (scale 1, 2, 4 or 8), as RGB.\n"
-"Returns the pixels (a bytearray, height x width x 3) of the box at 1/scale, widened to whole\n"
-"pixels, and where they sit in the 1/scale image; at scale 1, exactly the box.");
+"Returns the pixels (a bytearray, height x width x 3) and where they sit in the 1/scale image:\n"
+"the region covers the scaled box, widened to whole iMCU columns on the left and right.");
 
 static PyObject *decode_region(PyObject *self, PyObject *args) {
     Py_buffer data;
@@ -89,23 +88,21 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     cinfo.scale_denom = (unsigned int)scale;
     jpeg_start_decompress(&cinfo);
 
-    /* The box in the scaled image, widened to whole pixels and clipped to it: the pixels
-     * returned. Decoded: one more column on each side (fancy chroma upsampling of an edge column
-     * needs its neighbour, which the edge of a cropped scanline would only replicate), widened
-     * by libjpeg to whole iMCU columns. */
+    /* The box in the scaled image, widened to whole pixels and by one more column on each side
+     * (fancy chroma upsampling of an edge column needs its neighbour, which the edge of a
+     * cropped scanline would only replicate), clipped to the scaled image. */
     JDIMENSION y0 = floor_div(top, scale), y1 = ceil_div(top + height, scale);
-    JDIMENSION bx0 = floor_div(left, scale), bx1 = ceil_div(left + width, scale);
+    JDIMENSION x0 = floor_div(left, scale), x1 = ceil_div(left + width, scale) + 1;
+    if (x0 > 0) x0 -= 1;
     if (y1 > cinfo.output_height) y1 = cinfo.output_height;
-    if (bx1 > cinfo.output_width) bx1 = cinfo.output_width;
-    JDIMENSION xoffset = bx0 > 0 ? bx0 - 1 : 0;
-    JDIMENSION xwidth = (bx1 < cinfo.output_width ? bx1 + 1 : bx1) - xoffset;
+    if (x1 > cinfo.output_width) x1 = cinfo.output_width;
+    JDIMENSION xoffset = x0, xwidth = x1 - x0;
     if (xwidth < cinfo.output_width)
-        jpeg_crop_scanline(&cinfo, &xoffset, &xwidth);
-    JSAMPARRAY line = (*cinfo.mem->alloc_sarray)((j_common_ptr)&cinfo, JPOOL_IMAGE, cinfo.output_width * cinfo.output_components, 1);
+        jpeg_crop_scanline(&cinfo, &xoffset, &xwidth); /* widens to iMCU boundaries */
 
-    Py_ssize_t box_stride = (Py_ssize_t)(bx1 - bx0) * 3, skip = (Py_ssize_t)(bx0 - xoffset) * 3;
+    Py_ssize_t stride = (Py_ssize_t)cinfo.output_width * cinfo.output_components; /* after the crop */
     JDIMENSION rows = y1 - y0;
-    PyObject *pixels = PyByteArray_FromStringAndSize(NULL, box_stride * rows);
+    PyObject *pixels = PyByteArray_FromStringAndSize(NULL, stride * rows);
     if (pixels == NULL) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
@@ -119,9 +116,8 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         if (y0 > 0)
             jpeg_skip_scanlines(&cinfo, y0);
         while (cinfo.output_scanline < y1) {
-            unsigned char *to = out + (Py_ssize_t)(cinfo.output_scanline - y0) * box_stride;
-            jpeg_read_scanlines(&cinfo, line, 1);
-            memcpy(to, line[0] + skip, (size_t)box_stride);
+            JSAMPROW row = out + (Py_ssize_t)(cinfo.output_scanline - y0) * stride;
+            jpeg_read_scanlines(&cinfo, &row, 1);
         }
     }
     Py_END_ALLOW_THREADS
@@ -131,9 +127,10 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         Py_DECREF(pixels);
         return PyErr_Format(PyExc_ValueError, "JPEG: %s", err.message);
     }
+    JDIMENSION out_width = cinfo.output_width;
     jpeg_destroy_decompress(&cinfo); /* the rows below the box are never decoded */
     PyBuffer_Release(&data);
-    return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)y0, (unsigned long)bx0, (unsigned long)rows, (unsigned long)(bx1 - bx0));
+    return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)y0, (unsigned long)xoffset, (unsigned long)rows, (unsigned long)out_width);
 }
 
 PyDoc_STRVAR(size_doc,

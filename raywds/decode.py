@@ -75,9 +75,8 @@ def _plain_jpeg(img: Image.Image) -> bool:
 
 def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
     """Crop `box` of a uint8 CHW tensor, resize it to size x size (bilinear, antialiased), flip.
-    The crop is made contiguous channels-last first (a region decoded by raywds._jpeg already
-    is): torch's vectorised uint8 resize then runs 1.7x faster than on a strided view, copy
-    included."""
+    The crop is made contiguous channels-last first: torch's vectorised uint8 resize then runs
+    1.7x faster than on the strided view, copy included."""
     top, left, height, width = box
     crop = image[:, top : top + height, left : left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
     out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
@@ -86,8 +85,7 @@ def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tenso
 
 def region(data: bytes, box: Box, r: int = 1) -> tuple[torch.Tensor, int, int]:
     """Decode only the part of a JPEG under `box` (raywds._jpeg), at 1/r scale: uint8 CHW
-    (a view of HWC pixels, so channels-last) and where its top-left corner sits in the 1/r
-    image. At r = 1 it is exactly the box."""
+    (a view of HWC pixels, so channels-last) and where its top-left corner sits in the 1/r image."""
     top, left, height, width = box
     pixels, y0, x0, rows, cols = _jpeg.decode_region(data, top, left, height, width, r)
     return torch.frombuffer(pixels, dtype=torch.uint8).view(rows, cols, 3).permute(2, 0, 1), y0, x0
