@@ -33,6 +33,23 @@ static void on_message(j_common_ptr cinfo, int level) {
     (void)level;
 }
 
+/* libjpeg errors jump back to the caller's setjmp(err->jump); warnings are ignored. */
+static void catch_errors(struct jpeg_decompress_struct *cinfo, struct error_mgr *err) {
+    cinfo->err = jpeg_std_error(&err->pub);
+    err->pub.error_exit = on_error;
+    err->pub.emit_message = on_message;
+}
+
+/* After the caller's setjmp: a decompressor over `data`, its header read. */
+static void read_header(struct jpeg_decompress_struct *cinfo, const Py_buffer *data) {
+    jpeg_create_decompress(cinfo);
+    jpeg_mem_src(cinfo, (const unsigned char *)data->buf, (unsigned long)data->len);
+    jpeg_read_header(cinfo, TRUE);
+}
+
+/* The colour spaces libjpeg turns into RGB (not CMYK or YCCK). */
+static int rgb_decodable(J_COLOR_SPACE space) { return space == JCS_YCbCr || space == JCS_GRAYSCALE || space == JCS_RGB; }
+
 static JDIMENSION floor_div(long a, long b) { return (JDIMENSION)(a / b); }
 static JDIMENSION ceil_div(long a, long b) { return (JDIMENSION)((a + b - 1) / b); }
 
@@ -61,18 +78,14 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
 
     struct jpeg_decompress_struct cinfo;
     struct error_mgr err;
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = on_error;
-    err.pub.emit_message = on_message;
+    catch_errors(&cinfo, &err);
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
         return PyErr_Format(PyExc_ValueError, "JPEG: %s", err.message);
     }
-    jpeg_create_decompress(&cinfo);
-    jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
-    jpeg_read_header(&cinfo, TRUE);
-    if (cinfo.jpeg_color_space != JCS_YCbCr && cinfo.jpeg_color_space != JCS_GRAYSCALE && cinfo.jpeg_color_space != JCS_RGB) {
+    read_header(&cinfo, &data);
+    if (!rgb_decodable(cinfo.jpeg_color_space)) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
         return PyErr_Format(PyExc_ValueError, "JPEG colour space %d is not RGB, YCbCr or grayscale", (int)cinfo.jpeg_color_space);
@@ -145,22 +158,18 @@ static PyObject *size(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*", &data))
         return NULL;
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = on_error;
-    err.pub.emit_message = on_message;
+    catch_errors(&cinfo, &err);
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
         Py_RETURN_NONE;
     }
-    jpeg_create_decompress(&cinfo);
-    jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
-    jpeg_read_header(&cinfo, TRUE);
-    J_COLOR_SPACE space = cinfo.jpeg_color_space;
+    read_header(&cinfo, &data);
+    int decodable = rgb_decodable(cinfo.jpeg_color_space);
     unsigned long height = cinfo.image_height, width = cinfo.image_width;
     jpeg_destroy_decompress(&cinfo);
     PyBuffer_Release(&data);
-    if (space != JCS_YCbCr && space != JCS_GRAYSCALE && space != JCS_RGB)
+    if (!decodable)
         Py_RETURN_NONE;
     return Py_BuildValue("(kk)", height, width);
 }

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from raywds.convert import ConvertOptions, convert
 from raywds.demo import DemoSpec, write_tree
+
+def need_jpeg_extension() -> None:
+    """Skip where raywds._jpeg was not built, except under RAYWDS_REQUIRE_JPEG_EXT (set by
+    .ci/run): there its absence is a failure."""
+    from raywds import decode
+
+    if decode._jpeg is None:
+        if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
+            pytest.fail("raywds._jpeg was not built (a C compiler and libjpeg's headers are needed)")
+        pytest.skip("raywds._jpeg was not built", allow_module_level=True)
+
 
 SMALL = DemoSpec(num_train_per_class=12, num_val_per_class=5, image_side_px=32, seed=7)
 

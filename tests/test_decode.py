@@ -5,7 +5,6 @@ plumbing run on the CPU."""
 from __future__ import annotations
 
 import io
-import os
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import torch
 from PIL import Image, ImageFilter, JpegImagePlugin
 from scipy.stats import ks_2samp
 
+from conftest import need_jpeg_extension
 from raywds import decode
 from raywds.compute import Compute
 from raywds.decode import Encoded, encoded_crop, reduction, reference_train, reference_val, train_crop, val_crop
@@ -26,10 +26,8 @@ def jpeg_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     extension) and, as where the extension could not be built, whole-image decoding."""
     if request.param == "whole":
         monkeypatch.setattr(decode, "_jpeg", None)
-    elif decode._jpeg is None:
-        if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
-            pytest.fail("raywds._jpeg was not built (a C compiler and libjpeg's headers are needed)")
-        pytest.skip("raywds._jpeg was not built")
+    else:
+        need_jpeg_extension()
     return request.param
 
 

@@ -5,19 +5,16 @@ region may be wider than the box; only the box's pixels are promised.)"""
 from __future__ import annotations
 
 import io
-import os
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from conftest import need_jpeg_extension
 from raywds import decode
 
-if decode._jpeg is None:
-    if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
-        raise RuntimeError("raywds._jpeg was not built (a C compiler and libjpeg's headers are needed)")
-    pytest.skip("raywds._jpeg was not built", allow_module_level=True)
+need_jpeg_extension()
 
 from raywds._jpeg import decode_region  # noqa: E402
 
