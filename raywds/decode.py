@@ -20,6 +20,7 @@ Every way gives uint8 CHW; normalising happens on the device (raywds.compute).
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -51,12 +52,32 @@ def reduction(box: Box, size: int) -> int:
     return r
 
 
+_LOG_RATIO = torch.log(torch.tensor(RATIO)).tolist()  # float32-rounded, as get_params has them
+
+
 def draw_crop(height: int, width: int, scale: tuple[float, float]) -> tuple[Box, bool]:
-    """RandomResizedCrop's box, then RandomHorizontalFlip's coin, from torch's generator in
-    the same order as the reference transform, so a seed gives both the same crops. (get_params
-    only asks the image its size: a zero-size tensor expanded to it stands in.)"""
-    box = transforms.RandomResizedCrop.get_params(torch.empty(1, 1, 1).expand(3, height, width), list(scale), list(RATIO))
-    return box, bool(torch.rand(1) < 0.5)
+    """RandomResizedCrop's box, then RandomHorizontalFlip's coin, drawn from torch's generator
+    exactly as torchvision draws them (`RandomResizedCrop.get_params`: the same calls, in the
+    same order, on the same values), so a seed gives both the same crops. Written out because
+    get_params builds tensors for what is scalar arithmetic: 3x slower (about 100 µs a crop)."""
+    area = height * width
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        aspect_ratio = math.exp(torch.empty(1).uniform_(_LOG_RATIO[0], _LOG_RATIO[1]).item())
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,)).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,)).item())
+            return (top, left, h, w), torch.rand(1).item() < 0.5
+    in_ratio = width / height  # ten misses: the centre crop get_params falls back to
+    if in_ratio < min(RATIO):
+        w, h = width, int(round(width / min(RATIO)))
+    elif in_ratio > max(RATIO):
+        h, w = height, int(round(height * max(RATIO)))
+    else:
+        w, h = width, height
+    return ((height - h) // 2, (width - w) // 2, h, w), torch.rand(1).item() < 0.5
 
 
 def _as_rgb_tensor(img: Image.Image) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image, ImageFilter, JpegImagePlugin
 from scipy.stats import ks_2samp
+from torchvision import transforms
 
 from conftest import need_jpeg_extension
 from raywds import decode
@@ -76,6 +77,22 @@ def test_cpu_crop_matches_the_reference_for_the_same_seed(width: int, height: in
         assert mean_abs(a, b) < tolerance, f"seed {seed}: the fast crop must show what the reference crop shows"
         other = seeded(ref, data, seed + 100)
         assert mean_abs(a, other) > 20, "the test image must tell different crops apart"
+
+
+@pytest.mark.parametrize("height,width,scale", [(375, 500, SCALE), (1200, 1600, SCALE), (500, 333, (0.35, 1.0)), (20, 900, SCALE), (900, 20, SCALE), (1, 1, SCALE)])
+def test_draw_crop_is_torchvisions_draw(height: int, width: int, scale: tuple[float, float]) -> None:
+    """The same box and flip as RandomResizedCrop.get_params then RandomHorizontalFlip, seed for
+    seed, and the generator left in the same state; very narrow images take get_params's
+    centre-crop fallback after ten misses."""
+    image = torch.empty(1, 1, 1).expand(3, height, width)
+    for seed in range(300):
+        torch.manual_seed(seed)
+        box, flip = decode.draw_crop(height, width, scale)
+        after = torch.rand(1)
+        torch.manual_seed(seed)
+        expected = transforms.RandomResizedCrop.get_params(image, list(scale), list(decode.RATIO))
+        assert (box, flip) == (expected, bool(torch.rand(1) < 0.5)), f"seed {seed}"
+        assert torch.equal(torch.rand(1), after), "the same draws from the generator, no more"
 
 
 def test_large_crops_decode_at_reduced_scale(monkeypatch: pytest.MonkeyPatch, jpeg_path: str) -> None:
