@@ -15,8 +15,10 @@ without it, generated ~500x375 photo-like JPEGs), as an ImageFolder tree and as 
    PIL transform inside the raywds loader);
 2 and 3 with 1 DataLoader worker and with all cores; then 1 worker at a low resolution (128 px,
 as in progressive-resizing schedules), where DCT scaling applies to most crops; and raywds
-in the training process itself (0 workers: no batches cross processes). Also the shards' tar
-members read by webdataset (tarfile) and by raywds.tars.
+in the training process itself (0 workers: no batches cross processes), and with 1 worker
+handing every batch over in a fresh shared-memory block (as before raywds.blocks). Also the
+shards' tar members read by webdataset (tarfile) and by raywds.tars, and the crop draw by
+torchvision's get_params and by raywds.decode.draw_crop.
 
 Loader passes are timed after their first batch (worker start-up excluded) over `copies` x
 the photos. This machine is shared and noisy, so the measurements are interleaved over
@@ -46,6 +48,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from raywds import decode
+from raywds.blocks import Blocks
 from raywds.config import TrainConfig
 from raywds.convert import ConvertOptions, convert
 from raywds.loader import epoch_plan, train_loader
@@ -96,6 +99,25 @@ def whole_image_crop(data: bytes) -> object:
         decode._jpeg = saved
 
 
+def draw_rate(draw: Callable[[int, int], object], count: int = 3000) -> float:
+    """Crop draws per second for a 500x375 image."""
+    start = time.perf_counter()
+    for _ in range(count):
+        draw(375, 500)
+    return count / (time.perf_counter() - start)
+
+
+def torchvision_draw(height: int, width: int) -> object:
+    """The draw as torchvision's transforms make it: get_params, then the flip's coin."""
+    box = transforms.RandomResizedCrop.get_params(torch.empty(1, 1, 1).expand(3, height, width), [0.08, 1.0], [3 / 4, 4 / 3])
+    return box, bool(torch.rand(1) < 0.5)
+
+
+def fresh_blocks(shape: tuple[int, ...]) -> torch.Tensor:
+    """Every batch in a new shared-memory block, as before raywds.blocks."""
+    return torch.empty(shape, dtype=torch.uint8).share_memory_()
+
+
 def tar_rate(shards: list[Path], read: Callable[[io.BufferedReader], Iterable[object]]) -> float:
     """Samples per second (3 members each: image, class, metadata) through a tar reader."""
     start, count = time.perf_counter(), 0
@@ -127,7 +149,13 @@ def imagefolder_rate(root: Path, workers: int, num_images: int, size: int) -> fl
     return timed(loader, num_images)
 
 
-def raywds_rate(shards: Path, workers: int, num_images: int, size: int, how: str) -> float:
+def raywds_rate(shards: Path, workers: int, num_images: int, size: int, how: str, reuse_blocks: bool = True) -> float:
+    if not reuse_blocks:  # the workers fork from here, so they take fresh blocks too
+        saved, Blocks.take = Blocks.take, lambda self, shape: fresh_blocks(shape)  # type: ignore[method-assign]
+        try:
+            return raywds_rate(shards, workers, num_images, size, how)
+        finally:
+            Blocks.take = saved  # type: ignore[method-assign]
     cfg = TrainConfig(data=str(shards), model="demo", batch_size_per_rank=BATCH, num_loader_workers_per_rank=workers, image_size_px=size, decode=how)
     manifest = read_manifest(str(shards))
     return timed(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0), num_images)
@@ -155,6 +183,8 @@ def main() -> None:
             "loop: raywds crop (cpu), 224": partial(loop_rate, datas, partial(decode.train_crop, size=224, scale=(0.08, 1.0))),
             "loop: same, whole-image decoding": partial(loop_rate, datas, whole_image_crop),
         }
+        runs["draw: torchvision get_params (crops/s)"] = partial(draw_rate, torchvision_draw)
+        runs["draw: raywds draw_crop (crops/s)"] = partial(draw_rate, partial(decode.draw_crop, scale=(0.08, 1.0)))
         tars = sorted((root / "shards").glob("*train-*.tar"))
         runs["tar members, webdataset (samples/s)"] = partial(tar_rate, tars, wds.tariterators.tar_file_iterator)
         runs["tar members, raywds.tars (samples/s)"] = partial(tar_rate, tars, members)
@@ -162,6 +192,7 @@ def main() -> None:
             runs[f"ImageFolder, {workers}w, 224"] = partial(imagefolder_rate, root / "tree", workers, n, 224)
             runs[f"raywds cpu, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "cpu")
             runs[f"raywds pil, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "pil")
+        runs["raywds cpu, 1w, fresh blocks, 224"] = partial(raywds_rate, root / "shards", 1, n, 224, "cpu", reuse_blocks=False)
         runs["raywds cpu, 0w (in-process), 224"] = partial(raywds_rate, root / "shards", 0, n, 224, "cpu")
         runs["ImageFolder, 1w, 128"] = partial(imagefolder_rate, root / "tree", 1, n, 128)
         runs["raywds cpu, 1w, 128"] = partial(raywds_rate, root / "shards", 1, n, 128, "cpu")
@@ -186,6 +217,8 @@ def main() -> None:
         print(f"  raywds cpu / raywds pil, 1 worker:    {rate['raywds cpu, 1w, 224'] / rate['raywds pil, 1w, 224']:.2f}x")
         print(f"  at 128 px, raywds / ImageFolder:      {rate['raywds cpu, 1w, 128'] / rate['ImageFolder, 1w, 128']:.2f}x")
         print(f"  at 128 px, raywds / full decode_jpeg: {rate['raywds cpu, 1w, 128'] / limit:.2f}x")
+        print(f"  reused / fresh shared-memory blocks, 1 worker: {rate['raywds cpu, 1w, 224'] / rate['raywds cpu, 1w, fresh blocks, 224']:.2f}x")
+        print(f"  crop draw, raywds / torchvision:      {rate['draw: raywds draw_crop (crops/s)'] / rate['draw: torchvision get_params (crops/s)']:.2f}x")
         print(f"  tar members, raywds.tars / webdataset: {rate['tar members, raywds.tars (samples/s)'] / rate['tar members, webdataset (samples/s)']:.2f}x")
 
 

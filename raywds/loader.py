@@ -32,6 +32,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, get_worker_info
 
 from raywds import decode
+from raywds.blocks import Blocks, HandedOver
 from raywds import plan as planner
 from raywds.config import TrainConfig
 from raywds.decode import Encoded
@@ -148,9 +149,10 @@ def worker_shuffled(src: Iterable[Any], *, buffer: int, seed: int, epoch: int, r
     return shuffled(src, buffer=buffer, rng=_slot_rng("shuffle", seed, epoch, rank))
 
 
-def collate(samples: list[Sample]) -> Batch:
+def collate(samples: list[Sample], out_of: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> Batch:
+    """Samples -> a Batch; in a worker, the images go into shared memory (`out_of`: raywds.blocks)."""
     images, labels, ids, keys = zip(*samples)
-    return Batch(decode.stack(list(images)), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys))
+    return Batch(decode.stack(list(images), out_of), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys))
 
 
 def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -198,19 +200,24 @@ def _num_workers(cfg: TrainConfig) -> int:
     return max(1, cfg.num_loader_workers_per_rank)
 
 
-def _loader(pipeline: wds.DataPipeline, cfg: TrainConfig, world: World) -> DataLoader:
+def _loader(stages: list[Any], batch_size: int, partial: bool, cfg: TrainConfig, world: World) -> Iterable[Batch]:
+    """A DataLoader over the stages then batching, its batches handed over in reused
+    shared-memory blocks (raywds.blocks)."""
     # Workers start afresh each epoch (the pipeline is seeded by epoch), so start them by fork
     # where the OS has it: a process that was itself spawned would otherwise spawn its workers
     # too and re-import torch in each, seconds per epoch. Workers only decode on the CPU.
     workers = cfg.num_loader_workers_per_rank
     context = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
-    return DataLoader(
-        pipeline,
+    blocks = Blocks(workers)
+    batched = wds.batched(batch_size, collation_fn=bind(collate, out_of=blocks.take), partial=partial)
+    loader = DataLoader(
+        wds.DataPipeline(*stages, batched, blocks.leased),
         batch_size=None,
         num_workers=workers,
         multiprocessing_context=context,
         pin_memory=world.device.startswith("cuda"),
     )
+    return HandedOver(loader, blocks)
 
 
 def epoch_plan(manifest: Manifest, cfg: TrainConfig, num_ranks: int, *, epoch: int, position: Position | None = None) -> EpochPlan:
@@ -269,16 +276,15 @@ def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: Epoch
     else:
         source = bind(slot_urls, plan.slots, rank, manifest)
         consumed = position.consumed if resuming and position else None
-    pipeline = wds.DataPipeline(
+    stages = [
         source,
         bind(tar_samples, policy=read_policy(cfg, skip_unreadable=plan.mode == "resample"), known=_known(manifest, "train")),
         bind(numbered, offsets=_url_offsets(manifest, "train")),
         bind(unconsumed, consumed=consumed),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
         wds.map(Decode(train_decoder(cfg))),
-        wds.batched(cfg.batch_size_per_rank, collation_fn=collate, partial=plan.mode == "split"),
-    )
-    loader = _loader(pipeline, cfg, world)
+    ]
+    loader = _loader(stages, cfg.batch_size_per_rank, plan.mode == "split", cfg, world)
     if plan.mode == "resample" and cfg.cross_worker_shuffle_samples == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
 
@@ -297,11 +303,10 @@ def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[Sha
 def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
     """This rank's share of the validation split: every sample once across ranks, no padding."""
     slots = split_slots(manifest, "val", world.world_size * _num_workers(cfg))
-    pipeline = wds.DataPipeline(
+    stages = [
         bind(slot_urls, slots, world.rank, manifest),
         bind(tar_samples, policy=read_policy(cfg, skip_unreadable=False), known=_known(manifest, "val")),
         bind(numbered, offsets=_url_offsets(manifest, "val")),
         wds.map(Decode(val_decoder(cfg))),
-        wds.batched(cfg.batch_size_per_rank, collation_fn=collate, partial=True),
-    )
-    return _loader(pipeline, cfg, world)
+    ]
+    return _loader(stages, cfg.batch_size_per_rank, True, cfg, world)
