@@ -96,3 +96,16 @@ def test_spawned_workers_get_the_shared_flags_only() -> None:
     assert copy.busy.shape == (2, SLOTS) and int(copy.busy[1, 3]) == 1 and copy._watched == {}
     copy.busy[0, 0] = 1
     assert int(blocks.busy[0, 0]) == 1, "the flags are the same shared memory"
+
+
+def test_a_lease_pin_memory_turned_into_a_list_frees_its_block_only() -> None:
+    """DataLoader's pin_memory (CUDA runs) hands tuples back as lists."""
+    blocks = Blocks(2)
+    blocks.busy.fill_(1)
+    images = torch.zeros(4, dtype=torch.uint8)
+    blocks.watch([1, 2], images)  # type: ignore[arg-type]
+    blocks.release()
+    assert int(blocks.busy.sum()) == blocks.busy.numel(), "busy while the images live"
+    del images
+    blocks.release()
+    assert int(blocks.busy[1, 2]) == 0 and int(blocks.busy.sum()) == blocks.busy.numel() - 1
