@@ -59,7 +59,7 @@ def draw_crop(height: int, width: int, scale: tuple[float, float]) -> tuple[Box,
     """RandomResizedCrop's box, then RandomHorizontalFlip's coin, drawn from torch's generator
     exactly as torchvision draws them (`RandomResizedCrop.get_params`: the same calls, in the
     same order, on the same values), so a seed gives both the same crops. Written out because
-    get_params builds tensors for what is scalar arithmetic: 3x slower (about 100 µs a crop)."""
+    get_params builds tensors for what is scalar arithmetic, 3.3x slower (benchmarks/loader_bench.py)."""
     area = height * width
     for _ in range(10):
         target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()

@@ -32,8 +32,8 @@ import webdataset as wds
 from torch.utils.data import DataLoader, get_worker_info
 
 from raywds import decode
-from raywds.blocks import Blocks, HandedOver
 from raywds import plan as planner
+from raywds.blocks import Blocks, HandedOver
 from raywds.config import TrainConfig
 from raywds.decode import Encoded
 from raywds.errors import ConfigError, DataError
