@@ -53,4 +53,6 @@ def test_ray_job_submit_runs_the_demo(head: tuple[str, dict[str, str]], tmp_path
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert re.search(r"^epochs 1  top-1 ([\d.]+)  top-5 [\d.]+  samples seen 1216  images/s [\d.]+$", out.stdout, re.M), out.stdout[-3000:]
     assert re.search(r"Job '\S+' succeeded", out.stdout + out.stderr)
+    assert re.search(r"RayTrainWorker pid=\d+\S* epoch 1/1  loss", out.stdout), "the workers' epoch lines reach the job's output"
+    assert "Reporting training result" not in out.stdout + out.stderr, "Ray Train's per-report INFO lines stay out of the console"
     assert (tmp_path / "ray" / "job-test" / "metrics.jsonl").is_file()
