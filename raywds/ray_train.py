@@ -169,8 +169,8 @@ def run(
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_checkpoints_to_keep),
             # After a worker dies, Ray restarts the group and each worker resumes from the latest checkpoint.
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
-            # Ray Train's INFO lines (a whole metrics dict per report and per rank, each checkpoint)
-            # would bury raywds's epoch lines; they still go to Ray's log files (logs/train).
+            # Ray Train's INFO lines (each checkpoint's path; see also quiet_ray_reports) would
+            # bury raywds's epoch lines; they still go to Ray's system log files (logs/train).
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]  # V2's RunConfig; mypy sees V1's
         ),
     )
