@@ -113,11 +113,6 @@ def torchvision_draw(height: int, width: int) -> object:
     return box, bool(torch.rand(1) < 0.5)
 
 
-def fresh_blocks(shape: tuple[int, ...]) -> torch.Tensor:
-    """Every batch in a new shared-memory block, as before raywds.blocks."""
-    return torch.empty(shape, dtype=torch.uint8).share_memory_()
-
-
 def tar_rate(shards: list[Path], read: Callable[[io.BufferedReader], Iterable[object]]) -> float:
     """Samples per second (3 members each: image, class, metadata) through a tar reader."""
     start, count = time.perf_counter(), 0
@@ -150,8 +145,8 @@ def imagefolder_rate(root: Path, workers: int, num_images: int, size: int) -> fl
 
 
 def raywds_rate(shards: Path, workers: int, num_images: int, size: int, how: str, reuse_blocks: bool = True) -> float:
-    if not reuse_blocks:  # the workers fork from here, so they take fresh blocks too
-        saved, Blocks.take = Blocks.take, lambda self, shape: fresh_blocks(shape)  # type: ignore[method-assign]
+    if not reuse_blocks:  # no block to reuse, so every batch goes into a fresh one (the workers fork from here)
+        saved, Blocks.take = Blocks.take, lambda self, shape: None  # type: ignore[method-assign]
         try:
             return raywds_rate(shards, workers, num_images, size, how)
         finally:

@@ -3,14 +3,15 @@ process has let go of them.
 
 A worker hands a batch to the training process in shared memory. A fresh block for every
 batch means a new shared-memory file whose pages fault in as the batch is written, about
-5 ms for a 64 x 224 px batch; reusing blocks made one worker about 15% faster
-(benchmarks/loader_bench.py, README "Loader speed"). A block may only be written again once
+5 ms for a 64 x 224 px batch; reusing blocks made one worker 1.08x and 1.13x faster in two
+runs (benchmarks/loader_bench.py, README "Loader speed"). A block may only be written again once
 nothing in the training process refers to it, views of it included (a batch split into
 samples for the cross-worker shuffle keeps it alive, sample by sample). So:
 
 - the worker takes a block whose flag in `busy` (a small array in shared memory, made before
   the workers start) is clear, sets the flag, and hands the batch over with its lease
-  (worker, slot); with every block busy it takes a fresh block, which is not reused;
+  (worker, slot); with every block busy it gets none, and stacks the batch into a fresh
+  block (raywds.decode.stack_crops), which is not reused;
 - the training process keeps a weak reference to the storage each leased batch arrived in
   (torch's StorageWeakRef, which outlives every tensor and view of it) and clears the flag
   once the reference has expired, checked at each batch it receives.
@@ -51,23 +52,25 @@ class Blocks:
         return {"busy": self.busy}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(1, state["busy"].shape[1])  # type: ignore[misc]
         self.busy = state["busy"]
+        self._blocks = [None] * self.busy.shape[1]
+        self._watched = {}
 
-    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """Worker side: uint8 of `shape` in shared memory, in a free block of this worker's
-        (grown when too small), else fresh."""
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Worker side: uint8 of `shape` in a free block of this worker's (grown when too
+        small); None when every block is busy."""
         info = get_worker_info()
+        if info is None:
+            return None
         nbytes = math.prod(shape)
-        if info is not None:
-            row = self.busy[info.id]
-            for slot in (row == 0).nonzero().flatten().tolist():
-                block = self._blocks[slot]
-                if block is None or block.numel() < nbytes:
-                    block = self._blocks[slot] = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-                row[slot] = 1
-                return block[:nbytes].view(shape)
-        return torch.empty(shape, dtype=torch.uint8).share_memory_()
+        row = self.busy[info.id]
+        for slot in (row == 0).nonzero().flatten().tolist():
+            block = self._blocks[slot]
+            if block is None or block.numel() < nbytes:
+                block = self._blocks[slot] = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+            row[slot] = 1
+            return block[:nbytes].view(shape)
+        return None
 
     def lease(self, images: Any) -> Lease | None:
         """Worker side: the (worker, slot) whose block `images` lies in, if it is one of ours."""

@@ -223,7 +223,11 @@ def encoded_crop(data: bytes, size: int, scale: tuple[float, float]) -> EncodedI
     return EncodedImage(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, size)
 
 
-def stack_crops(images: list[torch.Tensor], out_of: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> torch.Tensor:
+OutOf = Callable[[tuple[int, ...]], torch.Tensor | None]
+"""Where a worker stacks a batch of `shape`: a reused shared-memory block, or None for a fresh one."""
+
+
+def stack_crops(images: list[torch.Tensor], out_of: OutOf | None = None) -> torch.Tensor:
     """uint8 CHW crops -> an NCHW batch stored channels-last (the layout the crops come in and
     CUDA models want). In a DataLoader worker the batch is made in shared memory, so handing
     it over copies nothing more (as torch's default_collate does): in the block `out_of(shape)`
@@ -232,11 +236,13 @@ def stack_crops(images: list[torch.Tensor], out_of: Callable[[tuple[int, ...]], 
     out = None
     if get_worker_info() is not None:
         shape = (len(hwc), *hwc[0].shape)
-        out = out_of(shape) if out_of is not None else torch.empty(shape, dtype=torch.uint8).share_memory_()
+        out = out_of(shape) if out_of is not None else None
+        if out is None:
+            out = torch.empty(shape, dtype=torch.uint8).share_memory_()
     return torch.stack(hwc, out=out).permute(0, 3, 1, 2)
 
 
-def stack(images: list[torch.Tensor] | list[EncodedImage], out_of: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> torch.Tensor | Encoded:
+def stack(images: list[torch.Tensor] | list[EncodedImage], out_of: OutOf | None = None) -> torch.Tensor | Encoded:
     """A batch's images: crops stacked (`stack_crops`), or encoded samples gathered."""
     if isinstance(images[0], EncodedImage):
         return Encoded.of(images)  # type: ignore[arg-type]

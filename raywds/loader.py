@@ -149,7 +149,7 @@ def worker_shuffled(src: Iterable[Any], *, buffer: int, seed: int, epoch: int, r
     return shuffled(src, buffer=buffer, rng=_slot_rng("shuffle", seed, epoch, rank))
 
 
-def collate(samples: list[Sample], out_of: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> Batch:
+def collate(samples: list[Sample], out_of: decode.OutOf | None = None) -> Batch:
     """Samples -> a Batch; in a worker, the images go into shared memory (`out_of`: raywds.blocks)."""
     images, labels, ids, keys = zip(*samples)
     return Batch(decode.stack(list(images), out_of), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys))
@@ -200,16 +200,16 @@ def _num_workers(cfg: TrainConfig) -> int:
     return max(1, cfg.num_loader_workers_per_rank)
 
 
-def _loader(stages: list[Any], batch_size: int, partial: bool, cfg: TrainConfig, world: World) -> Iterable[Batch]:
-    """A DataLoader over the stages then batching, its batches handed over in reused
-    shared-memory blocks (raywds.blocks)."""
+def _loader(stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool) -> Iterable[Batch]:
+    """A DataLoader over the stages then batching (`partial`: keep a short last batch), its
+    batches handed over in reused shared-memory blocks (raywds.blocks)."""
     # Workers start afresh each epoch (the pipeline is seeded by epoch), so start them by fork
     # where the OS has it: a process that was itself spawned would otherwise spawn its workers
     # too and re-import torch in each, seconds per epoch. Workers only decode on the CPU.
     workers = cfg.num_loader_workers_per_rank
     context = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
     blocks = Blocks(workers)
-    batched = wds.batched(batch_size, collation_fn=bind(collate, out_of=blocks.take), partial=partial)
+    batched = wds.batched(cfg.batch_size_per_rank, collation_fn=bind(collate, out_of=blocks.take), partial=partial)
     loader = DataLoader(
         wds.DataPipeline(*stages, batched, blocks.leased),
         batch_size=None,
@@ -284,7 +284,7 @@ def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: Epoch
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
         wds.map(Decode(train_decoder(cfg))),
     ]
-    loader = _loader(stages, cfg.batch_size_per_rank, plan.mode == "split", cfg, world)
+    loader = _loader(stages, cfg, world, partial=plan.mode == "split")
     if plan.mode == "resample" and cfg.cross_worker_shuffle_samples == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
 
@@ -309,4 +309,4 @@ def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[B
         bind(numbered, offsets=_url_offsets(manifest, "val")),
         wds.map(Decode(val_decoder(cfg))),
     ]
-    return _loader(stages, cfg.batch_size_per_rank, True, cfg, world)
+    return _loader(stages, cfg, world, partial=True)

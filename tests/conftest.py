@@ -10,6 +10,7 @@ import pytest
 from raywds.convert import ConvertOptions, convert
 from raywds.demo import DemoSpec, write_tree
 
+
 def need_jpeg_extension() -> None:
     """Skip where raywds._jpeg was not built, except under RAYWDS_REQUIRE_JPEG_EXT (set by
     .ci/run): there its absence is a failure."""

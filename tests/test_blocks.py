@@ -26,7 +26,7 @@ def numbered_images(count: int):  # type: ignore[no-untyped-def]
 
 def loader(count: int):  # type: ignore[no-untyped-def]
     cfg = TrainConfig(data="unused", model="demo", batch_size_per_rank=BATCH, num_loader_workers_per_rank=1)
-    handed = _loader([numbered_images(count)], BATCH, False, cfg, World())
+    handed = _loader([numbered_images(count)], cfg, World(), partial=False)
     leases: list[tuple[int, int] | None] = []
     watch = handed.blocks.watch
 
@@ -76,7 +76,7 @@ def test_cross_worker_shuffle_keeps_its_samples_intact(shards: Path) -> None:
         torch.manual_seed(0)  # the workers' crops
         kept, pixels = [], {}
         for i, batch in enumerate(train_loader(manifest, cfg, World(), plan, epoch=0)):
-            for j, sample in enumerate(batch.ids.tolist()):
+            for j in range(len(batch.keys)):
                 pixels[i, j] = batch.images[j].clone()
             if hold:
                 kept.append(batch)
