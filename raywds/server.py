@@ -21,6 +21,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -205,7 +206,18 @@ class ShardHandler(http.server.BaseHTTPRequestHandler):
                 left -= len(chunk)
 
 
-class _Server6(http.server.ThreadingHTTPServer):
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-shard (a loader at the end of its epoch) is not an error:
+        socketserver would print a traceback to stderr for each one."""
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
+
+
+class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
@@ -373,10 +385,9 @@ class ShardServer:
     def _start_embedded(self) -> None:
         handler = type("Handler", (ShardHandler,), {"root": self.root})
         try:
-            httpd = (_Server6 if ":" in self.host else http.server.ThreadingHTTPServer)((self.host, self.port), handler)
+            httpd = (_Server6 if ":" in self.host else _Server)((self.host, self.port), handler)
         except OSError as e:
             raise ServerError(f"embedded server cannot listen on {self.host}:{self.port}: {e}") from None
-        httpd.daemon_threads = True
         self.port = int(httpd.server_address[1])
         thread = threading.Thread(target=httpd.serve_forever, name="raywds-shard-server", daemon=True)
         thread.start()

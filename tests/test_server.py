@@ -264,3 +264,20 @@ def test_missing_directory_or_manifest_is_refused(tmp_path: Path) -> None:
         ShardServer(tmp_path / "absent")
     with pytest.raises(ServerError, match=r"no manifest.json in .*; serve a folder written by `raywds convert`"):
         ShardServer(tmp_path)
+
+
+def test_embedded_server_takes_a_client_hanging_up_mid_shard_quietly(tmp_path: Path, shards: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A loader that stops mid-shard (the end of a resample epoch) hangs up while the server is
+    still sending: no traceback on stderr, and the server goes on serving."""
+    shutil.copytree(shards, tmp_path / "s")
+    (tmp_path / "s" / "big.tar").write_bytes(os.urandom(32 << 20))
+    with ShardServer(tmp_path / "s", backend="embedded") as server:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset on close
+                sock.sendall(b"GET /big.tar HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        with urllib.request.urlopen(server.url + "/big.tar") as response:
+            assert len(response.read()) == 32 << 20, "the server still serves whole shards"
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "-" * 40 not in err, err[-2000:]
