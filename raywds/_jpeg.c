@@ -19,6 +19,7 @@ struct error_mgr {
     struct jpeg_error_mgr pub;
     jmp_buf jump;
     char message[JMSG_LENGTH_MAX];
+    char warning[JMSG_LENGTH_MAX]; /* the first warning, empty when there was none */
 };
 
 static void on_error(j_common_ptr cinfo) {
@@ -27,17 +28,24 @@ static void on_error(j_common_ptr cinfo) {
     longjmp(err->jump, 1);
 }
 
-/* Warnings (a truncated or slightly corrupt file) are not errors, as in PIL and torchvision. */
+/* Warnings (corrupt entropy data, a premature end of the file) are kept: libjpeg goes on and
+ * fills what it could not read with grey, so decode_region reports them as errors rather than
+ * hand garbage pixels to training. Trace messages (level > 0) are dropped. */
 static void on_message(j_common_ptr cinfo, int level) {
-    (void)cinfo;
-    (void)level;
+    struct error_mgr *err = (struct error_mgr *)cinfo->err;
+    if (level >= 0)
+        return;
+    cinfo->err->num_warnings++;
+    if (err->warning[0] == '\0')
+        (*cinfo->err->format_message)(cinfo, err->warning);
 }
 
-/* libjpeg errors jump back to the caller's setjmp(err->jump); warnings are ignored. */
+/* libjpeg errors jump back to the caller's setjmp(err->jump); warnings are kept in err->warning. */
 static void catch_errors(struct jpeg_decompress_struct *cinfo, struct error_mgr *err) {
     cinfo->err = jpeg_std_error(&err->pub);
     err->pub.error_exit = on_error;
     err->pub.emit_message = on_message;
+    err->warning[0] = '\0';
 }
 
 /* After the caller's setjmp: a decompressor over `data`, its header read. */
@@ -58,7 +66,9 @@ PyDoc_STRVAR(decode_region_doc,
 "Decode the part of a JPEG (RGB or grayscale) that covers the box (top, left, height, width,\n"
 "in full-image pixels) at 1/scale size (scale 1, 2, 4 or 8), as RGB.\n"
 "Returns the pixels (a bytearray, height x width x 3) and where they sit in the 1/scale image:\n"
-"the region covers the scaled box, widened to whole iMCU columns on the left and right.");
+"the region covers the scaled box, widened to whole iMCU columns on the left and right.\n"
+"Raises ValueError for a broken JPEG, and for one libjpeg warns about while decoding the\n"
+"region (corrupt data, a premature end): its pixels would be partly made up.");
 
 static PyObject *decode_region(PyObject *self, PyObject *args) {
     Py_buffer data;
@@ -143,6 +153,10 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     JDIMENSION out_width = cinfo.output_width;
     jpeg_destroy_decompress(&cinfo); /* the rows below the box are never decoded */
     PyBuffer_Release(&data);
+    if (err.warning[0] != '\0') {
+        Py_DECREF(pixels);
+        return PyErr_Format(PyExc_ValueError, "corrupt JPEG data: %s", err.warning);
+    }
     return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)y0, (unsigned long)xoffset, (unsigned long)rows, (unsigned long)out_width);
 }
 

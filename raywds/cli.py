@@ -13,10 +13,12 @@ import re
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from raywds import console
 from raywds.errors import RaywdsError
 
 DEMO_DIR = "runs/demo"
@@ -59,6 +61,8 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-timeout", type=float, dest="read_timeout_s", help="seconds to wait for a shard's next bytes before retrying (default 60)")
     p.add_argument("--read-retries", type=int, help="retries of a failed shard read, resuming where it stopped (default 3)")
     p.add_argument("--cache-dir", help="keep http shards on local disk after their first read")
+    p.add_argument("--verify-hashes", action="store_const", const=True, help="check each shard's sha256 against the manifest while reading it (catches flipped bits no decoder sees)")
+    p.add_argument("--max-bad-samples", type=float, help="resample mode: undecodable samples skipped per epoch before the run stops; below 1 a fraction of the epoch (default 0.001)")
     p.add_argument("--demo-dir", default=DEMO_DIR, help=f"where --demo keeps its images and shards (default {DEMO_DIR})")
     p.add_argument("--server-backend", default="auto", choices=["auto", "docker", "nginx", "embedded"], help="shard server for --demo and --serve")
 
@@ -67,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raywds", description="Train image classifiers from WebDataset shards, on one machine or a Ray cluster."
     )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error, not just its one line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("demo", help="write the generated demo ImageNet-layout tree")
@@ -149,7 +154,7 @@ TRAIN_FIELDS = [
     "label_smoothing", "image_size_px", "crop_scale_min", "precision", "memory_format", "compile", "decode", "val_every_epochs",
     "num_loader_workers_per_rank", "seed", "out_dir", "log_every_s", "cross_worker_shuffle_samples", "shuffle_buffer_samples",
     "batches_per_epoch", "checkpoint_every_steps", "max_steps", "resume_from", "audit_dir", "pg_timeout_s",
-    "read_timeout_s", "read_retries", "cache_dir",
+    "read_timeout_s", "read_retries", "cache_dir", "verify_hashes", "max_bad_samples",
 ]  # fmt: skip
 
 
@@ -359,9 +364,12 @@ def _message(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    console.configure()
     try:
         COMMANDS[args.command](args)
     except RaywdsError as e:
+        if args.debug:
+            traceback.print_exc()
         lines = _message(e).splitlines() or [""]
         print(f"raywds: error: {lines[0]}", file=sys.stderr)
         if lines[1:]:

@@ -79,6 +79,12 @@ class TrainConfig:
     """Retries of a failed shard read (backoff 1, 2, 4 s, resuming where it stopped)."""
     cache_dir: str | None = None
     """Keep http shards on local disk after their first read (for repeated epochs over slow links)."""
+    verify_hashes: bool = False
+    """Hash each shard while reading it and fail at its end, naming it, when its sha256 differs
+    from the manifest's: catches corruption no decoder can see (a flipped bit in pixels or a class)."""
+    max_bad_samples: float = 0.001
+    """resample mode: samples that cannot be decoded are skipped and counted, up to this many per
+    epoch (below 1: a fraction of the epoch's samples), then the run stops. Split mode never skips."""
     log_every_s: float = 60.0
     """Rank 0 prints a progress line (loss, lr, images/s, data wait, ETA) this often inside an epoch."""
     val_every_epochs: int = 1
@@ -119,6 +125,8 @@ class TrainConfig:
             raise ConfigError(f"crop_scale_min={self.crop_scale_min} must lie in (0, 1]")
         if self.warmup_epochs < 0:
             raise ConfigError(f"warmup_epochs={self.warmup_epochs} must be 0 or more")
+        if self.max_bad_samples < 0 or (self.max_bad_samples >= 1 and self.max_bad_samples != int(self.max_bad_samples)):
+            raise ConfigError(f"max_bad_samples={self.max_bad_samples} must be a fraction below 1 or a whole number of samples")
         if self.read_timeout_s <= 0:
             raise ConfigError(f"read_timeout_s={self.read_timeout_s} must be positive")
         for name in ("shuffle_buffer_samples", "cross_worker_shuffle_samples", "read_retries"):
@@ -130,6 +138,12 @@ class TrainConfig:
                 raise ConfigError(f"{name}={value} must be at least 1 (or None)")
         if self.batches_per_epoch is not None and self.mode == "split":
             raise ConfigError("batches_per_epoch applies to resample mode; split mode's epoch is the whole split once")
+
+    def bad_samples_allowed(self, epoch_samples: int) -> int:
+        """How many undecodable samples an epoch of `epoch_samples` may skip (resample mode)."""
+        if self.max_bad_samples >= 1:
+            return int(self.max_bad_samples)
+        return int(self.max_bad_samples * epoch_samples)
 
     def peak_lr(self, world_size: int) -> float:
         """The learning rate at the end of warm-up, scaled by the global batch for sgd."""

@@ -19,6 +19,7 @@ ids and keys, so the loop knows what it trained on (see raywds.position).
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing
 import random
 from collections.abc import Callable, Iterable, Iterator
@@ -39,11 +40,12 @@ from raywds.decode import Encoded
 from raywds.errors import ConfigError, DataError
 from raywds.plan import EpochPlan
 from raywds.position import Position
-from raywds.readers import ReadPolicy, tar_samples
+from raywds.readers import Expected, Failures, ReadPolicy, tar_samples
 from raywds.shards import Manifest, ShardInfo, deal
 from raywds.world import World
 
 IMAGE_KEYS = ("jpg", "png", "webp", "jpeg")
+log = logging.getLogger(__name__)
 
 
 class Batch(NamedTuple):
@@ -54,6 +56,10 @@ class Batch(NamedTuple):
     """Each sample's id: its shard's offset in manifest order plus its place in the shard."""
     keys: list[str]
     """Each sample's `__key__` in its tar."""
+    bad_samples: tuple[str, ...] = ()
+    """resample mode: why each sample skipped since the worker's previous batch could not be used."""
+    bad_shards: tuple[str, ...] = ()
+    """resample mode: why each shard skipped since the worker's previous batch could not be read."""
 
 
 Sample = tuple[Any, int, int, str]
@@ -71,17 +77,68 @@ def val_decoder(cfg: TrainConfig) -> Callable[[bytes], torch.Tensor]:
     return decode.reference_val(cfg.image_size_px) if cfg.decode == "pil" else bind(decode.val_crop, size=cfg.image_size_px)
 
 
-class Decode:
-    """Sample dict -> (image, class index, id, key); the image as `decode` (raywds.decode) makes it."""
+class SampleError(DataError):
+    """One sample cannot be used; the message names its shard, key and member."""
 
-    def __init__(self, decode: Callable[[bytes], Any]):
-        self.decode = decode
 
-    def __call__(self, sample: dict[str, Any]) -> Sample:
-        key = next((k for k in IMAGE_KEYS if k in sample), None)
-        if key is None or "cls" not in sample:
-            raise DataError(f"sample {sample.get('__key__')} in {sample.get('__url__')} lacks an image or .cls")
-        return self.decode(sample[key]), int(sample["cls"]), sample["__id__"], sample["__key__"]
+MAX_LOGGED = 5
+"""Bad samples a loader worker logs in full per epoch; the rest are only counted."""
+
+
+class Skips:
+    """A loader worker's policy for bad samples and unreadable shards: raise (exact passes), or
+    skip, log the first few and hand the reasons on with the worker's next batch (resample)."""
+
+    def __init__(self, policy: ReadPolicy):
+        self.shards = Failures(policy)
+        self.samples: list[str] = []
+        self.num_logged = 0
+        self.shards_sent = 0
+
+    def bad_sample(self, error: SampleError) -> None:
+        if not self.shards.policy.skip_unreadable:
+            raise error
+        self.samples.append(str(error))
+        if self.num_logged < MAX_LOGGED:
+            self.num_logged += 1
+            log.warning("skipped a bad sample: %s", error)
+
+    def attach(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """Stage: each batch carries what was skipped since the previous one."""
+        for batch in batches:
+            shards = self.shards.skipped[self.shards_sent :]
+            self.shards_sent += len(shards)
+            samples, self.samples = self.samples, []
+            yield batch._replace(bad_samples=tuple(samples), bad_shards=tuple(shards)) if samples or shards else batch
+
+
+def _what(e: BaseException) -> str:
+    """A decoder's complaint in one line (torchvision's carry a C++ file and line first)."""
+    text = (str(e).splitlines() or [""])[0] or type(e).__name__
+    return text.rsplit(".cpp:", 1)[-1].split(", ", 1)[-1] if ".cpp:" in text else text
+
+
+def decoded(samples: Iterable[dict[str, Any]], decode: Callable[[bytes], Any], skips: Skips) -> Iterator[Sample]:
+    """Sample dicts -> (image, class index, id, key), the image as `decode` (raywds.decode) makes
+    it; a sample without an image or class, or whose image or class cannot be read, goes to `skips`."""
+    for sample in samples:
+        key, url = sample["__key__"], sample["__url__"]
+        ext = next((k for k in IMAGE_KEYS if k in sample), None)
+        member = f"{key}.{ext}"
+        try:
+            if ext is None or "cls" not in sample:
+                member = f"{key}.*"
+                raise ValueError(f"has no {'image' if ext is None else '.cls'} member (found {', '.join(sorted(k for k in sample if not k.startswith('__')))})")
+            try:
+                label = int(sample["cls"])
+            except ValueError:
+                member = f"{key}.cls"
+                raise ValueError(f"class {bytes(sample['cls'][:20])!r} is not a number") from None
+            image = decode(sample[ext])
+        except Exception as e:  # noqa: BLE001 - PIL, libjpeg and torchvision raise many types for bad bytes
+            skips.bad_sample(SampleError(f"shard {url}: sample {key} ({member}): {_what(e)}"))
+            continue
+        yield image, label, sample["__id__"], key
 
 
 def _worker() -> tuple[int, int]:
@@ -118,18 +175,6 @@ def slot_urls(slots: list[list[ShardInfo]], rank: int, manifest: Manifest) -> It
         yield {"url": manifest.url(shard)}
 
 
-def numbered(samples: Iterable[dict[str, Any]], offsets: dict[str, int]) -> Iterator[dict[str, Any]]:
-    """Give each sample its id, the shard's offset (by URL) plus its place in the shard (`__id__`)."""
-    url, first, offset, index = "", "", 0, 0
-    for sample in samples:
-        if sample["__url__"] != url or sample["__key__"] == first:  # a new shard, or the same one drawn again
-            url, first, index = sample["__url__"], sample["__key__"], 0
-            offset = offsets[url]
-        sample["__id__"] = offset + index
-        index += 1
-        yield sample
-
-
 def unconsumed(samples: Iterable[dict[str, Any]], consumed: np.ndarray | None) -> Iterator[dict[str, Any]]:
     """Drop the samples an interrupted epoch already trained on."""
     for sample in samples:
@@ -149,10 +194,13 @@ def worker_shuffled(src: Iterable[Any], *, buffer: int, seed: int, epoch: int, r
     return shuffled(src, buffer=buffer, rng=_slot_rng("shuffle", seed, epoch, rank))
 
 
-def collate(samples: list[Sample], out_of: decode.OutOf | None = None) -> Batch:
+def collate(samples: list[Sample], out_of: decode.OutOf | None = None, *, bad_samples: tuple[str, ...] = (), bad_shards: tuple[str, ...] = ()) -> Batch:
     """Samples -> a Batch; in a worker, the images go into shared memory (`out_of`: raywds.blocks)."""
     images, labels, ids, keys = zip(*samples)
-    return Batch(decode.stack(list(images), out_of), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys))
+    return Batch(
+        decode.stack(list(images), out_of), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys),
+        bad_samples, bad_shards,
+    )  # fmt: skip
 
 
 def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -164,7 +212,8 @@ def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
         if len(held) == 3:
             yield held.pop(0)
     if len(held) == 2 and len(held[1].keys) == 1 and len(held[0].keys) > 1:
-        yield collate([*_samples(held[0]), *_samples(held[1])])
+        a, b = held
+        yield collate([*_samples(a), *_samples(b)], bad_samples=a.bad_samples + b.bad_samples, bad_shards=a.bad_shards + b.bad_shards)
     else:
         yield from held
 
@@ -174,10 +223,23 @@ def _samples(batch: Batch) -> list[Sample]:
 
 
 def rebatched(batches: Iterable[Batch], *, batch_size: int, buffer: int, rng: random.Random, partial: bool) -> Iterator[Batch]:
-    """Main process: unbatch the workers' batches, shuffle across workers, batch again."""
-    samples: Iterator[Any] = wds.unbatched()(iter(batches))
-    samples = shuffled(samples, buffer=buffer, rng=rng)
-    out = wds.batched(batch_size, collation_fn=collate, partial=partial)(samples)
+    """Main process: unbatch the workers' batches, shuffle across workers, batch again; what the
+    workers skipped travels on with the next batch out."""
+    skipped: tuple[list[str], list[str]] = ([], [])
+
+    def unbatched() -> Iterator[Sample]:
+        for batch in batches:
+            skipped[0].extend(batch.bad_samples)
+            skipped[1].extend(batch.bad_shards)
+            yield from _samples(batch)
+
+    def collated(samples: list[Sample]) -> Batch:
+        batch = collate(samples, bad_samples=tuple(skipped[0]), bad_shards=tuple(skipped[1]))
+        skipped[0].clear()
+        skipped[1].clear()
+        return batch
+
+    out = wds.batched(batch_size, collation_fn=collated, partial=partial)(shuffled(unbatched(), buffer=buffer, rng=rng))
     return fold_single_tail(out) if partial else out
 
 
@@ -186,23 +248,25 @@ def read_policy(cfg: TrainConfig, *, skip_unreadable: bool) -> ReadPolicy:
     return ReadPolicy(read_timeout_s=cfg.read_timeout_s, retries=cfg.read_retries, skip_unreadable=skip_unreadable, cache_dir=cfg.cache_dir)
 
 
-def _known(manifest: Manifest, split: str) -> dict[str, tuple[int, str]]:
-    """Each shard's URL -> (bytes, sha256) from the manifest."""
-    return {manifest.url(s): (s.num_bytes, s.sha256) for s in manifest.shards(split)}
-
-
-def _url_offsets(manifest: Manifest, split: str) -> dict[str, int]:
+def expected(manifest: Manifest, split: str) -> dict[str, Expected]:
+    """Each shard's URL -> what the manifest says reading it must give."""
     offsets = manifest.offsets(split)
-    return {manifest.url(s): offsets[s.name] for s in manifest.shards(split)}
+    return {manifest.url(s): Expected(num_samples=s.num_samples, num_bytes=s.num_bytes, sha256=s.sha256, first_id=offsets[s.name]) for s in manifest.shards(split)}
+
+
+def _read_stages(source: Any, manifest: Manifest, split: str, cfg: TrainConfig, skips: Skips) -> list[Any]:
+    """Shard URLs -> samples with ids, each shard checked against the manifest."""
+    return [source, bind(tar_samples, policy=skips.shards.policy, expected=expected(manifest, split), verify_hashes=cfg.verify_hashes, failures=skips.shards)]
 
 
 def _num_workers(cfg: TrainConfig) -> int:
     return max(1, cfg.num_loader_workers_per_rank)
 
 
-def _loader(stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool) -> Iterable[Batch]:
+def _loader(stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool, skips: Skips | None = None) -> Iterable[Batch]:
     """A DataLoader over the stages then batching (`partial`: keep a short last batch), its
-    batches handed over in reused shared-memory blocks (raywds.blocks)."""
+    batches handed over in reused shared-memory blocks (raywds.blocks), each carrying what
+    `skips` skipped before it."""
     # Workers start afresh each epoch (the pipeline is seeded by epoch), so start them by fork
     # where the OS has it: a process that was itself spawned would otherwise spawn its workers
     # too and re-import torch in each, seconds per epoch. Workers only decode on the CPU.
@@ -211,7 +275,7 @@ def _loader(stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool)
     blocks = Blocks(workers)
     batched = wds.batched(cfg.batch_size_per_rank, collation_fn=bind(collate, out_of=blocks.take), partial=partial)
     loader = DataLoader(
-        wds.DataPipeline(*stages, batched, blocks.leased),
+        wds.DataPipeline(*stages, batched, *([skips.attach] if skips is not None else []), blocks.leased),
         batch_size=None,
         num_workers=workers,
         multiprocessing_context=context,
@@ -239,10 +303,14 @@ def epoch_plan(manifest: Manifest, cfg: TrainConfig, num_ranks: int, *, epoch: i
 
 
 def check_plan(plan: EpochPlan, manifest: Manifest) -> None:
-    """Refuse, before any step, a plan that would hang or lose data."""
-    refused = planner.refusals(planner.check(plan, num_shards=len(manifest.shards("train"))))
+    """Refuse, before any step, a plan that would hang or lose data; log its warnings."""
+    findings = planner.check(plan, num_shards=len(manifest.shards("train")))
+    refused = planner.refusals(findings)
     if refused:
         raise ConfigError(refused[0])
+    for finding in findings:
+        if finding.level == "warn":
+            log.warning("%s", finding.text)
 
 
 class EpochLoader:
@@ -276,15 +344,14 @@ def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: Epoch
     else:
         source = bind(slot_urls, plan.slots, rank, manifest)
         consumed = position.consumed if resuming and position else None
+    skips = Skips(read_policy(cfg, skip_unreadable=plan.mode == "resample"))
     stages = [
-        source,
-        bind(tar_samples, policy=read_policy(cfg, skip_unreadable=plan.mode == "resample"), known=_known(manifest, "train")),
-        bind(numbered, offsets=_url_offsets(manifest, "train")),
+        *_read_stages(source, manifest, "train", cfg, skips),
         bind(unconsumed, consumed=consumed),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
-        wds.map(Decode(train_decoder(cfg))),
+        bind(decoded, decode=train_decoder(cfg), skips=skips),
     ]
-    loader = _loader(stages, cfg, world, partial=plan.mode == "split")
+    loader = _loader(stages, cfg, world, partial=plan.mode == "split", skips=skips)
     if plan.mode == "resample" and cfg.cross_worker_shuffle_samples == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
 
@@ -303,10 +370,9 @@ def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[Sha
 def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
     """This rank's share of the validation split: every sample once across ranks, no padding."""
     slots = split_slots(manifest, "val", world.world_size * _num_workers(cfg))
+    skips = Skips(read_policy(cfg, skip_unreadable=False))
     stages = [
-        bind(slot_urls, slots, world.rank, manifest),
-        bind(tar_samples, policy=read_policy(cfg, skip_unreadable=False), known=_known(manifest, "val")),
-        bind(numbered, offsets=_url_offsets(manifest, "val")),
-        wds.map(Decode(val_decoder(cfg))),
+        *_read_stages(bind(slot_urls, slots, world.rank, manifest), manifest, "val", cfg, skips),
+        bind(decoded, decode=val_decoder(cfg), skips=skips),
     ]
     return _loader(stages, cfg, world, partial=True)

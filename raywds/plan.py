@@ -118,6 +118,14 @@ def check(plan: EpochPlan, *, num_shards: int) -> list[Finding]:
     """The verdict: settings that would hang or lose data are `refuse`, with the fix."""
     found: list[Finding] = []
     slots = plan.num_ranks * plan.num_workers
+    share = plan.num_samples / plan.num_ranks
+    if plan.batch_size > share and not plan.resumed:
+        found.append(Finding("warn", (
+            f"batch {plan.batch_size} per rank is more than a rank's share of the data ({plan.num_samples} samples / "
+            f"{plan.num_ranks} ranks = {share:.0f}): every epoch is {plan.max_batches} step(s) per rank"
+            + (", so samples repeat within each batch" if plan.mode == "resample" else " of a partial batch")
+            + f"; use --batch-size {max(int(share), 1)} or less"
+        )))  # fmt: skip
     if plan.mode == "split":
         if not plan.resumed and num_shards < slots:
             found.append(Finding("refuse", (

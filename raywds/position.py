@@ -8,6 +8,7 @@ workers prefetched, or that sat in a shuffle buffer, are not counted as seen.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from raywds.errors import ConfigError
 from raywds.shards import Manifest
 from raywds.world import World
+
+log = logging.getLogger(__name__)
 
 
 class Ledger:
@@ -33,7 +36,7 @@ class Ledger:
         """The counts summed over all ranks (a collective: every rank must call it at the same point)."""
         if not world.distributed:
             return self.counts.copy()
-        t = torch.from_numpy(self.counts).to(world.device)
+        t = torch.tensor(self.counts, device=world.device)  # a copy: all_reduce works in place
         dist.all_reduce(t)
         return t.cpu().numpy()
 
@@ -92,3 +95,39 @@ class Position:
                 f"the checkpoint stopped inside epoch {self.epoch + 1} in {self.mode} mode; resume it with --mode "
                 f"{self.mode} (the mode may change at an epoch boundary)"
             )
+
+
+def shard_entries(manifest: Manifest) -> dict[str, list[list[Any]]]:
+    """Every split's shards as [name, samples, sha256], for a checkpoint to compare at resume."""
+    return {split: [[s.name, s.num_samples, s.sha256] for s in shards] for split, shards in manifest.splits.items()}
+
+
+def check_same_shards(saved: dict[str, list[list[Any]]], manifest: Manifest) -> None:
+    """Refuse to resume on a training split that changed since the checkpoint, naming what
+    changed; a changed validation split only changes what top-1 means, so it is a warning."""
+    now = shard_entries(manifest)
+    for split in sorted(set(saved) | set(now)):
+        change = _first_change(saved.get(split, []), now.get(split, []))
+        if change is None:
+            continue
+        text = f"the {split} shards changed since the checkpoint: {change}"
+        if split == "train":
+            raise ConfigError(f"{text}; resume with the data the run started on, or start a new run")
+        log.warning("%s; validation numbers before and after this resume are not comparable", text)
+
+
+def _first_change(before: list[list[Any]], after: list[list[Any]]) -> str | None:
+    old, new = {e[0]: e for e in before}, {e[0]: e for e in after}
+    for name in [e[0] for e in before] + [e[0] for e in after]:
+        if name not in new:
+            return f"{name} is gone from the manifest"
+        if name not in old:
+            return f"{name} was added to the manifest"
+        (_, n0, h0), (_, n1, h1) = old[name], new[name]
+        if n0 != n1:
+            return f"{name} had {n0} samples, now {n1}"
+        if h0 != h1:
+            return f"{name} had sha256 {h0[:12]}…, now {h1[:12]}…"
+    if [e[0] for e in before] != [e[0] for e in after]:
+        return "the shards are listed in another order (sample ids would change)"
+    return None

@@ -22,6 +22,7 @@ import ray.train
 import torch
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raywds import console
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError, RaywdsError
 from raywds.loader import check_plan, epoch_plan
@@ -93,6 +94,7 @@ def quiet_ray_reports() -> None:
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Runs in every Ray Train worker: build the world from Ray's context, then train."""
     quiet_ray_reports()
+    console.configure()
     cfg = TrainConfig.from_dict(config)
     context = ray.train.get_context()  # RAY
     world = World(

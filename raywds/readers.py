@@ -7,11 +7,15 @@ or a shard that stays unreadable is an error naming the URL. Local paths open di
 command's exit status. With a cache dir, each http shard is kept on local disk after its
 first full, size-checked read.
 
-What happens when a shard stays unreadable is the caller's policy: split mode raises (an
-exact epoch cannot lose a shard); resample mode skips it with a counted warning, and gives up
-when several shards in a row fail (the server is down, not one shard).
+Every shard is checked against its manifest entry as it is read: as many samples, no key
+twice, and with `verify_hashes` the same sha256 (hashed while streaming, checked at the
+shard's end). A shard that disagrees is always an error (`ShardMismatch`): an epoch must never
+count wrong without a word. What happens to a shard that stays unreadable is the caller's
+policy: split mode raises (an exact epoch cannot lose a shard); resample mode skips it with a
+counted warning, and gives up when several shards in a row fail (the server is down).
 
-    for sample in tar_samples([{"url": u} for u in urls], ReadPolicy(skip_unreadable=True)): ...
+    expected = {url: Expected(num_samples=1000, sha256=...)}
+    for sample in tar_samples([{"url": u} for u in urls], ReadPolicy(skip_unreadable=True), expected): ...
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from __future__ import annotations
 import hashlib
 import http.client
 import io
+import logging
 import os
 import socket
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -34,6 +38,8 @@ import webdataset as wds
 
 from raywds import tars
 from raywds.errors import DataError
+
+log = logging.getLogger(__name__)
 
 TRANSIENT = (OSError, http.client.HTTPException, socket.timeout)
 
@@ -191,7 +197,7 @@ class CachingReader(io.RawIOBase):
             os.replace(self.tmp, self.path)
         else:
             self.tmp.unlink(missing_ok=True)
-            print(f"raywds: warning: not caching {self.path.name}: {self.written} bytes, sha256 {self.hash.hexdigest()[:12]}… differ from the manifest", file=sys.stderr)
+            log.warning("not caching %s: %d bytes, sha256 %s… differ from the manifest", self.path.name, self.written, self.hash.hexdigest()[:12])
 
     def close(self) -> None:
         if self.out is not None:
@@ -225,54 +231,123 @@ def open_shard(url: str, policy: ReadPolicy, *, size: int | None = None, sha256:
 
 
 class Failures:
-    """The policy for unreadable shards: raise, or warn, count and skip (up to a run of them)."""
+    """The policy for unreadable shards: raise, or warn, count and skip (up to a run of them).
+    A shard that reads cleanly but disagrees with the manifest (`ShardMismatch`) always raises."""
 
     def __init__(self, policy: ReadPolicy):
         self.policy = policy
-        self.skipped = 0
+        self.skipped: list[str] = []
+        """Why each skipped shard was skipped (one line each), for the batches to carry."""
         self.in_a_row = 0
 
-    def __call__(self, exn: BaseException) -> bool:
-        """A webdataset handler: True to go on with the next shard."""
-        if not self.policy.skip_unreadable:
+    def __call__(self, exn: ShardError) -> None:
+        if not self.policy.skip_unreadable or isinstance(exn, ShardMismatch):
             raise exn
-        self.skipped += 1
+        self.skipped.append(str(exn))
         self.in_a_row += 1
-        reason = str(exn.args[0]) if exn.args else repr(exn)
         if self.in_a_row >= self.policy.max_failures_in_a_row:
-            raise ShardError(f"{self.in_a_row} shards in a row were unreadable, the last: {reason}; is the shard server down?") from exn
-        print(f"raywds: warning: skipped an unreadable shard ({reason}); {self.skipped} skipped by this loader worker", file=sys.stderr, flush=True)
-        return True
+            raise ShardError(f"{self.in_a_row} shards in a row were unreadable, the last: {exn}; is the shard server down?") from exn
+        log.warning("skipped an unreadable shard (%s); %d skipped by this loader worker", exn, len(self.skipped))
 
     def succeeded(self) -> None:
         self.in_a_row = 0
 
 
-def open_shards(sources: Iterable[dict[str, Any]], policy: ReadPolicy, failures: Failures, known: dict[str, tuple[int, str]]) -> Iterator[dict[str, Any]]:
-    """{url} -> {url, stream}; the previous stream is closed when the next is wanted."""
-    previous: BinaryIO | None = None
+@dataclass(frozen=True)
+class Expected:
+    """What the manifest says one shard holds; reading it must agree."""
+
+    num_samples: int
+    num_bytes: int | None = None
+    sha256: str | None = None
+    first_id: int = 0
+    """The id of its first sample: shards are numbered through the split in manifest order."""
+
+
+class ShardMismatch(ShardError):
+    """A shard read to its end disagrees with its manifest entry (samples, keys or sha256)."""
+
+
+class _Hashing(io.RawIOBase):
+    """Passes a stream through, hashing what is read (for --verify-hashes)."""
+
+    def __init__(self, source: BinaryIO):
+        self.source, self.hash, self.num_bytes = source, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.source.read(len(buffer))
+        n = len(data)
+        buffer[:n] = data
+        self.hash.update(data)
+        self.num_bytes += n
+        return n
+
+
+def shard_samples(url: str, stream: BinaryIO, expected: Expected, *, verify_hash: bool = False) -> Iterator[dict[str, Any]]:
+    """One shard's samples, each with its `__id__`; raises ShardError naming the shard (and the
+    last good key) when the tar cannot be read, and ShardMismatch when what it holds differs
+    from `expected`: more or fewer samples, a key twice, or (`verify_hash`) another sha256."""
+    hashing = _Hashing(stream) if verify_hash else None
+    source: BinaryIO = io.BufferedReader(hashing, 1 << 20) if hashing is not None else stream  # type: ignore[arg-type]
+    seen: set[str] = set()
+    key = ""
     try:
-        for source in sources:
-            if previous is not None:
-                previous.close()
-                previous = None
-                failures.succeeded()
-            url = source["url"]
-            size, sha256 = known.get(url, (None, None))
-            try:
-                previous = open_shard(url, policy, size=size, sha256=sha256)
-            except (ShardError, OSError) as e:
-                failures(e)
-                continue
-            yield {**source, "stream": previous}
-    finally:
-        if previous is not None:
-            previous.close()
+        files = ({"fname": n, "data": d, "__url__": url} for n, d in tars.members(source) if not tars.SKIP.match(n))
+        for sample in wds.tariterators.group_by_keys(files):
+            key = sample["__key__"]
+            if key in seen:
+                raise ShardMismatch(f"shard {url}: key {key} appears twice; the shard is corrupt, reconvert it")
+            if len(seen) >= expected.num_samples:
+                raise ShardMismatch(f"shard {url} holds more than the {expected.num_samples} samples its manifest entry lists; the shard or manifest.json changed, run `raywds verify`")
+            sample["__id__"] = expected.first_id + len(seen)
+            seen.add(key)
+            yield sample
+        if hashing is not None:
+            source.read()  # the tar's closing blocks count in its sha256 too
+    except ShardError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tarfile, webdataset and the stream raise many types
+        after = f"after sample {key}" if key else "before its first sample"
+        raise ShardError(f"shard {url}: cannot read it {after}: {_reason(e)}") from e
+    if len(seen) != expected.num_samples:
+        raise ShardMismatch(f"shard {url} holds {len(seen)} samples, its manifest entry {expected.num_samples}; the shard was cut short or changed, run `raywds verify`")
+    if hashing is not None and expected.sha256 and hashing.hash.hexdigest() != expected.sha256:
+        raise ShardMismatch(
+            f"shard {url}: sha256 {hashing.hash.hexdigest()[:12]}… ({hashing.num_bytes} bytes) differs from the manifest's "
+            f"{expected.sha256[:12]}… ({expected.num_bytes} bytes); the shard is corrupt, run `raywds verify`"
+        )
 
 
-def tar_samples(sources: Iterable[dict[str, Any]], policy: ReadPolicy, known: dict[str, tuple[int, str]] | None = None) -> Iterator[dict[str, Any]]:
-    """{url} dicts -> samples (raywds.tars's members, webdataset's key grouping), read by
-    `policy`. `known` maps shard URLs to (bytes, sha256) from the manifest, to catch short bodies."""
-    failures = Failures(policy)
-    files = tars.tar_files(open_shards(sources, policy, failures, known or {}), handler=failures)
-    return wds.tariterators.group_by_keys(files)  # type: ignore[no-any-return]
+def _reason(e: BaseException) -> str:
+    """An exception's first line, with webdataset's extra args left out."""
+    text = str(e.args[0]) if e.args else ""
+    return (text.splitlines() or [""])[0] or type(e).__name__
+
+
+def tar_samples(
+    sources: Iterable[dict[str, Any]], policy: ReadPolicy, expected: dict[str, Expected], *, verify_hashes: bool = False, failures: Failures | None = None,
+) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """{url} dicts -> samples with `__url__`, `__key__` and `__id__`, each shard checked against
+    `expected` (by URL), read by `policy`: an unreadable shard raises or is skipped into `failures`."""
+    failures = failures if failures is not None else Failures(policy)
+    for source in sources:
+        url = source["url"]
+        shard = expected[url]
+        try:
+            stream = open_shard(url, policy, size=shard.num_bytes, sha256=shard.sha256)
+        except (ShardError, OSError) as e:
+            failures(e if isinstance(e, ShardError) else ShardError(f"cannot open shard {url}: {e}"))
+            continue
+        try:
+            yield from shard_samples(url, stream, shard, verify_hash=verify_hashes)
+            stream.close()  # a pipe: command's exit status arrives here
+            failures.succeeded()
+        except ShardError as e:
+            failures(e)
+        except OSError as e:
+            failures(ShardError(f"shard {url}: {e}"))
+        finally:
+            stream.close()

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from raywds.config import TrainConfig
 from raywds.errors import ConfigError, DataError, RaywdsError
 from raywds.loader import Batch, check_plan, epoch_plan, train_loader, val_loader
 from raywds.plan import EpochPlan
-from raywds.position import Ledger, Position
+from raywds.position import Ledger, Position, check_same_shards, shard_entries
 from raywds.shards import read_manifest
 from raywds.world import World
 
@@ -115,6 +115,10 @@ class EpochResult:
     """True when `after_step` asked to stop before the epoch's end."""
     data_wait_s: float = 0.0
     """Time the loop spent waiting for the loader."""
+    bad_samples: list[str] = field(default_factory=list)
+    """resample mode: why each skipped sample could not be used (the loader workers' words)."""
+    num_bad_shards: int = 0
+    """resample mode: shards skipped as unreadable."""
 
 
 class CollectiveError(RaywdsError):
@@ -166,6 +170,8 @@ def train_epoch(
                 optimizer.step()
                 r.num_steps += 1
                 r.num_samples += len(labels)
+                r.bad_samples += batch.bad_samples
+                r.num_bad_shards += len(batch.bad_shards)
                 r.loss_sum += loss.item() * len(labels)
                 r.seconds = time.perf_counter() - start
                 if after_step is not None and after_step(r.num_steps, batch, r):
@@ -251,6 +257,8 @@ class Progress:
     samples_seen: int = 0
     position: Position | None = None
     """Inside an unfinished epoch: what it has delivered."""
+    bad_samples: int = 0
+    """Samples skipped as undecodable in the finished epochs (resample mode)."""
 
 
 class Audit:
@@ -329,6 +337,8 @@ class Trainer:
     def restore(self, state: dict[str, Any]) -> None:
         if state["classes"] != self.manifest.classes:
             raise ConfigError(f"the checkpoint's {len(state['classes'])} classes differ from the data's {len(self.manifest.classes)}; resume with the same --data")
+        if "shards" in state:
+            check_same_shards(state["shards"], self.manifest)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         position = Position.from_state(state["position"]) if state.get("position") else None
@@ -336,7 +346,9 @@ class Trainer:
             position.check_compatible(self.manifest, self.cfg.mode)
             if position.samples_done == 0:
                 position = None
-        self.progress = Progress(epoch=state["epoch"], steps=state["steps"], samples_seen=state["samples_seen"], position=position)
+        self.progress = Progress(
+            epoch=state["epoch"], steps=state["steps"], samples_seen=state["samples_seen"], position=position, bad_samples=state.get("bad_samples", 0)
+        )  # fmt: skip
 
     def fit(self) -> Metrics:
         """Train until cfg.num_epochs or cfg.max_steps; returns the last metrics (the same on every rank)."""
@@ -361,22 +373,30 @@ class Trainer:
         epoch_size = cfg.batches_per_epoch * global_batch if cfg.batches_per_epoch else self.num_samples
 
         def lr(step: int) -> float:
-            return lr_at(cfg, world, epoch + min((done_before + step * global_batch) / epoch_size, 1.0))
+            """The rate for step `step` (0-based) of this run's part of the epoch: the schedule's
+            value where the step ends, so the first step of a warm-up already learns."""
+            return lr_at(cfg, world, epoch + min((done_before + (step + 1) * global_batch) / epoch_size, 1.0))
 
         progress = ProgressLog(cfg, world, epoch, len(batches), report=self.report)
+        start = self.progress
+        bad_allowed = cfg.bad_samples_allowed(plan.num_samples if plan.mode == "split" else sum(plan.samples_per_rank))
 
         def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
             ledger.mark(batch.ids)
             self.audit.write(epoch, batch.keys)
-            progress.update(step, so_far, lr(step))
+            progress.update(step, so_far, lr(step - 1))
+            if len(so_far.bad_samples) > bad_allowed:  # this rank alone is past the job's bound
+                raise too_many_bad(so_far.bad_samples, bad_allowed, cfg)
             # Only where every rank is still in the loop: collectives here cannot meet a joined rank.
             if step > plan.min_batches:
                 return False
             at_stop = cfg.max_steps is not None and steps_before + step >= cfg.max_steps
-            at_checkpoint = cfg.checkpoint_every_steps is not None and (step_before + step) % cfg.checkpoint_every_steps == 0
+            at_checkpoint = (  # not at the epoch's last step: the epoch's own checkpoint follows
+                cfg.checkpoint_every_steps is not None and (step_before + step) % cfg.checkpoint_every_steps == 0 and step < plan.max_batches
+            )
             if at_stop or at_checkpoint:
                 done = done_before + step * global_batch  # resample: every batch is full
-                self.checkpoint_inside(epoch, step_before + step, steps_before + step, done, ledger, position, plan)
+                self.checkpoint_inside(epoch, step_before + step, steps_before + step, done, ledger, position, plan, start)
             return at_stop
 
         try:
@@ -388,7 +408,7 @@ class Trainer:
             progress.close()
         if result.stopped:
             return True
-        self.finish_epoch(epoch, result, ledger, position, plan)
+        self.finish_epoch(epoch, result, ledger, position, plan, start, bad_allowed)
         return cfg.max_steps is not None and self.progress.steps >= cfg.max_steps
 
     def consumed(self, ledger: Ledger, position: Position | None) -> np.ndarray:
@@ -398,8 +418,9 @@ class Trainer:
             counts = counts + position.consumed
         return counts
 
-    def checkpoint_inside(self, epoch: int, step: int, steps: int, done: int, ledger: Ledger, position: Position | None, plan: EpochPlan) -> None:
-        """Save the data position at in-epoch `step` (`steps` in all, `done` samples of the epoch)."""
+    def checkpoint_inside(self, epoch: int, step: int, steps: int, done: int, ledger: Ledger, position: Position | None, plan: EpochPlan, start: Progress) -> None:
+        """Save the data position at in-epoch `step` (`steps` in all, `done` samples of the
+        epoch); `start` is the progress this run's part of the epoch began from."""
         consumed = None
         if plan.mode == "split":  # resample mode resumes from the counts alone: no gather needed
             consumed = self.consumed(ledger, position) > 0
@@ -407,24 +428,31 @@ class Trainer:
         here = Position(
             mode=plan.mode, epoch=epoch, step=step, samples_done=done, consumed=consumed, dataset=self.manifest.fingerprint("train"),
         )  # fmt: skip
-        samples_seen = self.progress.samples_seen + done - (position.samples_done if position else 0)
-        self.progress = Progress(epoch=epoch, steps=steps, samples_seen=samples_seen, position=here)
+        samples_seen = start.samples_seen + done - (position.samples_done if position else 0)
+        self.progress = Progress(epoch=epoch, steps=steps, samples_seen=samples_seen, position=here, bad_samples=start.bad_samples)
         metrics = {"epoch": epoch, "step": steps, "samples_seen": samples_seen, "epoch_samples_done": done, "inside_epoch": True}
         if self.world.is_main:
             print(f"step {steps}: checkpoint inside epoch {epoch + 1} ({done}/{self.num_samples} samples done)", flush=True)
         self.emit(metrics)
 
-    def finish_epoch(self, epoch: int, result: EpochResult, ledger: Ledger, position: Position | None, plan: EpochPlan) -> None:
+    def finish_epoch(self, epoch: int, result: EpochResult, ledger: Ledger, position: Position | None, plan: EpochPlan, start: Progress, bad_allowed: int) -> None:
         cfg, world = self.cfg, self.world
-        (num_samples, loss_sum), seconds = _sum_and_max(world, [result.num_samples, result.loss_sum], result.seconds)
+        (num_samples, loss_sum, num_bad, bad_shards), seconds = _sum_and_max(
+            world, [result.num_samples, result.loss_sum, len(result.bad_samples), result.num_bad_shards], result.seconds
+        )  # fmt: skip
+        if num_bad > bad_allowed:
+            raise too_many_bad(result.bad_samples, bad_allowed, cfg, job_total=int(num_bad))
         ranks = _per_rank(world, [result.num_samples / max(result.seconds, 1e-9), result.data_wait_s / max(result.seconds, 1e-9)])
         counts = self.consumed(ledger, position)
         metrics: Metrics = {
             "epoch": epoch + 1,
-            "step": self.progress.steps + plan.max_batches,
+            "step": start.steps + plan.max_batches,
             "train_loss": loss_sum / max(num_samples, 1),
             "train_samples": int(num_samples),
-            "samples_seen": self.progress.samples_seen + int(num_samples),
+            "samples_seen": start.samples_seen + int(num_samples),
+            "bad_samples": int(num_bad),
+            "bad_samples_total": start.bad_samples + int(num_bad),
+            "bad_shards": int(bad_shards),
             "epoch_samples": int(counts.sum()),
             "epoch_distinct": int((counts > 0).sum()),
             "epoch_duplicates": int(np.maximum(counts - 1, 0).sum()),
@@ -442,7 +470,7 @@ class Trainer:
             )
         if (epoch + 1) % cfg.val_every_epochs == 0 or epoch + 1 == cfg.num_epochs:
             metrics.update(evaluate(self.model, val_loader(self.manifest, cfg, world), world, self.compute))
-        self.progress = Progress(epoch=epoch + 1, steps=metrics["step"], samples_seen=metrics["samples_seen"])
+        self.progress = Progress(epoch=epoch + 1, steps=metrics["step"], samples_seen=metrics["samples_seen"], bad_samples=metrics["bad_samples_total"])
         if world.is_main:
             print(epoch_line(metrics, cfg.num_epochs), flush=True)
         self.emit(metrics)
@@ -461,7 +489,9 @@ class Trainer:
             "epoch": self.progress.epoch,
             "steps": self.progress.steps,
             "samples_seen": self.progress.samples_seen,
+            "bad_samples": self.progress.bad_samples,
             "position": position.to_state() if position else None,
+            "shards": shard_entries(self.manifest),
             "config": self.cfg.to_dict(),
             "classes": self.manifest.classes,
         }
@@ -475,11 +505,24 @@ def train(cfg: TrainConfig, world: World, report: Report | None = None, resume: 
     return Trainer(cfg, world, report, resume).fit()
 
 
+def too_many_bad(reasons: list[str], allowed: int, cfg: TrainConfig, *, job_total: int | None = None) -> DataError:
+    """The error past --max-bad-samples: the last bad sample's own line, then the count."""
+    count = f"{job_total} bad samples this epoch across ranks" if job_total is not None else f"{len(reasons)} bad samples this epoch on this rank"
+    last = f"{reasons[-1]} ({count}" if reasons else f"({count}"
+    return DataError(f"{last}, more than --max-bad-samples {cfg.max_bad_samples:g} allows ({allowed}); run `raywds verify` on the shards")
+
+
+def _skipped(m: Metrics) -> str:
+    """What an epoch skipped, when it skipped anything (resample mode)."""
+    parts = [f"{m[k]} bad {what}" for k, what in (("bad_samples", "samples"), ("bad_shards", "shards")) if m.get(k)]
+    return f"  skipped {' and '.join(parts)}" if parts else ""
+
+
 def epoch_line(m: Metrics, num_epochs: int) -> str:
     val = f"  val top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}" if "val_top1" in m else ""
     return (
         f"epoch {m['epoch']}/{num_epochs}  loss {m['train_loss']:.3f}{val}  images/s {m['images_per_s']:.1f}"
-        f"  data wait {100 * m['data_wait_max']:.0f}%"
+        f"  data wait {100 * m['data_wait_max']:.0f}%{_skipped(m)}"
     )
 
 
@@ -487,9 +530,10 @@ def summary_line(m: Metrics) -> str:
     """The one line a script can parse at the end of a run."""
     if m.get("inside_epoch"):
         return f"stopped at step {m['step']} inside epoch {m['epoch'] + 1}  samples seen {m['samples_seen']}  (continue with --resume)"
+    bad = f"  bad samples skipped {m['bad_samples_total']}" if m.get("bad_samples_total") else ""
     return (
         f"epochs {m['epoch']}  top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}"
-        f"  samples seen {m['samples_seen']}  images/s {m['images_per_s']:.1f}"
+        f"  samples seen {m['samples_seen']}  images/s {m['images_per_s']:.1f}{bad}"
     )
 
 

@@ -16,7 +16,8 @@ from conftest import UNEVEN_SIZES, tar_keys
 from raywds.config import TrainConfig
 from raywds.decode import Encoded
 from raywds.errors import ConfigError
-from raywds.loader import Batch, check_plan, epoch_plan, fold_single_tail, numbered, rebatched, train_loader, val_loader
+from raywds.loader import Batch, check_plan, epoch_plan, expected, fold_single_tail, rebatched, train_loader, val_loader
+from raywds.readers import ReadPolicy, tar_samples
 from raywds.position import Position
 from raywds.shards import read_manifest
 from raywds.world import World
@@ -168,10 +169,14 @@ def test_rebatched_mixes_workers_and_keeps_every_sample() -> None:
     assert flat != [k for b in worker_batches for k in b.keys], "the buffer reorders"
 
 
-def test_numbered_restarts_per_shard_from_plain_samples() -> None:
-    samples = [{"__url__": u, "__key__": k} for u, k in [("x/a.tar", "1"), ("x/a.tar", "2"), ("x/b.tar", "9"), ("x/a.tar", "1"), ("x/a.tar", "2")]]
-    ids = [s["__id__"] for s in numbered(iter(samples), {"x/a.tar": 0, "x/b.tar": 2})]
-    assert ids == [0, 1, 2, 0, 1]
+def test_sample_ids_restart_per_shard_even_when_a_shard_is_drawn_twice(uneven: Path) -> None:
+    manifest = read_manifest(str(uneven))
+    shards = manifest.shards("train")
+    order = [shards[3], shards[1], shards[1], shards[0]]  # 16, 30, 30, 1 samples
+    samples = list(tar_samples([{"url": manifest.url(s)} for s in order], ReadPolicy(), expected(manifest, "train")))
+    offsets = manifest.offsets("train")
+    want = [offsets[s.name] + i for s in order for i in range(s.num_samples)]
+    assert [s["__id__"] for s in samples] == want
 
 
 def test_uneven_fixture_is_really_uneven(uneven: Path) -> None:

@@ -61,16 +61,18 @@ def test_a_missing_shard_in_split_mode_is_an_error_naming_it(holed: Path) -> Non
             list(loader)
 
 
-def test_a_missing_shard_in_resample_mode_is_skipped_and_counted(holed: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_missing_shard_in_resample_mode_is_skipped_and_counted(holed: Path, caplog: pytest.LogCaptureFixture) -> None:
     missing = read_manifest(str(holed)).shards("train")[2].name
     with ShardServer(holed, backend="embedded") as server:
         c = cfg(server.url, num_loader_workers_per_rank=0, batches_per_epoch=40)
         manifest = read_manifest(server.url)
         batches = list(train_loader(manifest, c, World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0))
     assert len(batches) == 40 and all(len(b.keys) == 8 for b in batches), "batch counts stay exact"
-    warnings = [line for line in capfd.readouterr().err.splitlines() if "skipped an unreadable shard" in line]
+    warnings = [r.getMessage() for r in caplog.records if "skipped an unreadable shard" in r.getMessage()]
     assert warnings and f"{missing} is missing on the server" in warnings[0]
     assert warnings[-1].endswith(f"; {len(warnings)} skipped by this loader worker")
+    skipped = [reason for b in batches for reason in b.bad_shards]
+    assert len(skipped) == len(warnings) and all(missing in reason for reason in skipped), "the batches carry each skip to the training loop"
 
 
 def test_resample_gives_up_when_the_server_is_gone(shards: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import time
 from collections import Counter
 from datetime import timedelta
@@ -143,8 +144,71 @@ def test_resample_resume_continues_the_counters(shards: Path, tmp_path: Path) ->
 
 def test_resume_refuses_other_data(shards: Path, uneven: Path, tmp_path: Path) -> None:
     train(tiny(shards, num_epochs=1, max_steps=2), World(), LocalReport(tmp_path))
-    with pytest.raises(ConfigError, match="the checkpoint was taken on other training shards .* resume with the same --data"):
+    with pytest.raises(ConfigError, match="the train shards changed since the checkpoint: .* resume with the data the run started on"):
         train(tiny(uneven, num_epochs=1, resume_from=str(tmp_path)), World())
+
+
+def test_resume_names_the_shard_whose_manifest_entry_changed(shards: Path, tmp_path: Path) -> None:
+    """Resample mode at an epoch boundary carries no data position, yet an edited manifest is still caught."""
+    data = tmp_path / "data"
+    shutil.copytree(shards, data)
+    train(tiny(data, num_epochs=1), World(), LocalReport(tmp_path / "run"))
+    manifest = json.loads((data / "manifest.json").read_text())
+    edited = manifest["splits"]["train"]["shards"][3]
+    edited["sha256"] = "0" * 64
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=rf"the train shards changed since the checkpoint: {edited['name']} had sha256 \w+…, now 000000000000…"):
+        train(tiny(data, num_epochs=2, resume_from=str(tmp_path / "run")), World())
+
+
+def test_the_first_warmup_step_already_learns(shards: Path, tmp_path: Path) -> None:
+    """A one-step epoch at the start of a warm-up used to run at learning rate 0 and change nothing."""
+    cfg = tiny(shards, num_epochs=1, batches_per_epoch=1, warmup_epochs=1.0, weight_decay=0.0)
+    train(cfg, World(), LocalReport(tmp_path))
+    torch.manual_seed(cfg.seed)
+    initial = DemoNet(10).state_dict()
+    trained = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["model"]
+    assert not torch.equal(trained["head.2.weight"], initial["head.2.weight"]), "the one step moved the weights"
+
+
+def _checkpointing_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        report = LocalReport(Path(out), append=cfg.resume_from is not None) if rank == 0 else None
+        Path(out, f"rank{rank}.json").write_text(json.dumps(train(cfg, World(rank=rank, world_size=2), report)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["split", "resample"])
+def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(uneven: Path, tmp_path: Path, mode: str) -> None:
+    """Several in-epoch checkpoints per epoch on 2 gloo ranks, stopped, then resumed on 2 ranks:
+    the counts are right and (split) the audit files hold every key of each epoch exactly once.
+    Before the fix, split mode failed its first epoch ('was not exact': every checkpoint summed
+    the ranks' counts into the ledger again) and samples_seen grew with every checkpoint."""
+    audit, out = tmp_path / "audit", tmp_path / "run"
+    cfg = tiny(uneven, mode=mode, batch_size_per_rank=8, num_epochs=2, checkpoint_every_steps=2, max_steps=5, audit_dir=str(audit), out_dir=str(out))
+    mp.start_processes(_checkpointing_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    stopped = json.loads((out / "rank0.json").read_text())
+    resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
+    mp.start_processes(_checkpointing_rank, args=(resumed, str(tmp_path / "store2"), str(out)), nprocs=2, start_method="spawn")
+    final = json.loads((out / "rank0.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    epochs = [m for m in rows if not m.get("inside_epoch")]
+    # Inside epoch 1 at steps 2 and 4, stopped at 5; resumed: 6, then 10, 12, 14 in epoch 2 (8
+    # batches a rank in either mode), never at an epoch's last step, where the epoch's own follows.
+    assert [m["step"] for m in rows if m.get("inside_epoch")] == [2, 4, 5, 6, 10, 12, 14]
+    assert stopped["inside_epoch"] and stopped["epoch"] == 0 and stopped["step"] == 5
+    if mode == "split":
+        assert audited(audit, 0) == audited(audit, 1) == Counter(tar_keys(uneven))
+        assert [m["epoch_samples"] for m in epochs] == [120, 120] and [m["epoch_duplicates"] for m in epochs] == [0, 0]
+        assert [m["samples_seen"] for m in epochs] == [120, 240] and final["samples_seen"] == 240
+    else:  # ceil(120 / 16) = 8 full batches of 8 on each rank, each epoch
+        assert stopped["samples_seen"] == 5 * 16
+        assert [m["samples_seen"] for m in epochs] == [128, 256] and final["samples_seen"] == 256
+        assert sum(audited(audit, 0).values()) == sum(audited(audit, 1).values()) == 128
+    assert [m["step"] for m in epochs] == [8, 16]
 
 
 def _stop_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
