@@ -357,7 +357,7 @@ def _message(e: BaseException) -> str:
     text = str(e)
     if text.startswith("Caught ") and "Original Traceback" in text:
         last = [line for line in text.splitlines() if line.strip()][-1]
-        return re.sub(r"^[\w.]+(Error|Exception): ", "", last)
+        return re.sub(r"^[\w.]+: ", "", last)  # the exception's dotted type name
     return text
 
 

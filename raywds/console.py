@@ -13,6 +13,18 @@ import logging
 import sys
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is when a record comes (a notebook or a test may swap it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
 class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         return f"raywds: {record.levelname.lower()}: {record.getMessage()}"
@@ -23,7 +35,7 @@ def configure(level: int = logging.INFO) -> None:
     logger = logging.getLogger("raywds")
     if any(getattr(h, "raywds_console", False) for h in logger.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(_Formatter())
     handler.raywds_console = True  # type: ignore[attr-defined]
     logger.addHandler(handler)

@@ -22,6 +22,7 @@ import itertools
 import logging
 import multiprocessing
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial as bind
 from typing import Any, NamedTuple
@@ -115,6 +116,7 @@ class Skips:
 def _what(e: BaseException) -> str:
     """A decoder's complaint in one line (torchvision's carry a C++ file and line first)."""
     text = (str(e).splitlines() or [""])[0] or type(e).__name__
+    text = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", text)  # PIL names the buffer it read
     return text.rsplit(".cpp:", 1)[-1].split(", ", 1)[-1] if ".cpp:" in text else text
 
 

@@ -128,7 +128,7 @@ class HttpShard(io.RawIOBase):
             self.failures += 1
             if self.failures > self.policy.retries:
                 where = f"at byte {self.pos}" if self.pos else "when opening it"
-                raise ShardError(f"cannot read shard {self.url} {where}: {last} (after {self.policy.retries} retries)")
+                raise ShardError(f"shard {self.url}: cannot read it {where}: {last} (after {self.policy.retries} retries)")
             time.sleep(self.policy.backoff_s * 2 ** (self.failures - 1))
             self._drop()
             try:
@@ -227,7 +227,7 @@ def open_shard(url: str, policy: ReadPolicy, *, size: int | None = None, sha256:
     try:
         return open(url, "rb")  # noqa: SIM115 - the caller closes it
     except OSError as e:
-        raise ShardError(f"cannot open shard {url}: {e.strerror}") from None
+        raise ShardError(f"shard {url}: cannot open it: {e.strerror}") from None
 
 
 class Failures:
@@ -339,7 +339,7 @@ def tar_samples(
         try:
             stream = open_shard(url, policy, size=shard.num_bytes, sha256=shard.sha256)
         except (ShardError, OSError) as e:
-            failures(e if isinstance(e, ShardError) else ShardError(f"cannot open shard {url}: {e}"))
+            failures(e if isinstance(e, ShardError) else ShardError(f"shard {url}: cannot open it: {e}"))
             continue
         try:
             yield from shard_samples(url, stream, shard, verify_hash=verify_hashes)

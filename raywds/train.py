@@ -508,8 +508,8 @@ def train(cfg: TrainConfig, world: World, report: Report | None = None, resume: 
 def too_many_bad(reasons: list[str], allowed: int, cfg: TrainConfig, *, job_total: int | None = None) -> DataError:
     """The error past --max-bad-samples: the last bad sample's own line, then the count."""
     count = f"{job_total} bad samples this epoch across ranks" if job_total is not None else f"{len(reasons)} bad samples this epoch on this rank"
-    last = f"{reasons[-1]} ({count}" if reasons else f"({count}"
-    return DataError(f"{last}, more than --max-bad-samples {cfg.max_bad_samples:g} allows ({allowed}); run `raywds verify` on the shards")
+    last = f"{reasons[-1]} " if reasons else ""
+    return DataError(f"{last}({count}, more than the {allowed} that --max-bad-samples {cfg.max_bad_samples:g} allows); run `raywds verify` on the shards")
 
 
 def _skipped(m: Metrics) -> str:

@@ -120,7 +120,7 @@ def test_a_missing_shard_read_in_a_loader_worker_is_one_clear_line(shards: Path,
         "--batch-size", "8", "--image-size", "16", "--loader-workers", "1", "--out", str(tmp_path / "run"),
     )  # fmt: skip
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr == f"raywds: error: cannot open shard {missing}: No such file or directory\n"
+    assert out.stderr == f"raywds: error: shard {missing}: cannot open it: No such file or directory\n"
 
 
 def test_report_draws_a_png_from_a_run(shards: Path, tmp_path: Path) -> None:

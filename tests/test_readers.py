@@ -80,7 +80,7 @@ def test_resample_gives_up_when_the_server_is_gone(shards: Path) -> None:
         manifest = read_manifest(server.url)
     c = cfg(server.url, num_loader_workers_per_rank=0, read_retries=1)
     start = time.monotonic()
-    with pytest.raises(ShardError, match=r"5 shards in a row were unreadable, the last: cannot read shard http://127\.0\.0\.1:\d+/.*; is the shard server down\?"):
+    with pytest.raises(ShardError, match=r"5 shards in a row were unreadable, the last: shard http://127\.0\.0\.1:\d+/.*: cannot read it .*; is the shard server down\?"):
         list(train_loader(manifest, c, World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0))
     assert time.monotonic() - start < 30
 
@@ -110,7 +110,7 @@ def test_a_server_killed_mid_read_is_an_error_naming_the_url_in_bounded_time(tmp
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         start = time.monotonic()
-        with pytest.raises(ShardError, match=rf"cannot read shard {url} at byte \d+: .* \(after 2 retries\)"):
+        with pytest.raises(ShardError, match=rf"shard {url}: cannot read it at byte \d+: .* \(after 2 retries\)"):
             while stream.read(1 << 20):
                 pass
         assert time.monotonic() - start < 10
@@ -167,7 +167,7 @@ def test_a_stalled_server_times_out(odd_server: tuple[str, list[dict[str, str]],
     base, _, _ = odd_server
     policy = ReadPolicy(read_timeout_s=0.5, retries=1, backoff_s=0.1)
     start = time.monotonic()
-    with pytest.raises(ShardError, match=rf"cannot read shard {base}/stall.tar .*timed out"):
+    with pytest.raises(ShardError, match=rf"shard {base}/stall.tar: cannot read it .*timed out"):
         open_shard(f"{base}/stall.tar", policy).read()
     assert time.monotonic() - start < 5
 
@@ -199,7 +199,7 @@ def test_pipe_urls_and_local_paths(shards: Path) -> None:
     data = (shards / shard.name).read_bytes()
     with open_shard(f"pipe:cat {shards / shard.name}", FAST) as stream:
         assert stream.read() == data
-    with pytest.raises(ShardError, match=r"cannot open shard .*/nope\.tar: No such file or directory"):
+    with pytest.raises(ShardError, match=r"shard .*/nope\.tar: cannot open it: No such file or directory"):
         open_shard(str(shards / "nope.tar"), FAST)
 
 

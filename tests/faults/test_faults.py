@@ -1,0 +1,336 @@
+"""The fault table: shards and servers broken on purpose, each trained on through the `raywds
+train` command in split and in resample mode. Every run ends in bounded time with either exit 0
+and the right skip count, or exit 1 and one line naming the shard (and the sample when one is to
+blame): never a traceback, never a wrong sample count.
+
+The resample skip counts are checked against a replay of the epoch's shard draws (one loader
+worker, no worker shuffle buffer, so the stream order is the draw order)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardedit as edit
+from raywds.cli import main
+from raywds.loader import resampled_urls
+from raywds.shards import read_manifest
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
+
+BATCH = 16
+NOT_AN_IMAGE = b"this is not an image\n"
+
+
+@dataclass
+class Broken:
+    """What a fault did: the shard to name, the sample to blame, and for the replay which
+    samples of which shard cannot be used and where a shard stops being readable."""
+
+    shard: str
+    key: str | None = None
+    bad_samples: dict[str, set[int]] = field(default_factory=dict)
+    """shard name -> places of samples that cannot be decoded."""
+    unreadable: dict[str, int] = field(default_factory=dict)
+    """shard name -> samples readable before the shard fails (0: it never opens)."""
+    server: dict[str, int] = field(default_factory=dict)
+    """shard name -> the HTTP status the test server answers for it."""
+    server_dies_after: int | None = None
+    """The test server stops after this many shard requests."""
+
+
+def bad_member(ext: str, data: bytes | Callable[[bytes], bytes], nth: int = 3) -> Callable[[Path, int], Broken]:
+    """Sample `nth` of train shard i gets another `.ext` member; the manifest agrees (a faulty
+    source slipped through another tool), so only decoding can tell."""
+
+    def make(d: Path, i: int) -> Broken:
+        shard = edit.entry(d, "train", i)["name"]
+        files = edit.members(d / shard)
+        keys = list(dict.fromkeys(n.split(".", 1)[0] for n, _ in files))
+        old = dict(files)[f"{keys[nth]}.{ext}"]
+        edit.rewrite(d, "train", i, edit.replace_member(ext, data(old) if callable(data) else data, nth=nth), in_manifest=True)
+        return Broken(shard, keys[nth], bad_samples={shard: {nth}})
+
+    return make
+
+
+def short_shard(split: str) -> Callable[[Path, int], Broken]:
+    def make(d: Path, i: int) -> Broken:
+        index = i if split == "train" else 1
+        shard = edit.entry(d, split, index)["name"]
+        edit.rewrite(d, split, index, edit.keep_samples(10), in_manifest=False)
+        return Broken(shard)
+
+    return make
+
+
+def changed_shard(change: Callable[[edit.Members], edit.Members]) -> Callable[[Path, int], Broken]:
+    def make(d: Path, i: int) -> Broken:
+        shard = edit.entry(d, "train", i)["name"]
+        edit.rewrite(d, "train", i, change, in_manifest=False)
+        return Broken(shard)
+
+    return make
+
+
+def truncated_mid_member(d: Path, i: int) -> Broken:
+    """Cut inside sample 5's first member: samples 0-3 come out, then the tar ends mid-data."""
+    shard = edit.entry(d, "train", i)["name"]
+    offsets = edit.member_offsets(d / shard)
+    keys = list(dict.fromkeys(n.split(".", 1)[0] for n, _, _ in offsets))
+    first = next(off for n, off, _ in offsets if n.startswith(keys[5] + "."))
+    edit.truncate_bytes(d / shard, first)
+    return Broken(shard, unreadable={shard: 4})
+
+
+def not_a_tar(d: Path, i: int) -> Broken:
+    shard = edit.entry(d, "train", i)["name"]
+    (d / shard).write_bytes(bytes(range(256)) * 40)
+    return Broken(shard, unreadable={shard: 0})
+
+
+def empty_file(d: Path, i: int) -> Broken:
+    shard = edit.entry(d, "train", i)["name"]
+    (d / shard).write_bytes(b"")
+    return Broken(shard)
+
+
+def missing(d: Path, i: int) -> Broken:
+    shard = edit.entry(d, "train", i)["name"]
+    (d / shard).unlink()
+    return Broken(shard, unreadable={shard: 0})
+
+
+def http_status(status: int) -> Callable[[Path, int], Broken]:
+    def make(d: Path, i: int) -> Broken:
+        shard = edit.entry(d, "train", i)["name"]
+        return Broken(shard, unreadable={shard: 0}, server={shard: status})
+
+    return make
+
+
+def server_dies(d: Path, i: int) -> Broken:
+    return Broken("", server_dies_after=3)
+
+
+def flipped_class(d: Path, i: int) -> Broken:
+    """A class digit changed inside a shard: no decoder can see it, only --verify-hashes."""
+    shard = edit.entry(d, "train", i)["name"]
+    path = d / shard
+    name, offset, _ = next(m for m in edit.member_offsets(path) if m[0].endswith(".cls"))
+    data = bytearray(path.read_bytes())
+    data[offset] = ord("0") + (data[offset] - ord("0") + 1) % 10
+    path.write_bytes(bytes(data))
+    return Broken(shard)
+
+
+SAMPLE_ERROR = "sample"  # exit 1, one line naming the shard and the sample
+SHARD_ERROR = "shard"  # exit 1, one line naming the shard
+SKIP = "skip"  # exit 0, the replayed number of skips
+
+# fault, how to make it, split outcome and resample outcome, the error's words, extra flags
+FAULTS: list[tuple[str, Callable[[Path, int], Broken], str, str, str, list[str]]] = [
+    ("non-image member", bad_member("jpg", NOT_AN_IMAGE), SAMPLE_ERROR, SKIP, r"cannot identify image file", []),
+    ("zero-byte JPEG", bad_member("jpg", b""), SAMPLE_ERROR, SKIP, r"cannot identify image file|empty", []),
+    ("JPEG without its pixel data", bad_member("jpg", edit.jpeg_cut_after_scan_header), SAMPLE_ERROR, SKIP, r"corrupt JPEG data: Premature end of JPEG file", []),
+    ("class that is not a number", bad_member("cls", b"n01440764"), SAMPLE_ERROR, SKIP, r"class b'n01440764' is not a number", []),
+    ("train shard cut short", short_shard("train"), SHARD_ERROR, SHARD_ERROR, r"holds 10 samples, its manifest entry 16", []),
+    ("validation shard cut short", short_shard("val"), SHARD_ERROR, SHARD_ERROR, r"holds 10 samples, its manifest entry 1[0-9]", []),
+    ("more samples than the manifest", changed_shard(edit.extra_sample), SHARD_ERROR, SHARD_ERROR, r"holds more than the 16 samples its manifest entry lists", []),
+    ("a key twice", changed_shard(edit.duplicate_key), SHARD_ERROR, SHARD_ERROR, r"key \S+ appears twice", []),
+    ("member truncated mid-file", truncated_mid_member, SHARD_ERROR, SKIP, r"cannot read it after sample \S+: unexpected end of data", []),
+    ("not a tar", not_a_tar, SHARD_ERROR, SKIP, r"cannot read it before its first sample: (bad checksum in a tar header|invalid header)", []),
+    ("empty file", empty_file, SHARD_ERROR, SHARD_ERROR, r"holds 0 samples, its manifest entry 16", []),
+    ("missing shard", missing, SHARD_ERROR, SKIP, r"cannot open it: No such file or directory", []),
+    ("HTTP 404", http_status(404), SHARD_ERROR, SKIP, r"is missing on the server \(HTTP 404\)", []),
+    ("HTTP 500", http_status(500), SHARD_ERROR, SKIP, r"HTTP 500", []),
+    ("server killed mid-epoch", server_dies, SHARD_ERROR, SHARD_ERROR, r"shard http://127\.0\.0\.1:\d+/\S+: cannot read it|shards in a row were unreadable", []),
+    ("flipped class digit, --verify-hashes", flipped_class, SHARD_ERROR, SHARD_ERROR, r"sha256 \w+… \(\d+ bytes\) differs from the manifest's", ["--verify-hashes"]),
+]
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    faults: dict[str, int] = {}
+    dies_after: int | None = None
+    served: list[str] = []
+    server_ref: list[http.server.ThreadingHTTPServer] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        name = self.path.lstrip("/")
+        if name.endswith(".tar"):
+            self.served.append(name)
+            if self.dies_after is not None and len(self.served) > self.dies_after:
+                threading.Thread(target=self._die, daemon=True).start()
+                self.close_connection = True
+                self.connection.close()
+                return
+        if name in self.faults:
+            self.send_error(self.faults[name])
+            return
+        super().do_GET()
+
+    def _die(self) -> None:
+        server = self.server_ref[0]
+        server.socket.shutdown(socket.SHUT_RDWR)  # refuse new connections at once, as a killed server would
+        server.socket.close()
+        server.shutdown()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def faulty_server(root: Path, broken: Broken) -> Iterator[str]:
+    """Serves `root` on loopback, answering `broken.server`'s statuses and dying on cue."""
+    handler = type("H", (_Handler,), {"faults": broken.server, "dies_after": broken.server_dies_after, "served": [], "server_ref": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a, directory=str(root)))
+    server.daemon_threads, server.block_on_close = True, False
+    handler.server_ref.append(server)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        if broken.server_dies_after is None:
+            server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def replay(data: Path, broken: Broken, *, num_batches: int) -> tuple[int, int] | None:
+    """(bad samples, skipped shards) rank 0's epoch carries in its `num_batches` batches, from
+    the epoch's own shard draws; None when 5 unreadable shards in a row end the run."""
+    manifest = read_manifest(str(data))
+    names = {manifest.url(s): s.name for s in manifest.shards("train")}
+    sizes = {s.name: s.num_samples for s in manifest.shards("train")}
+    good = counted_samples = counted_shards = pending_samples = pending_shards = in_a_row = 0
+    for draw in resampled_urls(list(names), seed=0, epoch=0, rank=0):
+        name = names[draw["url"]]
+        readable = broken.unreadable.get(name, sizes[name])
+        for place in range(readable):
+            if place in broken.bad_samples.get(name, set()):
+                pending_samples += 1
+                continue
+            good += 1
+            if good % BATCH == 0:
+                counted_samples, counted_shards = counted_samples + pending_samples, counted_shards + pending_shards
+                pending_samples = pending_shards = 0
+                if good == num_batches * BATCH:
+                    return counted_samples, counted_shards
+        if name in broken.unreadable:
+            pending_shards += 1
+            in_a_row += 1
+            if in_a_row >= 5:
+                return None
+        else:
+            in_a_row = 0
+    raise AssertionError("unreachable: the draws never end")
+
+
+def first_drawn(data: Path) -> int:
+    """The train shard rank 0 reads first in resample mode (any shard serves split mode): a fault
+    there is met in every run."""
+    manifest = read_manifest(str(data))
+    urls = [manifest.url(s) for s in manifest.shards("train")]
+    return urls.index(next(resampled_urls(urls, seed=0, epoch=0, rank=0))["url"])
+
+
+def train_flags(data: str, out: Path, mode: str) -> list[str]:
+    return [
+        "train", "--data", data, "--model", "demo", "--epochs", "1", "--batch-size", str(BATCH), "--image-size", "28",
+        "--loader-workers", "1", "--worker-shuffle-buffer", "0", "--mode", mode, "--out", str(out / "run"),
+        "--read-retries", "1", "--read-timeout", "2", "--max-bad-samples", "50", "--checkpoint-every-steps", "2",
+        "--audit-dir", str(out / "audit"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["split", "resample"])
+@pytest.mark.parametrize(("fault", "make", "split", "resample", "words", "flags"), FAULTS, ids=[f[0] for f in FAULTS])
+def test_fault(
+    shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str], mode: str,
+    fault: str, make: Callable[[Path, int], Broken], split: str, resample: str, words: str, flags: list[str],
+) -> None:  # fmt: skip
+    data = edit.copy(shards, tmp_path / "shards")
+    broken = make(data, first_drawn(data))
+    outcome = split if mode == "split" else resample
+    expected = replay(data, broken, num_batches=8) if mode == "resample" else None
+    if outcome == SKIP and expected is None:
+        outcome = SHARD_ERROR  # the replay says the run must give up: 5 unreadable shards in a row
+    served = faulty_server(data, broken) if broken.server or broken.server_dies_after else None
+    if served is not None:
+        with served as url:
+            code = main([*train_flags(url, tmp_path, mode), *flags])
+    else:
+        code = main([*train_flags(str(data), tmp_path, mode), *flags])
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err, err[-3000:]
+    if outcome == SKIP:
+        assert code == 0, err[-2000:]
+        assert expected is not None
+        bad_samples, bad_shards = expected
+        assert bad_samples + bad_shards > 0, "the fault was met at least once in this epoch"
+        metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        final = metrics[-1]
+        assert (final["bad_samples"], final["bad_shards"]) == (bad_samples, bad_shards)
+        assert final["train_samples"] == 8 * BATCH, "every batch stays full"
+        trained = {k for f in (tmp_path / "audit").glob("*.keys") for k in f.read_text().split()}
+        assert broken.key is None or broken.key not in trained, "the bad sample was never trained on"
+        if bad_samples:
+            assert re.search(rf"skipped {bad_samples} bad samples", out), out
+            assert f"bad samples skipped {bad_samples}" in out
+            logged = [line for line in err.splitlines() if line.startswith("raywds: warning: skipped a bad sample: ")]
+            assert len(logged) == min(bad_samples, 5) and all(broken.shard in line and str(broken.key) in line for line in logged)
+        if bad_shards:
+            assert re.search(rf"skipped (\d+ bad samples and )?{bad_shards} bad shards", out), out
+        return
+    assert code == 1, (out + err)[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("raywds: error: ")]
+    assert len(errors) == 1 and err.strip().endswith(errors[0]), err[-2000:]
+    line = errors[0]
+    assert re.search(words, line), line
+    assert line.startswith("raywds: error: shard ") or "shards in a row were unreadable" in line, line
+    assert broken.shard in line, line
+    if outcome == SAMPLE_ERROR:
+        assert re.search(rf"raywds: error: shard \S+/{re.escape(broken.shard)}: sample {re.escape(str(broken.key))} \({re.escape(str(broken.key))}\.\w+\): ", line), line
+    checkpoints = [int(m) for m in re.findall(r"^step (\d+): checkpoint inside epoch 1", out, re.M)]
+    if checkpoints:  # the last good step's checkpoint is kept
+        state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+        assert state["position"]["step"] == checkpoints[-1]
+
+
+def test_debug_shows_the_traceback(shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    data = edit.copy(shards, tmp_path / "shards")
+    short_shard("train")(data, 1)
+    assert main(["--debug", *train_flags(str(data), tmp_path, "split")]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback (most recent call last)" in err and re.search(r"raywds: error: shard .* holds 10 samples", err)
+
+
+def test_too_many_bad_samples_stop_a_resample_run(shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    data = edit.copy(shards, tmp_path / "shards")
+    for nth in range(6):
+        bad_member("jpg", NOT_AN_IMAGE, nth=nth)(data, first_drawn(data))
+    code = main([*train_flags(str(data), tmp_path, "resample"), "--max-bad-samples", "2"])
+    err = capfd.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    match = re.search(r"^raywds: error: shard \S+: sample \S+ \(\S+\.jpg\): cannot identify image file \((\d+) bad samples this epoch on this rank, more than the 2 that --max-bad-samples 2 allows\)", err, re.M)
+    assert match and int(match.group(1)) > 2, err[-2000:]
+
+
+def test_a_fraction_bounds_bad_samples_by_the_epoch(shards: Path) -> None:
+    from raywds.config import TrainConfig
+
+    assert TrainConfig(data="x", max_bad_samples=0.01).bad_samples_allowed(1_281_167) == 12811
+    assert TrainConfig(data="x", max_bad_samples=3).bad_samples_allowed(10) == 3
+    with pytest.raises(ValueError, match=r"max_bad_samples=2.5 must be a fraction below 1 or a whole number"):
+        TrainConfig(data="x", max_bad_samples=2.5)
