@@ -41,6 +41,8 @@ DOCKER_IMAGE = "nginx:stable"
 LABEL = "raywds"
 LABEL_VALUE = "shard-server"
 CHUNK_BYTES = 256 << 10
+IDLE_TIMEOUT_S = 30.0
+NUM_THREADS = 64
 ANY_HOST = ("0.0.0.0", "::", "")
 
 
@@ -83,7 +85,9 @@ def advertised_host(bind_host: str, advertise: str | None = None) -> str:
 
 
 def nginx_conf(*, root: str, listen: str, run_dir: str, as_root: bool, error_log: str) -> str:
-    """One config for the local binary and the Docker image: foreground, no directory listing."""
+    """One config for the local binary and the Docker image: foreground, no directory listing,
+    nothing whose path has a part starting with a dot (a converter's state, journal and
+    half-written shards); nginx decodes `%2e` before it matches locations."""
     temp = "\n".join(f"    {kind}_temp_path {run_dir}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     # Workers read the shards as the user who started the server (root included): the shard
     # directory is often private to that user, e.g. under pytest's tmp_path.
@@ -105,6 +109,7 @@ http {{
         root {root};
         autoindex off;
         location / {{ try_files $uri =404; }}
+        location ~ /\\. {{ return 404; }}
     }}
 }}
 """
@@ -129,8 +134,10 @@ def wait_ready(url: str, alive: Any, timeout_s: float, logs: Any) -> None:
 
 class ShardHandler(http.server.BaseHTTPRequestHandler):
     """GET and HEAD of regular files under `root`, with byte ranges, streamed in chunks.
-    No directory listing, and nothing outside `root`: `..`, encoded or not, absolute paths and
-    symlinks that lead out are all 404."""
+    No directory listing, nothing outside `root` (`..`, encoded or not, absolute paths and
+    symlinks that lead out) and nothing hidden (a path part starting with a dot, encoded or
+    not): all 404, as if absent, like every other file a client may not have. `timeout`
+    bounds each wait for the client to send or take bytes."""
 
     root: Path
     protocol_version = "HTTP/1.1"
@@ -141,7 +148,7 @@ class ShardHandler(http.server.BaseHTTPRequestHandler):
     def resolve(self) -> Path | None:
         path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
         parts = [p for p in path.split("/") if p]
-        if "\x00" in path or any(p in (".", "..") or "\\" in p for p in parts):
+        if "\x00" in path or any(p.startswith(".") or "\\" in p for p in parts):
             return None
         target = Path(os.path.realpath(self.root.joinpath(*parts)))
         if not target.is_relative_to(self.root) or not target.is_file():
@@ -202,17 +209,54 @@ class ShardHandler(http.server.BaseHTTPRequestHandler):
                 chunk = f.read(min(CHUNK_BYTES, left))
                 if not chunk:
                     break
-                self.wfile.write(chunk)
+                self.send_all(chunk)
                 left -= len(chunk)
+
+    def send_all(self, data: bytes) -> None:
+        """`sendall`, but the timeout bounds each wait for the client to take bytes, not the
+        whole chunk: a slow client that keeps reading is never cut."""
+        view = memoryview(data)
+        while view:
+            view = view[self.connection.send(view) :]
 
 
 class _Server(http.server.ThreadingHTTPServer):
+    """One thread per connection, at most `num_threads` at once. The accept loop waits for a
+    free thread, so further clients wait in the listen backlog (connected, their request
+    unread) until an earlier one finishes or idles out, rather than being refused: a loader
+    that finds every thread busy is served a little later, where a refusal would cost it a
+    retry with backoff, and several refusals a skipped shard."""
+
     daemon_threads = True
+    request_queue_size = 1024  # the listen backlog (the kernel caps it at net.core.somaxconn)
+
+    def __init__(self, address: tuple[str, int], handler: type[ShardHandler], num_threads: int):
+        self.free = threading.BoundedSemaphore(num_threads)
+        self.closing = threading.Event()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        while not self.free.acquire(timeout=0.1):
+            if self.closing.is_set():
+                self.shutdown_request(request)
+                return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.free.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.free.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that hangs up mid-shard (a loader at the end of its epoch) is not an error:
-        socketserver would print a traceback to stderr for each one."""
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+        """A client that hangs up mid-shard (a loader at the end of its epoch) or stops taking
+        bytes for the idle timeout is not an error: socketserver would print a traceback to
+        stderr for each one."""
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, TimeoutError)):
             return
         super().handle_error(request, client_address)
 
@@ -287,10 +331,19 @@ class ShardServer:
     def __init__(
         self, root: str | Path, *, backend: str = "auto", host: str = "127.0.0.1", port: int = 0,
         advertise: str | None = None, image: str = DOCKER_IMAGE, network: str = "host", pull: bool = True,
-        ready_timeout_s: float = 30.0,
+        ready_timeout_s: float = 30.0, idle_timeout_s: float = IDLE_TIMEOUT_S, num_threads: int = NUM_THREADS,
     ):  # fmt: skip
+        """`idle_timeout_s` and `num_threads` are the embedded backend's: a connection is closed
+        when its client sends or takes nothing for `idle_timeout_s` (each wait, not the whole
+        request), and at most `num_threads` connections are served at once, the rest waiting
+        in the listen backlog. nginx keeps its own limits (its default 60 s timeouts and 75 s
+        keep-alive, 1024 connections per worker)."""
         if backend not in BACKENDS:
             raise ServerError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if not idle_timeout_s > 0:
+            raise ServerError(f"idle_timeout_s={idle_timeout_s} must be above 0; the default is {IDLE_TIMEOUT_S:.0f} s")
+        if num_threads < 1:
+            raise ServerError(f"num_threads={num_threads} must be at least 1; the default is {NUM_THREADS}")
         if network not in ("host", "bridge"):
             raise ServerError(f"network {network!r} is not host or bridge")
         self.root = Path(root).resolve()
@@ -306,6 +359,8 @@ class ShardServer:
         self.network = network
         self.pull = pull
         self.ready_timeout_s = ready_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.num_threads = num_threads
         self.backend = ""
         self.skipped: list[str] = []
         """Why `auto` passed over backends, one line each."""
@@ -383,9 +438,9 @@ class ShardServer:
         wait_ready(self._local_url, lambda: proc.poll() is None, self.ready_timeout_s, lambda: log.read_text(errors="replace")[-2000:])
 
     def _start_embedded(self) -> None:
-        handler = type("Handler", (ShardHandler,), {"root": self.root})
+        handler = type("Handler", (ShardHandler,), {"root": self.root, "timeout": self.idle_timeout_s})
         try:
-            httpd = (_Server6 if ":" in self.host else _Server)((self.host, self.port), handler)
+            httpd = (_Server6 if ":" in self.host else _Server)((self.host, self.port), handler, self.num_threads)
         except OSError as e:
             raise ServerError(f"embedded server cannot listen on {self.host}:{self.port}: {e}") from None
         self.port = int(httpd.server_address[1])
@@ -393,6 +448,7 @@ class ShardServer:
         thread.start()
 
         def stop() -> None:
+            httpd.closing.set()  # an accept loop waiting for a free thread gives up
             httpd.shutdown()
             httpd.server_close()
             thread.join(timeout=10)

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -53,17 +54,43 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         c.remove(force=True)
 
 
-@pytest.fixture(params=["docker", "nginx", "embedded"])
-def server(request: pytest.FixtureRequest, shards: Path) -> Iterator[ShardServer]:
-    """A running server of each backend on 127.0.0.1."""
+def serve(request: pytest.FixtureRequest, root: Path) -> Iterator[ShardServer]:
+    """A running server of the backend `request.param` on 127.0.0.1."""
     options: dict[str, Any] = {}
     if request.param == "docker":
         options["image"] = docker_nginx.build(request.getfixturevalue("engine"))
     elif request.param == "nginx" and not HAVE_NGINX and not IN_CI:
         pytest.skip("no nginx binary (CI installs it)")
-    with ShardServer(shards, backend=request.param, host="127.0.0.1", **options) as running:
+    with ShardServer(root, backend=request.param, host="127.0.0.1", **options) as running:
         assert running.backend == request.param
         yield running
+
+
+@pytest.fixture(params=["docker", "nginx", "embedded"])
+def server(request: pytest.FixtureRequest, shards: Path) -> Iterator[ShardServer]:
+    """A running server of each backend on 127.0.0.1."""
+    yield from serve(request, shards)
+
+
+HIDDEN = [".raywds-convert.json", ".raywds-done.jsonl", ".imagenet-train-000000.tar.tmp", "sub/.part", ".git/config"]
+
+
+@pytest.fixture(scope="module")
+def with_hidden(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shards next to the hidden files a converter at work leaves: its state, its journal, a
+    shard being written, and a dot folder."""
+    root = tmp_path_factory.mktemp("hidden") / "served"
+    shutil.copytree(shards, root)
+    for name in HIDDEN:
+        (root / name).parent.mkdir(exist_ok=True)
+        (root / name).write_text("not for clients")
+    (root / "sub" / "visible.txt").write_text("for clients")
+    return root
+
+
+@pytest.fixture(params=["docker", "nginx", "embedded"])
+def hidden_server(request: pytest.FixtureRequest, with_hidden: Path) -> Iterator[ShardServer]:
+    yield from serve(request, with_hidden)
 
 
 def fetch(url: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
@@ -74,7 +101,7 @@ def fetch(url: str, headers: dict[str, str] | None = None, method: str = "GET") 
 
 def test_serves_every_shard_byte_for_byte(server: ShardServer, shards: Path) -> None:
     assert server.url.startswith("http://127.0.0.1:")
-    for name in sorted(p.name for p in shards.iterdir()):
+    for name in sorted(p.name for p in shards.iterdir() if not p.name.startswith(".")):
         assert fetch(f"{server.url}/{name}")[2] == (shards / name).read_bytes(), name
     manifest = read_manifest(server.url)
     assert manifest.num_samples("train") == 120
@@ -157,6 +184,16 @@ def test_embedded_server_never_leaves_its_folder(confined: Path, path: str) -> N
         assert raw_get(server.url, "/manifest.json") == 200
 
 
+def test_no_backend_serves_hidden_files(hidden_server: ShardServer) -> None:
+    """The converter's state, journal and half-written shards start with a dot: 404, as if
+    absent, however the dot is spelled."""
+    url = hidden_server.url
+    for name in HIDDEN:
+        for spelled in (name, name.replace(".", "%2e", 1), name.replace(".", "%2E", 1)):
+            assert raw_get(url, f"/{spelled}") == 404, spelled
+    assert raw_get(url, "/sub/visible.txt") == 200 and raw_get(url, "/manifest.json") == 200
+
+
 def test_embedded_server_streams_in_chunks(tmp_path: Path, shards: Path) -> None:
     shutil.copytree(shards, tmp_path / "s")
     big = tmp_path / "s" / "big.tar"
@@ -164,6 +201,88 @@ def test_embedded_server_streams_in_chunks(tmp_path: Path, shards: Path) -> None
     with ShardServer(tmp_path / "s", backend="embedded") as server:
         with urllib.request.urlopen(f"{server.url}/big.tar", timeout=10) as response:
             assert response.read(1000) == big.read_bytes()[:1000]  # the first bytes come before the whole file is read
+
+
+def read_to_eof(sock: socket.socket) -> bytes:
+    got = bytearray()
+    while chunk := sock.recv(1 << 16):
+        got += chunk
+    return bytes(got)
+
+
+@pytest.mark.timeout(60)
+def test_embedded_server_hangs_up_on_idle_clients_and_bounds_its_threads(shards: Path) -> None:
+    """100 clients that connect and say nothing, or keep a connection open after one request,
+    hold at most `num_threads` threads and are hung up on after `idle_timeout_s`; a client that
+    asks for a shard meanwhile waits for a free thread, at most about that long, and is served."""
+    manifest = (shards / "manifest.json").read_bytes()
+    name = read_manifest(str(shards)).shards("train")[0].name
+    with ShardServer(shards, backend="embedded", idle_timeout_s=1.0, num_threads=64) as server:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(100)]
+        try:
+            for sock in idle[:10]:  # keep-alive: one request, then silence
+                sock.sendall(b"GET /manifest.json HTTP/1.1\r\nHost: x\r\n\r\n")
+            peak = 0
+            for _ in range(10):
+                peak = max(peak, threading.active_count() - before)
+                time.sleep(0.05)
+            assert 0 < peak <= 64, f"{peak} threads for 100 idle connections"
+            started = time.monotonic()
+            assert fetch(f"{server.url}/{name}")[2] == (shards / name).read_bytes(), "a shard is served while 100 clients idle"
+            for i, sock in enumerate(idle):
+                answer = read_to_eof(sock)  # b"" once the server hangs up; TimeoutError after 10 s if it never does
+                if i < 10:
+                    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(manifest), answer[:200]
+                else:
+                    assert answer == b""
+            assert time.monotonic() - started < 6, "idle clients are hung up on after about 1 s per wave of 64"
+        finally:
+            for sock in idle:
+                sock.close()
+        assert fetch(f"{server.url}/{name}")[2] == (shards / name).read_bytes(), "and served after"
+        deadline = time.monotonic() + 5
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before, "every connection's thread has ended"
+
+
+@pytest.mark.timeout(60)
+def test_embedded_server_stops_at_once_with_every_thread_busy(shards: Path) -> None:
+    """Its accept loop, waiting for a free thread, does not hold up the end of the `with` block."""
+    with ShardServer(shards, backend="embedded", idle_timeout_s=30.0, num_threads=2) as server:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(4)]
+        time.sleep(0.3)
+        started = time.monotonic()
+    assert time.monotonic() - started < 3
+    for sock in idle:
+        sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_embedded_server_does_not_cut_a_slow_but_steady_download(tmp_path: Path, shards: Path) -> None:
+    """The idle timeout bounds each wait to read or write, not a request: a client that takes
+    about 2.5 s over a 32 MB shard, with pauses shorter than the timeout, gets every byte."""
+    shutil.copytree(shards, tmp_path / "s")
+    data = os.urandom(32 << 20)
+    (tmp_path / "s" / "big.tar").write_bytes(data)
+    with ShardServer(tmp_path / "s", backend="embedded", idle_timeout_s=1.0) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /big.tar HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            got = bytearray()
+            started = time.monotonic()
+            paused = False
+            while chunk := sock.recv(1 << 20):
+                got += chunk
+                if not paused and len(got) > 16 << 20:
+                    time.sleep(0.6)  # one pause shorter than the timeout, mid-shard
+                    paused = True
+                time.sleep(max(0.0, started + len(got) / (16 << 20) - time.monotonic()))  # 16 MB/s
+            elapsed = time.monotonic() - started
+    head, _, body = bytes(got).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and len(body) == len(data), f"{head[:100]!r}: {len(body)} of {len(data)} bytes"
+    assert body == data
+    assert elapsed > 2.0, f"the download took {elapsed:.1f} s, not longer than twice the timeout"
 
 
 def test_auto_skips_an_unreachable_engine_with_one_line(shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,6 +383,13 @@ def test_missing_directory_or_manifest_is_refused(tmp_path: Path) -> None:
         ShardServer(tmp_path / "absent")
     with pytest.raises(ServerError, match=r"no manifest.json in .*; serve a folder written by `raywds convert`"):
         ShardServer(tmp_path)
+
+
+def test_embedded_limits_out_of_range_are_refused(shards: Path) -> None:
+    with pytest.raises(ServerError, match=r"idle_timeout_s=0 must be above 0; the default is 30 s"):
+        ShardServer(shards, idle_timeout_s=0)
+    with pytest.raises(ServerError, match=r"num_threads=0 must be at least 1; the default is 64"):
+        ShardServer(shards, num_threads=0)
 
 
 def test_embedded_server_takes_a_client_hanging_up_mid_shard_quietly(tmp_path: Path, shards: Path, capfd: pytest.CaptureFixture[str]) -> None:
