@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import signal
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from raywds import console
-from raywds.errors import RaywdsError
+from raywds.errors import RaywdsError, one_line
 
 DEMO_DIR = "runs/demo"
 
@@ -351,16 +350,6 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     sys.exit(128 + signum)
 
 
-def _message(e: BaseException) -> str:
-    """The error's own words; an error raised in a DataLoader worker arrives wrapped in the
-    worker's traceback, whose last line holds them."""
-    text = str(e)
-    if text.startswith("Caught ") and "Original Traceback" in text:
-        last = [line for line in text.splitlines() if line.strip()][-1]
-        return re.sub(r"^[\w.]+: ", "", last)  # the exception's dotted type name
-    return text
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -370,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     except RaywdsError as e:
         if args.debug:
             traceback.print_exc()
-        lines = _message(e).splitlines() or [""]
+        lines = one_line(e).splitlines() or [""]
         print(f"raywds: error: {lines[0]}", file=sys.stderr)
         if lines[1:]:
             print("\n".join(lines[1:]), file=sys.stderr)

@@ -1,6 +1,8 @@
 """The project's own exception types. Library code raises these; only the CLI turns them
 into an exit code and a one-line message."""
 
+import re
+
 
 class RaywdsError(Exception):
     """Anything raywds refuses or cannot do; the message says what, the value, and the fix."""
@@ -16,3 +18,13 @@ class DataError(RaywdsError):
 
 class ServerError(RaywdsError):
     """A shard server that would not start or answer."""
+
+
+def one_line(e: BaseException) -> str:
+    """The error's own words; an error raised in a DataLoader worker arrives wrapped in the
+    worker's traceback, whose last line holds them (after the exception's dotted type name)."""
+    text = str(e)
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        return re.sub(r"^[\w.]+: ", "", last)
+    return text

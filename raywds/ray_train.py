@@ -24,7 +24,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raywds import console
 from raywds.config import TrainConfig
-from raywds.errors import ConfigError, RaywdsError
+from raywds.errors import ConfigError, RaywdsError, one_line
 from raywds.loader import check_plan, epoch_plan
 from raywds.shards import read_manifest
 from raywds.train import CHECKPOINT_FILE, Metrics, checkpoint_file, keep_best, load_checkpoint, train
@@ -111,6 +111,21 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     train(cfg, world, functools.partial(report_to_ray, metrics_path=Path(cfg.out_dir) / "metrics.jsonl"), resume)
 
 
+def worker_error(failed: Exception) -> RaywdsError | None:
+    """The first rank's own raywds error inside Ray's failure, in its own words (a bad shard
+    or sample is one line, as in a local run), so the CLI need not show Ray's snippets."""
+    failures = getattr(failed, "worker_failures", None) or {}  # RAY: WorkerGroupError's rank -> exception
+    for rank, failure in sorted(failures.items()):
+        seen: list[BaseException] = []
+        cause: BaseException | None = failure
+        while cause is not None and cause not in seen:
+            if isinstance(cause, RaywdsError):
+                return type(cause)(f"{one_line(cause)} (rank {rank})")
+            seen.append(cause)
+            cause = getattr(cause, "cause", None) or cause.__cause__  # RAY: RayTaskError keeps the user's error in .cause
+    return None
+
+
 def connect(address: str | None) -> None:
     """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one."""
     if ray.is_initialized():
@@ -179,7 +194,7 @@ def run(
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:  # RAY
-        raise RaywdsError(f"Ray training failed: {e}") from e
+        raise worker_error(e) or RaywdsError(f"Ray training failed: {e}") from e
     if not result.metrics:
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None

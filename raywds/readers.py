@@ -278,12 +278,10 @@ class _Hashing(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        data = self.source.read(len(buffer))
-        n = len(data)
-        buffer[:n] = data
-        self.hash.update(data)
+        n = self.source.readinto(buffer)  # type: ignore[attr-defined]
+        self.hash.update(memoryview(buffer)[:n])
         self.num_bytes += n
-        return n
+        return n  # type: ignore[no-any-return]
 
 
 def shard_samples(url: str, stream: BinaryIO, expected: Expected, *, verify_hash: bool = False) -> Iterator[dict[str, Any]]:
