@@ -6,6 +6,8 @@ Every sample keeps the source file's bytes unchanged (`KEY.jpg`, or `.png`/`.web
 `KEY.cls` (class index, ASCII) and `KEY.json` (class, source path, real format, mode, size).
 Samples are shuffled with the seed, then cut into shards by count and size. Unreadable files
 (empty, truncated, not an image) are skipped and listed, or with `strict` stop the run.
+Keys hold only letters, digits, _ and -, and each shard is read back as webdataset groups it
+(one image and one .cls per key, the count the manifest gives) before the manifest lists it.
 
 An interrupted run, rerun with the same arguments, keeps the shards it finished (checked by
 size and sha256) and writes the rest; the manifest is written atomically, last.
@@ -20,6 +22,7 @@ import multiprocessing
 import random
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +31,10 @@ import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
-from raywds.errors import DataError
+from raywds.errors import ConfigError, DataError
 from raywds.layout import IMAGE_EXTENSIONS, Found, Source, scan
 from raywds.shards import FORMAT, MANIFEST, ShardInfo, write_json_atomic
+from raywds.verify import check_members, sha256_file
 
 STATE = ".raywds-convert.json"  # the settings of the run writing this folder
 JOURNAL = ".raywds-done.jsonl"  # one line per finished shard
@@ -131,14 +135,6 @@ class ShardJob:
     """The journal's record of this shard from an earlier run, if any."""
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _still_good(path: Path, done: dict[str, Any]) -> bool:
     info = done["shard"]
     return path.is_file() and path.stat().st_size == info["num_bytes"] and sha256_file(path) == info["sha256"]
@@ -174,6 +170,16 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
                 }
             )
             num_samples += 1
+    # Read back as a loader would before the manifest promises it (a key with a dot once split
+    # samples in two). Only the member headers: the size and hash come from this same file.
+    problems = check_members(tmp, num_samples)
+    if problems:
+        tmp.unlink()
+        raise DataError(
+            f"{job.path.name} as written does not match its manifest entry: {'; '.join(problems[:5])}; "
+            f"this is a raywds bug, please report it with the names of these files: "
+            f"{', '.join(s.relpath for s in job.sources[:5])}"
+        )
     info = ShardInfo(job.path.name, num_samples, tmp.stat().st_size, sha256_file(tmp))
     tmp.replace(job.path)
     return {"shard": asdict(info), "skipped": skipped, "kept": False}
@@ -239,12 +245,32 @@ def _run(jobs: list[ShardJob], num_workers: int) -> Iterator[dict[str, Any]]:
         return
     # fork where the OS has it: spawned workers would each re-import torch (via webdataset) first.
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(num_workers) as pool:
-        yield from pool.imap(write_shard, jobs)
+    # Not multiprocessing.Pool: its terminate() after a worker's error deadlocked about once in
+    # 200 runs (task handler stuck on the queue's lock), and a killed worker hangs it forever.
+    with ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context(method)) as pool:
+        futures = [pool.submit(write_shard, job) for job in jobs]
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()  # after an error, write no more shards than are under way
+
+
+def check_outside(src: Path, out: Path) -> None:
+    """Refuse an output folder inside the source tree: the next scan would read the shards
+    folder as a class of its own (or its files as ignored rubbish) and change the classes."""
+    source, output = src.resolve(), out.resolve()
+    if output.is_relative_to(source):
+        raise ConfigError(
+            f"output folder {out} is inside the source tree {src}; choose an output folder outside SRC, "
+            f"e.g. {source.parent / (source.name + '-shards')}"
+        )
 
 
 def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
     """Convert the tree at `src` into shards under `out`; returns the manifest it wrote."""
+    check_outside(src, out)
     if options.max_side_px is not None and options.max_side_px < 8:
         raise DataError(f"--max-side {options.max_side_px} is too small; use at least 8, e.g. 256")
     if options.maxcount < 1 or options.maxsize < 1 or options.num_workers < 1:
@@ -282,6 +308,7 @@ def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) ->
         "splits": {},
         "skipped": [s for r in records.values() for s in r["skipped"]],
         "ignored": {"count": len(found.ignored), "examples": found.ignored[:20]},
+        "empty_classes": found.empty,
         "kept_from_earlier_run": sum(r["kept"] for r in records.values()),
     }
     for split in found.splits:

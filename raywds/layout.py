@@ -8,12 +8,14 @@ Layouts read:
   `meta.mat` or from a text file of wnids in ID order;
 - any folder of `<class>/**/*.{jpg,jpeg,png,webp}` (any case) without train/ or val/: the `train` split.
 
-Class indices follow sorted class names, as torchvision's ImageFolder does.
+Class indices follow sorted class names, as torchvision's ImageFolder does; a class with no
+images in a split stays (so the indices still match) and is logged as a warning.
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ SPLITS = ("train", "val")
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
 KAGGLE_CSV = "LOC_val_solution.csv"
 DEVKIT_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class Found:
     splits: dict[str, list[Source]]
     layouts: dict[str, str]
     ignored: list[str] = field(default_factory=list)
+    empty: dict[str, list[str]] = field(default_factory=dict)
+    """Split -> the classes it holds no images of."""
 
 
 def is_image(path: Path) -> bool:
@@ -64,9 +69,10 @@ def _files(folder: Path, ignored: list[str], root: Path) -> list[Path]:
     return images
 
 
-def _key(path: Path) -> str:
-    """A tar key from the file name: webdataset splits keys at the first dot."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", path.stem)
+def safe_key(text: str) -> str:
+    """`text` as a tar key: webdataset cuts a member name at its first dot into key and
+    extension, and a slash would make a folder, so only letters, digits, _ and - are kept."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", text)
 
 
 def read_kaggle_csv(path: Path) -> dict[str, str]:
@@ -170,17 +176,33 @@ def scan(src: Path, *, val_labels: Path | None = None, val_wnids: Path | None = 
         if not pairs:
             raise DataError(f"no images (.jpg .jpeg .png .webp) under {folder}")
         found.splits[split] = _sources(pairs, src, index)
+        _warn_empty(found, split, first)
     return found
 
 
+def _warn_empty(found: Found, split: str, first: Path) -> None:
+    """Log the classes without images in `split`: an empty class folder is most often a mistake."""
+    have = {s.class_name for s in found.splits[split]}
+    empty = [(i, name) for i, name in enumerate(found.classes) if name not in have]
+    if not empty:
+        return
+    found.empty[split] = [name for _, name in empty]
+    named = ", ".join(f"{name} (index {i})" for i, name in empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+    log.warning(
+        f"{len(empty)} {'classes have' if len(empty) > 1 else 'class has'} no {split} images: {named}; kept in the class list so the other "
+        f"indices match ImageFolder's sorted order; add their images, or remove empty class folders from {first}"
+    )
+
+
 def _sources(pairs: list[tuple[Path, str]], src: Path, index: dict[str, int]) -> list[Source]:
-    """Sources with keys unique in the split: the file stem, else class_stem, else numbered."""
+    """Sources with keys unique in the split: the file stem, else class_stem, else numbered;
+    each made safe as a whole, since a class name may hold a dot too."""
     used: set[str] = set()
     sources = []
     for path, name in pairs:
-        key = _key(path)
+        key = safe_key(path.stem)
         if key in used:
-            key = f"{name}_{key}"
+            key = safe_key(f"{name}_{path.stem}")
         base, n = key, 1
         while key in used:
             key, n = f"{base}_{n}", n + 1

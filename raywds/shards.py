@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import re
-import tempfile
+import secrets
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -120,8 +120,12 @@ def read_manifest(data: str, timeout_s: float = 30.0, *, shards_at: str | None =
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
-    """Write JSON so that a reader sees either the old file or the whole new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write JSON so that a reader sees either the old file or the whole new one.
+
+    The file gets 0666 less the umask, as open() gives the shards beside it: mkstemp's 0600
+    hid the manifest from other users and from nginx in Docker."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(value, f, indent=1)

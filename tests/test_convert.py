@@ -5,7 +5,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
+import os
+import shutil
+import stat
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +20,7 @@ import webdataset as wds
 from PIL import Image
 
 from raywds.convert import ConvertOptions, convert
-from raywds.errors import DataError
+from raywds.errors import ConfigError, DataError
 from raywds.shards import read_manifest
 
 
@@ -119,3 +124,65 @@ def test_empty_class_tree_is_refused(tmp_path: Path) -> None:
     (tmp_path / "src" / "train").mkdir(parents=True)
     with pytest.raises(DataError, match="has no class folders"):
         convert(tmp_path / "src", tmp_path / "out")
+
+
+def write_image(path: Path, fmt: str = "JPEG") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((8, 10, 3), 90, np.uint8)).save(path, format=fmt)
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664)])
+def test_every_written_file_follows_the_umask(tree: Path, tmp_path: Path, umask: int, mode: int) -> None:
+    """A shared shard folder is read by other users and by nginx in Docker: the manifest and
+    _info.json were once 0600 (mkstemp) while the shards beside them followed the umask."""
+    old = os.umask(umask)
+    try:
+        convert(tree, tmp_path / "out", ConvertOptions(maxcount=64))
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "out").iterdir()}
+    assert {"manifest.json", "_info.json", "imagenet-train-000000.tar"} <= set(modes)
+    assert modes == {name: oct(mode) for name in modes}
+
+
+def test_empty_class_folder_is_kept_and_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    src = tmp_path / "folder"
+    write_image(src / "ants" / "a.jpg")
+    (src / "bees").mkdir()
+    write_image(src / "cats" / "c.jpg")
+    (src / "emus").mkdir()
+    (src / "emus" / "notes.txt").write_text("no images yet")
+    layout_log = logging.getLogger("raywds.layout")  # its own handler: the CLI's console handler stops propagation
+    layout_log.addHandler(caplog.handler)
+    try:
+        manifest = convert(src, tmp_path / "out")
+    finally:
+        layout_log.removeHandler(caplog.handler)
+    assert "2 classes have no train images: bees (index 1), emus (index 3)" in caplog.text
+    # the classes stay, so the indices of the others still match ImageFolder's sorted order
+    assert manifest["classes"] == ["ants", "bees", "cats", "emus"]
+    assert sorted(int(s["cls"]) for s in read_all(tmp_path / "out", "train")) == [0, 2]
+    assert manifest["empty_classes"] == {"train": ["bees", "emus"]}
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "raywds"), "convert", str(src), str(tmp_path / "cli")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "2 classes have no train images: bees (index 1), emus (index 3)" in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize(("inside", "overwrite"), [("shards", False), ("shards", True), ("train/n90000001/out", False), (".", True)])
+def test_output_inside_the_source_is_refused(tree: Path, tmp_path: Path, inside: str, overwrite: bool) -> None:
+    """Shards inside SRC are scanned on the next run: as a class of their own, or as images."""
+    src = tmp_path / "src"
+    shutil.copytree(tree, src)
+    out = src / inside
+    with pytest.raises(ConfigError, match=r"is inside the source tree .*src; choose an output folder outside SRC, e\.g\. .*src-shards"):
+        convert(src, out, ConvertOptions(overwrite=overwrite))
+    assert sorted(p.name for p in src.iterdir()) == ["train", "val"], "nothing may be written into SRC"
+
+
+def test_output_beside_the_source_is_fine_whatever_its_name(tree: Path, tmp_path: Path) -> None:
+    (tmp_path / "src").symlink_to(tree)
+    manifest = convert(tmp_path / "src", tmp_path / "src-shards")  # shares the prefix "src", not the folder
+    assert manifest["splits"]["train"]["num_samples"] == 120

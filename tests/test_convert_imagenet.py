@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import shutil
@@ -15,6 +16,7 @@ import scipy.io
 import webdataset as wds
 from PIL import Image
 
+import raywds.convert
 from raywds.config import TrainConfig
 from raywds.convert import JOURNAL, TIMM_INFO, ConvertOptions, convert
 from raywds.errors import DataError
@@ -193,6 +195,43 @@ def test_verify_finds_damage_and_the_cli_exits_1(shards: Path, tmp_path: Path) -
     assert problems == [f"{name}: sha256 differs from the manifest", "imagenet-val-000000.tar: missing"]
     run = subprocess.run([str(RAYWDS), "verify", str(out)], capture_output=True, text=True)
     assert run.returncode == 1 and "2 problems in 12 shards" in run.stderr and name in run.stderr
+
+
+def test_dotted_class_and_shared_stems_give_whole_samples(tmp_path: Path) -> None:
+    """webdataset cuts a key at the first dot of the member name: keys once took a dotted class
+    name for two files of one stem, so convert wrote samples that verify (and loaders) split."""
+    src = tmp_path / "src" / "train"
+    for relpath, fmt in [("n0144.v2/a.jpg", "JPEG"), ("n0144.v2/a.png", "PNG"), ("n0144.v2/b.c.jpg", "JPEG"),
+                         ("n0144.v2/b_c.jpg", "JPEG"), ("n0145/a.jpg", "JPEG"), ("n0145/x y+z.JPEG", "JPEG")]:  # fmt: skip
+        (src / relpath).parent.mkdir(parents=True, exist_ok=True)
+        (src / relpath).write_bytes(encoded("RGB", fmt))
+    manifest = convert(tmp_path / "src", tmp_path / "out", ConvertOptions(maxcount=4))
+    assert verify(tmp_path / "out") == (2, [])
+    assert manifest["classes"] == ["n0144.v2", "n0145"], "class names are kept as they are"
+    assert json.loads((tmp_path / "out" / TIMM_INFO).read_text())["num_classes"] == 2
+    samples = list(wds.WebDataset([str(tmp_path / "out" / s["name"]) for s in manifest["splits"]["train"]["shards"]], shardshuffle=False))
+    sources = {json.loads(s["json"])["source"]: s for s in samples}
+    assert sorted(sources) == sorted(f"train/{p.relative_to(src)}" for p in src.rglob("*") if p.is_file())
+    for relpath, sample in sources.items():
+        assert manifest["classes"][int(sample["cls"])] == relpath.split("/")[1] == json.loads(sample["json"])["class"]
+        assert (sample.get("jpg") or sample.get("png")) == (tmp_path / "src" / relpath).read_bytes()
+        assert "." not in sample["__key__"] and "/" not in sample["__key__"]
+    assert len({s["__key__"] for s in samples}) == 6
+
+
+def test_convert_checks_its_shards_and_names_a_broken_one(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should a key ever hold a dot again, convert stops before the manifest instead of exiting 0."""
+    scan = raywds.convert.scan
+
+    def scan_with_a_dotted_key(*args: object, **kwargs: object) -> object:
+        found = scan(*args, **kwargs)  # type: ignore[arg-type]
+        found.splits["train"][0] = dataclasses.replace(found.splits["train"][0], key="broken.key")
+        return found
+
+    monkeypatch.setattr(raywds.convert, "scan", scan_with_a_dotted_key)
+    with pytest.raises(DataError, match=r"imagenet-train-0000\d\d\.tar as written does not match its manifest entry: .*sample broken has no image"):
+        convert(tree, tmp_path / "out", ConvertOptions(maxcount=16, num_workers=2))
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_shardsum_shows_gaps_as_ranges() -> None:
