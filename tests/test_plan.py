@@ -93,6 +93,19 @@ def test_verdicts_say_what_would_hang_and_the_fix() -> None:
     assert any("reach about 63% of them" in f.text for f in planner.check(sampled, num_shards=10))
 
 
+def test_a_batch_larger_than_a_ranks_share_is_warned_in_both_modes() -> None:
+    big = planner.resample_plan(120, num_ranks=2, num_workers=1, batch_size=100)
+    warned = [f.text for f in planner.check(big, num_shards=8) if f.level == "warn"]
+    assert warned == [
+        "batch 100 per rank is more than a rank's share of the data (120 samples / 2 ranks = 60): every epoch is "
+        "1 step(s) per rank, so samples repeat within each batch; use --batch-size 60 or less"
+    ]
+    split = planner.split_plan(shards_of([16] * 8), num_ranks=2, num_workers=1, batch_size=100, seed=0, epoch=0)
+    assert any(f.level == "warn" and f.text.endswith("1 step(s) per rank of a partial batch; use --batch-size 64 or less") for f in planner.check(split, num_shards=8))
+    fits = planner.resample_plan(120, num_ranks=2, num_workers=1, batch_size=60)
+    assert not [f for f in planner.check(fits, num_shards=8) if f.level == "warn"]
+
+
 def test_single_sample_tails_are_folded() -> None:
     assert planner.split_batches(17, 8) == 2 and planner.split_batches(16, 8) == 2 and planner.split_batches(18, 8) == 3
     assert planner.split_batches(1, 8) == 1 and planner.split_batches(9, 8) == 1
