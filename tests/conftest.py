@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import raycluster
 from raywds.convert import ConvertOptions, convert
 from raywds.demo import DemoSpec, write_tree
 
@@ -89,3 +91,68 @@ def tar_keys(shards: Path, split: str = "train") -> list[str]:
         with tarfile.open(shards / shard["name"]) as tar:
             keys += list(dict.fromkeys(m.name.split(".", 1)[0] for m in tar.getmembers()))  # tar order
     return keys
+
+
+# --- Ray: every cluster a test starts is private (its own temp dir, ports and token) -------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    """Tests that start Ray (they ask for `user_cluster`) get the `ray` mark, so `-m "not ray"` leaves
+    them out. RAYWDS_TEST_REVERSE=1 runs the tests in reverse order: none may lean on what an earlier
+    one left behind (a token in ~/.ray, a running cluster)."""
+    for item in items:
+        if "user_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)  # before `-m` selects
+    yield
+    if os.environ.get("RAYWDS_TEST_REVERSE") == "1":
+        items.reverse()  # after everything else has ordered and selected
+
+
+def home_ray_files() -> dict[str, tuple[int, int]] | None:
+    """~/.ray as (size, mtime) by relative path, or None when there is none."""
+    home = Path.home() / ".ray"
+    if not home.exists():
+        return None
+    return {str(p.relative_to(home)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in [home, *home.rglob("*")]}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def home_ray_untouched() -> Iterator[None]:
+    """The suite neither creates nor changes ~/.ray, where Ray keeps the user's own token (a new local
+    `ray.init` with no token writes ~/.ray/auth_token)."""
+    before = home_ray_files()
+    yield
+    after = home_ray_files()
+    if after != before:
+        old, new = before or {}, after or {}
+        changed = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
+        pytest.fail(
+            f"the tests {'created' if before is None else 'changed'} {Path.home() / '.ray'} ({', '.join(changed)}): a test "
+            "started Ray without a token of its own (tests/raycluster.py)"
+        )
+
+
+@pytest.fixture(scope="session")
+def user_cluster() -> Iterator[raycluster.HeadNode]:
+    """A cluster standing for one the user started before running the tests, with its own temp dir,
+    ports and token. Every fixture that starts Ray asks for it, so sessions without Ray tests do not
+    pay for it. At the session's end each of its processes must still run, else the run fails: a
+    test ended processes that were not its own (as `ray stop` does)."""
+    with raycluster.ray_temp_dir("rwu-") as temp, raycluster.head_node(temp) as head:
+        before = {p: raycluster.describe([p]) for p in head.processes().values()}
+        yield head
+        gone = [line for p, line in before.items() if not raycluster.is_running(p)]
+        if gone:
+            pytest.fail(
+                f"{len(gone)} of the {len(before)} processes of the user's stand-in cluster in {temp} died during the tests: "
+                "a test stopped Ray processes that were not its own (`ray stop` ends them all)\n" + "\n".join(gone)
+            )
+
+
+@pytest.fixture
+def ray_temp(user_cluster: raycluster.HeadNode) -> Iterator[Path]:
+    """A private temp dir for a cluster that a test starts some other way (RAY_TMPDIR, a subprocess's
+    ray.init): afterwards any process still using it is stopped by PID, and it is removed."""
+    with raycluster.ray_temp_dir("rwn-") as temp:
+        yield temp

@@ -1,45 +1,28 @@
 """`ray job submit --working-dir . -- raywds ray ...` against a cluster from `ray start --head`,
-on loopback, stopped afterwards."""
+with its own temp dir, ports and token, stopped afterwards by its PIDs (tests/raycluster.py)."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from raywds.server import free_port
+from raycluster import RAY, HeadNode, head_node, ray_temp_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-RAY = Path(sys.executable).parent / "ray"
 
 
 @pytest.fixture
-def head() -> Iterator[tuple[str, dict[str, str]]]:
-    """A one-node cluster started the way users start one, with its own temp dir and ports."""
-    temp = tempfile.mkdtemp(prefix="rwj-", dir="/tmp")
-    dashboard = free_port("127.0.0.1")
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-    env.pop("RAY_ADDRESS", None)
-    start = [
-        str(RAY), "start", "--head", "--num-cpus", "2", "--node-ip-address", "127.0.0.1", "--temp-dir", temp,
-        "--port", str(free_port("127.0.0.1")), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-        "--dashboard-agent-listen-port", str(free_port("127.0.0.1")), "--metrics-export-port", str(free_port("127.0.0.1")),
-        "--disable-usage-stats",
-    ]  # fmt: skip
-    out = subprocess.run(start, capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    try:
-        yield f"http://127.0.0.1:{dashboard}", env
-    finally:
-        subprocess.run([str(RAY), "stop", "--force"], capture_output=True, timeout=120, env={**env, "RAY_TMPDIR": temp})
-        shutil.rmtree(temp, ignore_errors=True)
+def head(user_cluster: HeadNode) -> Iterator[tuple[str, dict[str, str]]]:
+    """A one-node cluster started the way users start one: the dashboard's URL and the environment
+    that reaches it (its token)."""
+    with ray_temp_dir("rwj-") as temp, head_node(temp, env={**os.environ, "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}) as node:
+        yield node.dashboard_url, node.env
 
 
 def test_ray_job_submit_runs_the_demo(head: tuple[str, dict[str, str]], tmp_path: Path) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -15,24 +13,26 @@ import pytest
 import ray
 
 from conftest import tar_keys
+from raycluster import HeadNode, ray_temp_dir, ray_token_env, write_token
 from raywds import ray_train
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
-def local_cluster() -> Iterator[None]:
-    # A short private temp dir (Ray's socket paths have a length limit) and never a running cluster.
-    temp_dir = tempfile.mkdtemp(prefix="rwt-", dir="/tmp")
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
-        runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
-    )  # fmt: skip
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+def local_cluster(user_cluster: HeadNode) -> Iterator[None]:
+    # A short private temp dir (Ray's socket paths have a length limit) with a token of its own (else
+    # ray.init writes ~/.ray/auth_token), and never a running cluster; stopped by its PIDs if
+    # ray.shutdown leaves any.
+    with ray_temp_dir("rwt-") as temp_dir, ray_token_env(write_token(temp_dir)):
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, _temp_dir=str(temp_dir),
+            runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_cluster: None) -> None:
@@ -88,6 +88,30 @@ def test_split_mode_on_uneven_shards_finishes_with_every_sample_once(uneven: Pat
     assert run.metrics["epoch_duplicates"] == run.metrics["epoch_missing"] == 0
     assert audited(tmp_path / "audit", 0) == Counter(tar_keys(uneven))
     assert len(list((tmp_path / "audit").glob("*.keys"))) == 2, "both ranks trained"
+
+
+def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(shards: Path, tmp_path: Path, local_cluster: None) -> None:
+    """A non-image member in split mode: the failing rank's own line, not Ray's snippets."""
+    import re
+    import shutil
+    import tarfile
+
+    from raywds.loader import SampleError
+
+    data = tmp_path / "shards"
+    shutil.copytree(shards, data)
+    shard = json.loads((data / "manifest.json").read_text())["splits"]["train"]["shards"][0]["name"]
+    with tarfile.open(data / shard) as tar:  # same size, so the manifest's byte count still holds
+        member = next(m for m in tar.getmembers() if m.name.endswith(".jpg"))
+    raw = bytearray((data / shard).read_bytes())
+    raw[member.offset_data : member.offset_data + member.size] = b"x" * member.size
+    (data / shard).write_bytes(bytes(raw))
+    key = member.name.rsplit(".", 1)[0]
+    with pytest.raises(SampleError) as caught:
+        ray_train.run(split_config(data, tmp_path / "audit"), storage_path=str(tmp_path), name=f"bad-{uuid.uuid4().hex[:8]}")
+    line = str(caught.value)
+    assert "\n" not in line and "Traceback" not in line, line
+    assert re.fullmatch(rf"shard \S+/{re.escape(shard)}: sample {re.escape(key)} \({re.escape(member.name)}\): cannot identify image file \(rank [01]\)", line), line
 
 
 def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_path: Path, local_cluster: None) -> None:
