@@ -278,10 +278,15 @@ class _Hashing(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        n = self.source.readinto(buffer)  # type: ignore[attr-defined]
+        if hasattr(self.source, "readinto"):
+            n: int = self.source.readinto(buffer)
+        else:  # webdataset's pipe: streams only read
+            data = self.source.read(len(buffer))
+            n = len(data)
+            buffer[:n] = data
         self.hash.update(memoryview(buffer)[:n])
         self.num_bytes += n
-        return n  # type: ignore[no-any-return]
+        return n
 
 
 def shard_samples(url: str, stream: BinaryIO, expected: Expected, *, verify_hash: bool = False) -> Iterator[dict[str, Any]]:

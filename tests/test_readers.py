@@ -3,6 +3,7 @@ shards, a server killed mid-read, a server that stalls, a connection dropped mid
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import os
 import shutil
@@ -213,4 +214,6 @@ def test_shards_elsewhere_through_a_pipe_template(shards: Path, tmp_path: Path) 
     seen = Counter(k for b in val_loader(manifest, c, World()) for k in b.keys)
     assert seen == Counter(tar_keys(shards, "val"))
     trained = Counter(k for b in train_loader(manifest, c, World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0) for k in b.keys)
+    hashed = dataclasses.replace(c, verify_hashes=True)  # a pipe: stream has no readinto
+    assert Counter(k for b in val_loader(manifest, hashed, World()) for k in b.keys) == Counter(tar_keys(shards, "val"))
     assert trained == Counter(tar_keys(shards))
