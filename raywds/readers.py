@@ -298,8 +298,7 @@ def shard_samples(url: str, stream: BinaryIO, expected: Expected, *, verify_hash
     seen: set[str] = set()
     key = ""
     try:
-        files = ({"fname": n, "data": d, "__url__": url} for n, d in tars.members(source) if not tars.SKIP.match(n))
-        for sample in wds.tariterators.group_by_keys(files):
+        for sample in wds.tariterators.group_by_keys(tars.tar_files([{"url": url, "stream": source}], handler=_reraise)):
             key = sample["__key__"]
             if key in seen:
                 raise ShardMismatch(f"shard {url}: key {key} appears twice; the shard is corrupt, reconvert it")
@@ -322,6 +321,10 @@ def shard_samples(url: str, stream: BinaryIO, expected: Expected, *, verify_hash
             f"shard {url}: sha256 {hashing.hash.hexdigest()[:12]}… ({hashing.num_bytes} bytes) differs from the manifest's "
             f"{expected.sha256[:12]}… ({expected.num_bytes} bytes); the shard is corrupt, run `raywds verify`"
         )
+
+
+def _reraise(exn: BaseException) -> bool:
+    raise exn
 
 
 def _reason(e: BaseException) -> str:

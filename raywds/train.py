@@ -365,9 +365,9 @@ class Trainer:
         check_plan(plan, manifest)
         batches = train_loader(manifest, cfg, world, plan, epoch=epoch, position=position)
         ledger = Ledger(self.num_samples)
+        start = self.progress  # where this run's part of the epoch begins
         done_before = position.samples_done if position else 0
         step_before = position.step if position else 0
-        steps_before = self.progress.steps
 
         global_batch = world.world_size * cfg.batch_size_per_rank
         epoch_size = cfg.batches_per_epoch * global_batch if cfg.batches_per_epoch else self.num_samples
@@ -378,8 +378,7 @@ class Trainer:
             return lr_at(cfg, world, epoch + min((done_before + (step + 1) * global_batch) / epoch_size, 1.0))
 
         progress = ProgressLog(cfg, world, epoch, len(batches), report=self.report)
-        start = self.progress
-        bad_allowed = cfg.bad_samples_allowed(plan.num_samples if plan.mode == "split" else sum(plan.samples_per_rank))
+        bad_allowed = cfg.bad_samples_allowed(sum(plan.samples_per_rank))  # split mode never skips, so only resample's counts
 
         def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
             ledger.mark(batch.ids)
@@ -390,13 +389,13 @@ class Trainer:
             # Only where every rank is still in the loop: collectives here cannot meet a joined rank.
             if step > plan.min_batches:
                 return False
-            at_stop = cfg.max_steps is not None and steps_before + step >= cfg.max_steps
+            at_stop = cfg.max_steps is not None and start.steps + step >= cfg.max_steps
             at_checkpoint = (  # not at the epoch's last step: the epoch's own checkpoint follows
                 cfg.checkpoint_every_steps is not None and (step_before + step) % cfg.checkpoint_every_steps == 0 and step < plan.max_batches
             )
             if at_stop or at_checkpoint:
                 done = done_before + step * global_batch  # resample: every batch is full
-                self.checkpoint_inside(epoch, step_before + step, steps_before + step, done, ledger, position, plan, start)
+                self.checkpoint_inside(epoch, step_before + step, start.steps + step, done, ledger, position, plan, start)
             return at_stop
 
         try:
