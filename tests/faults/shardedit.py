@@ -60,10 +60,6 @@ def rewrite(shards: Path, split: str, index: int, change: Callable[[Members], Me
     return path
 
 
-def first_key(shards: Path, split: str, index: int) -> str:
-    return members(shards / entry(shards, split, index)["name"])[0][0].split(".", 1)[0]
-
-
 def replace_member(ext: str, data: bytes, *, nth: int = 0) -> Callable[[Members], Members]:
     """The `nth` sample's `.ext` member gets `data`."""
 
