@@ -1,4 +1,4 @@
-"""The optional C extension raywds._jpeg (region-of-interest JPEG decoding with libjpeg-turbo).
+"""The optional C extension raywds.loader._jpeg (region-of-interest JPEG decoding with libjpeg-turbo).
 
 Everything else is in pyproject.toml. Without a C compiler or libjpeg's headers (Debian:
 libjpeg62-turbo-dev) the extension is skipped and raywds decodes whole JPEGs instead.
@@ -6,4 +6,4 @@ libjpeg62-turbo-dev) the extension is skipped and raywds decodes whole JPEGs ins
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("raywds._jpeg", ["raywds/_jpeg.c"], libraries=["jpeg"], extra_compile_args=["-O2"], optional=True)])
+setup(ext_modules=[Extension("raywds.loader._jpeg", ["raywds/loader/_jpeg.c"], libraries=["jpeg"], extra_compile_args=["-O2"], optional=True)])

@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/convert_bench.py [--images ../shared/data/imagenet-sample-100] [--copies 8]
 
 Builds a tree of `copies` x the sample images (train/<wnid>/...), then converts it with 1 worker
-(the baseline) and with 2, in the same run; and times per image: header parse only (baseline),
-the draft-mode decode `convert` does, and a full decode.
+(the baseline) and with 2, in the same run; then again each in a fresh process, as `raywds
+convert` runs, so the time to import raywds.data.convert counts too (and what it imports: it
+should not be torch); and times per image: header parse only (baseline), the draft-mode decode
+`convert` does, and a full decode.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import argparse
 import io
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from PIL import Image
 
-from raywds.convert import ConvertOptions, convert, inspect_image
+from raywds.data.convert import ConvertOptions, convert, inspect_image
 
 
 def build_tree(images: list[Path], copies: int, root: Path) -> int:
@@ -31,6 +35,28 @@ def build_tree(images: list[Path], copies: int, root: Path) -> int:
             shutil.copy(path, folder / f"{path.stem}_{c}.JPEG")
             total += path.stat().st_size
     return total
+
+
+FRESH = """
+import sys, time
+start = time.perf_counter()
+from pathlib import Path
+from raywds.data.convert import ConvertOptions, convert
+imported = time.perf_counter() - start
+if len(sys.argv) > 1:
+    convert(Path(sys.argv[1]), Path(sys.argv[2]), ConvertOptions(maxcount=100, num_workers=int(sys.argv[3])))
+print(imported, "torch" in sys.modules, "webdataset" in sys.modules)
+"""
+
+
+def fresh_process(*args: str) -> tuple[float, float, str]:
+    """(wall seconds, seconds importing raywds.data.convert, heavy modules it imported) in a new interpreter."""
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", FRESH, *args], check=True, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    imported, torch, wds = run.stdout.split()
+    heavy = [name for name, loaded in (("torch", torch), ("webdataset", wds)) if loaded == "True"]
+    return seconds, float(imported), ", ".join(heavy) or "neither torch nor webdataset"
 
 
 def per_image_ms(datas: list[bytes], check: str) -> float:
@@ -66,6 +92,13 @@ def main() -> None:
             rates[workers] = num_files / seconds
             print(f"convert --workers {workers}: {seconds:.2f} s  {num_files / seconds:.0f} files/s  {num_bytes / seconds / 1e6:.1f} MB/s")
         print(f"ratio workers 2 / workers 1: {rates[2] / rates[1]:.2f}x")
+        seconds, imported, heavy = fresh_process()
+        print(f"fresh process, import raywds.data.convert only: {seconds:.2f} s (import {imported:.2f} s; loads {heavy})")
+        for workers in (1, 2):
+            seconds, imported, _ = fresh_process(str(root / "src"), str(root / f"fresh{workers}"), str(workers))
+            rates[workers] = num_files / seconds
+            print(f"fresh process convert --workers {workers}: {seconds:.2f} s  {rates[workers]:.0f} files/s  (import {imported:.2f} s)")
+        print(f"fresh process ratio workers 2 / workers 1: {rates[2] / rates[1]:.2f}x")
     datas = [p.read_bytes() for p in images] * 3
     cost = {check: per_image_ms(datas, check) for check in ("header", "draft", "full")}
     for check, ms in cost.items():

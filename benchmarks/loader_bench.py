@@ -7,7 +7,7 @@ without it, generated ~500x375 photo-like JPEGs), as an ImageFolder tree and as 
 
 1. the limit: one process that only decodes each full JPEG to RGB, with
    torchvision.io.decode_jpeg and with PIL; and the same loop with raywds's crop (no loader),
-   with the region decoder (raywds._jpeg) and without it (whole-image decoding);
+   with the region decoder (raywds.loader._jpeg) and without it (whole-image decoding);
 2. the usual alternative: torchvision ImageFolder + DataLoader with the standard train
    transform (RandomResizedCrop 224, flip, ToTensor, Normalize);
 3. raywds's train loader, `--decode cpu` (crop from the header, region and DCT-scaled
@@ -16,8 +16,8 @@ without it, generated ~500x375 photo-like JPEGs), as an ImageFolder tree and as 
 2 and 3 with 1 DataLoader worker and with all cores; then 1 worker at a low resolution (128 px,
 as in progressive-resizing schedules), where DCT scaling applies to most crops; and raywds
 in the training process itself (0 workers: no batches cross processes), and with 1 worker
-handing every batch over in a fresh shared-memory block (as before raywds.blocks). Also the
-shards' tar members read by webdataset (tarfile) and by raywds.tars, and the crop draw by
+handing every batch over in a fresh shared-memory block (as before raywds.loader.blocks). Also the
+shards' tar members read by webdataset (tarfile) and by raywds.data.tars, and the crop draw by
 torchvision's get_params and by raywds.decode.draw_crop.
 
 Loader passes are timed after their first batch (worker start-up excluded) over `copies` x
@@ -47,13 +47,13 @@ from PIL import Image, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from raywds import decode
-from raywds.blocks import Blocks
+from raywds.loader import decode
+from raywds.loader.blocks import Blocks
 from raywds.config import TrainConfig
-from raywds.convert import ConvertOptions, convert
-from raywds.loader import epoch_plan, train_loader
-from raywds.shards import read_manifest
-from raywds.tars import members
+from raywds.data.convert import ConvertOptions, convert
+from raywds.loader.loader import epoch_plan, train_loader
+from raywds.data.manifest import read_manifest
+from raywds.data.tars import members
 from raywds.world import World
 
 BATCH = 64
@@ -91,7 +91,7 @@ def loop_rate(datas: list[bytes], fn: Callable[[bytes], object]) -> float:
 
 
 def whole_image_crop(data: bytes) -> object:
-    """raywds's crop as it runs where raywds._jpeg was not built."""
+    """raywds's crop as it runs where raywds.loader._jpeg was not built."""
     saved, decode._jpeg = decode._jpeg, None  # type: ignore[assignment]
     try:
         return decode.train_crop(data, 224, (0.08, 1.0))
@@ -182,7 +182,7 @@ def main() -> None:
         runs["draw: raywds draw_crop (crops/s)"] = partial(draw_rate, partial(decode.draw_crop, scale=(0.08, 1.0)))
         tars = sorted((root / "shards").glob("*train-*.tar"))
         runs["tar members, webdataset (samples/s)"] = partial(tar_rate, tars, wds.tariterators.tar_file_iterator)
-        runs["tar members, raywds.tars (samples/s)"] = partial(tar_rate, tars, members)
+        runs["tar members, raywds.data.tars (samples/s)"] = partial(tar_rate, tars, members)
         for workers in sorted({1, cores}):
             runs[f"ImageFolder, {workers}w, 224"] = partial(imagefolder_rate, root / "tree", workers, n, 224)
             runs[f"raywds cpu, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "cpu")
@@ -214,7 +214,7 @@ def main() -> None:
         print(f"  at 128 px, raywds / full decode_jpeg: {rate['raywds cpu, 1w, 128'] / limit:.2f}x")
         print(f"  reused / fresh shared-memory blocks, 1 worker: {rate['raywds cpu, 1w, 224'] / rate['raywds cpu, 1w, fresh blocks, 224']:.2f}x")
         print(f"  crop draw, raywds / torchvision:      {rate['draw: raywds draw_crop (crops/s)'] / rate['draw: torchvision get_params (crops/s)']:.2f}x")
-        print(f"  tar members, raywds.tars / webdataset: {rate['tar members, raywds.tars (samples/s)'] / rate['tar members, webdataset (samples/s)']:.2f}x")
+        print(f"  tar members, raywds.data.tars / webdataset: {rate['tar members, raywds.data.tars (samples/s)'] / rate['tar members, webdataset (samples/s)']:.2f}x")
 
 
 if __name__ == "__main__":

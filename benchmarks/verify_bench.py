@@ -23,10 +23,10 @@ from pathlib import Path
 from loader_bench import BATCH, build_tree, photos, timed
 
 from raywds.config import TrainConfig
-from raywds.convert import ConvertOptions, convert
-from raywds.loader import epoch_plan, expected, train_loader
-from raywds.readers import ReadPolicy, tar_samples
-from raywds.shards import read_manifest
+from raywds.data.convert import ConvertOptions, convert
+from raywds.loader.loader import epoch_plan, expected, train_loader
+from raywds.loader.readers import ReadPolicy, tar_samples
+from raywds.data.manifest import read_manifest
 from raywds.world import World
 
 

@@ -7,15 +7,24 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import functools
+import typing
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raywds.errors import ConfigError
 
+# The choices of each setting; the CLI's --help and choices come from these (raywds.flags).
 Mode = Literal["resample", "split"]
-MODES: tuple[str, ...] = ("resample", "split")
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
-DECODERS: tuple[str, ...] = ("cpu", "device", "pil")
+Optimizer = Literal["sgd", "adamw"]
+Precision = Literal["auto", "bf16", "fp32"]
+MemoryFormat = Literal["auto", "channels_last", "contiguous"]
+Decoder = Literal["cpu", "device", "pil"]
+
+
+def flag(name: str) -> dict[str, str]:
+    """A field's command-line flag, where it is not `--` and the field name with dashes."""
+    return {"flag": name}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,15 +36,15 @@ class TrainConfig:
     shards_at: str | None = None
     """Where the shards are when not beside the manifest: a folder, a base URL, or a template
     with {} for the shard name, e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`."""
-    num_epochs: int = 3
+    num_epochs: int = field(default=3, metadata=flag("--epochs"))
     """Passes over the training split."""
-    batch_size_per_rank: int = 64
+    batch_size_per_rank: int = field(default=64, metadata=flag("--batch-size"))
     """Samples per batch on each rank; the global batch is this times the number of ranks."""
     model: str = "resnet50"
     """Any `torchvision.models` name, or `demo` for the small CPU network."""
     mode: Mode = "resample"
     """`resample`: equal batch counts on every rank. `split`: every sample exactly once per epoch."""
-    optimizer: str = "sgd"
+    optimizer: Optimizer = "sgd"
     """`sgd` (momentum, nesterov) or `adamw`."""
     lr: float | None = None
     """Peak learning rate; None means 0.1 x global batch / 256 for sgd, 1e-3 for adamw."""
@@ -43,37 +52,37 @@ class TrainConfig:
     """Weight decay."""
     warmup_epochs: float = 0.5
     """Linear warm-up length before the cosine decay."""
-    image_size_px: int = 224
+    image_size_px: int = field(default=224, metadata=flag("--image-size"))
     """Side of the square crop the model sees."""
     crop_scale_min: float = 0.08
     """Smallest area fraction RandomResizedCrop may take for training."""
     label_smoothing: float = 0.0
     """Label smoothing of the training loss (0.1 in the ImageNet recipes)."""
-    precision: str = "auto"
+    precision: Precision = "auto"
     """`auto` (bf16 autocast on CUDA, float32 on CPU), `bf16` or `fp32`."""
-    memory_format: str = "auto"
+    memory_format: MemoryFormat = "auto"
     """`auto` (channels_last on CUDA, contiguous on CPU), `channels_last` or `contiguous`."""
     compile: bool = False
     """Wrap the model in torch.compile."""
-    decode: str = "cpu"
+    decode: Decoder = "cpu"
     """Where training JPEGs are decoded: `cpu` (loader workers, DCT-scaled when the crop allows),
     `device` (workers send bytes; the training device decodes, with nvJPEG on a GPU) or `pil`
     (torchvision's reference PIL transform). See raywds.decode."""
-    num_loader_workers_per_rank: int = 2
+    num_loader_workers_per_rank: int = field(default=2, metadata=flag("--loader-workers"))
     """DataLoader worker processes on each rank."""
-    shuffle_buffer_samples: int = 1000
+    shuffle_buffer_samples: int = field(default=1000, metadata=flag("--worker-shuffle-buffer"))
     """Samples (still encoded) held in each DataLoader worker's shuffle buffer."""
-    cross_worker_shuffle_samples: int = 0
+    cross_worker_shuffle_samples: int = field(default=0, metadata=flag("--shuffle-buffer"))
     """Decoded samples held in a shuffle buffer in the main process, mixing the workers' batches; 0 is off."""
     batches_per_epoch: int | None = None
     """resample mode: batches per epoch on every rank; None means ceil(N / (ranks x batch))."""
     seed: int = 0
     """Seeds shard choice, shuffles and weight init."""
-    out_dir: str = "runs/local"
-    """Where checkpoints and metrics go when not running under Ray."""
-    pg_timeout_s: int = 300
+    out_dir: str = field(default="runs/local", metadata=flag("--out"))
+    """Where checkpoints and metrics go when not running under Ray (runs/demo for --demo)."""
+    pg_timeout_s: int = field(default=300, metadata=flag("--pg-timeout"))
     """Process-group timeout: a stalled collective becomes an error after this long."""
-    read_timeout_s: float = 60.0
+    read_timeout_s: float = field(default=60.0, metadata=flag("--read-timeout"))
     """Longest wait for the next bytes of a shard before a retry; a stalled server becomes an error."""
     read_retries: int = 3
     """Retries of a failed shard read (backoff 1, 2, 4 s, resuming where it stopped)."""
@@ -85,15 +94,15 @@ class TrainConfig:
     max_bad_samples: float = 0.001
     """resample mode: samples that cannot be decoded are skipped and counted, up to this many per
     epoch (below 1: a fraction of the epoch's samples), then the run stops. Split mode never skips."""
-    log_every_s: float = 60.0
+    log_every_s: float = field(default=60.0, metadata=flag("--log-every"))
     """Rank 0 prints a progress line (loss, lr, images/s, data wait, ETA) this often inside an epoch."""
-    val_every_epochs: int = 1
+    val_every_epochs: int = field(default=1, metadata=flag("--val-every"))
     """Validate every this many epochs (and always after the last)."""
     checkpoint_every_steps: int | None = None
     """Also checkpoint inside an epoch, every this many steps (at steps every rank reaches)."""
     max_steps: int | None = None
     """Stop, with a checkpoint, after this many steps in all; a later run with resume_from goes on."""
-    resume_from: str | None = None
+    resume_from: str | None = field(default=None, metadata=flag("--resume"))
     """A checkpoint (file, or Ray checkpoint directory) to continue from: weights, optimizer and data position."""
     audit_dir: str | None = None
     """Write the key of every sample trained on, per epoch and rank, to files here (proof of exact epochs)."""
@@ -105,20 +114,13 @@ class TrainConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name}={value} must be at least 1")
+        for name, allowed in choices().items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if self.num_loader_workers_per_rank < 0:
             raise ConfigError(f"num_loader_workers_per_rank={self.num_loader_workers_per_rank} must be 0 or more")
-        if self.mode not in MODES:
-            raise ConfigError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be positive (or None for the default)")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"precision={self.precision!r} is not one of auto, bf16, fp32")
-        if self.memory_format not in ("auto", "channels_last", "contiguous"):
-            raise ConfigError(f"memory_format={self.memory_format!r} is not one of auto, channels_last, contiguous")
-        if self.decode not in DECODERS:
-            raise ConfigError(f"decode={self.decode!r} is not one of {', '.join(DECODERS)}")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"label_smoothing={self.label_smoothing} must lie in [0, 1)")
         if not 0 < self.crop_scale_min <= 1:
@@ -158,11 +160,23 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown config keys {unknown}; known keys are {sorted(known)}")
+        check_known(values, "config")
         return cls(**values)
+
+
+def check_known(values: dict[str, Any], where: str) -> None:
+    """Refuse keys that are not TrainConfig fields, naming `where` they came from."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where} has unknown keys {unknown}; known keys are {sorted(known)}")
+
+
+@functools.cache
+def choices() -> dict[str, tuple[str, ...]]:
+    """Each field whose type is a Literal, and its allowed values."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {name: typing.get_args(hint) for name, hint in hints.items() if typing.get_origin(hint) is Literal}
 
 
 RECIPES: dict[str, dict[str, Any]] = {
@@ -203,10 +217,7 @@ def read_config_file(path: str) -> dict[str, Any]:
             values = json.loads(text)
     except ValueError as e:
         raise ConfigError(f"config file {path} does not parse: {e}") from None
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"config file {path} has unknown keys {unknown}; known keys are {sorted(known)}")
+    check_known(values, f"config file {path}")
     return values
 
 

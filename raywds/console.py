@@ -1,7 +1,7 @@
-"""How raywds's log records reach the console: `raywds: warning: ...` lines on stderr.
-
-The library only logs (`logging.getLogger(__name__)`); the CLI, the Ray workers and the
-DataLoader workers they fork send the `raywds` loggers here.
+"""How raywds's log records reach the console. The library only logs
+(`logging.getLogger(__name__)`); the CLI, the launchers, the Ray workers and the DataLoader
+workers they fork send the `raywds` loggers here: INFO records (epoch and progress lines) to
+stdout as they are, warnings and errors to stderr as `raywds: warning: ...`.
 
     from raywds import console
     console.configure()
@@ -13,31 +13,28 @@ import logging
 import sys
 
 
-class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to whatever sys.stderr is when a record comes (a notebook or a test may swap it)."""
+class _Console(logging.Handler):
+    """Looks up sys.stdout and sys.stderr at each record: a notebook or a test may swap them."""
 
-    @property  # type: ignore[override]
-    def stream(self) -> object:
-        return sys.stderr
+    raywds_console = True
 
-    @stream.setter
-    def stream(self, value: object) -> None:
-        pass
-
-
-class _Formatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"raywds: {record.levelname.lower()}: {record.getMessage()}"
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if record.levelno < logging.WARNING:
+                stream, text = sys.stdout, record.getMessage()
+            else:
+                stream, text = sys.stderr, f"raywds: {record.levelname.lower()}: {record.getMessage()}"
+            stream.write(text + "\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001 - logging's own policy: report, never raise
+            self.handleError(record)
 
 
 def configure(level: int = logging.INFO) -> None:
-    """Print the `raywds` loggers' records at `level` and above to stderr, once per process."""
+    """Print the `raywds` loggers' records at `level` and above, once per process."""
     logger = logging.getLogger("raywds")
     if any(getattr(h, "raywds_console", False) for h in logger.handlers):
         return
-    handler = _Stderr()
-    handler.setFormatter(_Formatter())
-    handler.raywds_console = True  # type: ignore[attr-defined]
-    logger.addHandler(handler)
+    logger.addHandler(_Console())
     logger.setLevel(level)
     logger.propagate = False  # Ray's root handlers would print each line twice

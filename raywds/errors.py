@@ -16,8 +16,16 @@ class DataError(RaywdsError):
     """Input files, shards or manifests that are missing or wrong."""
 
 
+class ShardError(DataError):
+    """A shard that cannot be read (after retries), or whose contents disagree with the manifest."""
+
+
 class ServerError(RaywdsError):
     """A shard server that would not start or answer."""
+
+
+class CollectiveError(RaywdsError):
+    """A collective failed or timed out: another rank stalled or died."""
 
 
 def one_line(e: BaseException) -> str:

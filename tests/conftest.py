@@ -9,19 +9,38 @@ from pathlib import Path
 import pytest
 
 import raycluster
-from raywds.convert import ConvertOptions, convert
-from raywds.demo import DemoSpec, write_tree
+from raywds import console
+from raywds.config import TrainConfig
+from raywds.data.convert import ConvertOptions, convert
+from raywds.data.demo import DemoSpec, write_tree
+
+
+@pytest.fixture(scope="session", autouse=True)
+def console_lines() -> None:
+    """raywds's log records reach stdout and stderr as they do under the CLI (raywds.console)."""
+    console.configure()
+
+
+def small_config(data: str | Path, **overrides: object) -> TrainConfig:
+    """The config the tests share: the demo model on small crops, one loader worker, adamw at a
+    fixed rate without warm-up; each test overrides what it is about."""
+    values: dict = dict(
+        data=str(data), model="demo", optimizer="adamw", lr=3e-3, batch_size_per_rank=16, image_size_px=28,
+        crop_scale_min=0.5, num_loader_workers_per_rank=1, num_epochs=4, warmup_epochs=0.0,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
 
 
 def need_jpeg_extension() -> None:
-    """Skip where raywds._jpeg was not built, except under RAYWDS_REQUIRE_JPEG_EXT (set by
+    """Skip where raywds.loader._jpeg was not built, except under RAYWDS_REQUIRE_JPEG_EXT (set by
     .ci/run): there its absence is a failure."""
-    from raywds import decode
+    from raywds.loader import decode
 
     if decode._jpeg is None:
         if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
-            pytest.fail("raywds._jpeg was not built (a C compiler and libjpeg's headers are needed)")
-        pytest.skip("raywds._jpeg was not built", allow_module_level=True)
+            pytest.fail("raywds.loader._jpeg was not built (a C compiler and libjpeg's headers are needed)")
+        pytest.skip("raywds.loader._jpeg was not built", allow_module_level=True)
 
 
 SMALL = DemoSpec(num_train_per_class=12, num_val_per_class=5, image_side_px=32, seed=7)

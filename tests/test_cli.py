@@ -138,8 +138,9 @@ def test_report_draws_a_png_from_a_run(shards: Path, tmp_path: Path) -> None:
 
 
 def test_ray_serve_flag_hands_workers_an_http_url(shards: Path) -> None:
-    from raywds.cli import _data, build_parser
-    from raywds.shards import read_manifest
+    from raywds.cli import build_parser
+    from raywds.commands import _data
+    from raywds.data.manifest import read_manifest
 
     args = build_parser().parse_args(["ray", "--data", str(shards), "--serve", "--server-backend", "embedded"])
     with _data(args) as url:

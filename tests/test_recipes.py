@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from raywds.compute import Compute
+from raywds.train.compute import Compute
 from raywds.config import RECIPES, TrainConfig, resolve
 from raywds.errors import ConfigError
-from raywds.train import DemoNet, make_optimizer, train
+from raywds.train.model import DemoNet
+from raywds.train.optim import make_optimizer
+from raywds.train.trainer import train
 from raywds.world import World
 
 SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
@@ -72,7 +74,7 @@ def test_the_cuda_path_bf16_and_channels_last_runs_on_the_cpu(shards: Path) -> N
 def test_torchrun_two_processes_without_ray(shards: Path, tmp_path: Path) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     out = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", "-m", "raywds.train", "--data", str(shards), "--model", "demo", "--epochs", "1",
+        [str(torchrun), "--nproc-per-node", "2", "-m", "raywds", "train", "--data", str(shards), "--model", "demo", "--epochs", "1",
          "--batch-size", "8", "--image-size", "24", "--loader-workers", "1", "--mode", "split", "--out", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

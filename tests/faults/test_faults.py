@@ -23,8 +23,8 @@ import torch
 
 import shardedit as edit
 from raywds.cli import main
-from raywds.loader import resampled_urls
-from raywds.shards import read_manifest
+from raywds.plan.modes import Resample
+from raywds.data.manifest import Manifest, ShardInfo, read_manifest
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
@@ -211,11 +211,10 @@ def replay(data: Path, broken: Broken, *, num_batches: int) -> tuple[int, int] |
     """(bad samples, skipped shards) rank 0's epoch carries in its `num_batches` batches, from
     the epoch's own shard draws; None when 5 unreadable shards in a row end the run."""
     manifest = read_manifest(str(data))
-    names = {manifest.url(s): s.name for s in manifest.shards("train")}
     sizes = {s.name: s.num_samples for s in manifest.shards("train")}
     good = counted_samples = counted_shards = pending_samples = pending_shards = in_a_row = 0
-    for draw in resampled_urls(list(names), seed=0, epoch=0, rank=0):
-        name = names[draw["url"]]
+    for shard in draws(manifest):
+        name = shard.name
         readable = broken.unreadable.get(name, sizes[name])
         for place in range(readable):
             if place in broken.bad_samples.get(name, set()):
@@ -241,8 +240,14 @@ def first_drawn(data: Path) -> int:
     """The train shard rank 0 reads first in resample mode (any shard serves split mode): a fault
     there is met in every run."""
     manifest = read_manifest(str(data))
-    urls = [manifest.url(s) for s in manifest.shards("train")]
-    return urls.index(next(resampled_urls(urls, seed=0, epoch=0, rank=0))["url"])
+    return manifest.shards("train").index(next(draws(manifest)))
+
+
+def draws(manifest: Manifest) -> Iterator[ShardInfo]:
+    """The shards rank 0's one loader worker draws in epoch 0 of a resample run with seed 0."""
+    shards = manifest.shards("train")
+    plan = Resample().plan(shards, num_ranks=1, num_workers=1, batch_size=BATCH)
+    return Resample().shards_for(plan, shards, rank=0, worker=0, seed=0, epoch=0)
 
 
 def train_flags(data: str, out: Path, mode: str) -> list[str]:

@@ -14,10 +14,12 @@ import pytest
 
 import shardedit as edit
 from raywds.config import TrainConfig
-from raywds.convert import ConvertOptions, convert
+from raywds.data.convert import ConvertOptions, convert
 from raywds.errors import RaywdsError
-from raywds.loader import SampleError, epoch_plan, train_loader
-from raywds.shards import read_manifest
+from raywds.loader.loader import train_loader
+from raywds.loader.stages import SampleError
+from raywds.plan.modes import epoch_plan
+from raywds.data.manifest import read_manifest
 from raywds.world import World
 
 pytestmark = pytest.mark.faults

@@ -1,0 +1,8 @@
+"""`python -m raywds ...` is the `raywds` command; `torchrun --nproc-per-node N -m raywds train ...`
+runs it as N DDP ranks."""
+
+import sys
+
+from raywds.cli import main
+
+sys.exit(main())

@@ -1,0 +1,211 @@
+"""What each `raywds` command does, once its flags are parsed (raywds.cli). Imports are
+inside each command: `raywds convert` never loads torch, `raywds plan` never loads Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from raywds.errors import RaywdsError
+from raywds.flags import given
+
+DEMO_DIR = "runs/demo"
+
+
+def _config(args: argparse.Namespace, data: str) -> Any:
+    """Recipe (`demo` for --demo), then --config, then the flags given."""
+    from raywds.config import resolve
+
+    recipe = args.recipe or ("demo" if args.demo else None)
+    return resolve(data, recipe=recipe, config_file=args.config, **given(args))
+
+
+@contextlib.contextmanager
+def _served(root: Any, args: argparse.Namespace, host: str, advertise: str | None) -> Iterator[str]:
+    from raywds.serve import ShardServer
+
+    with ShardServer(root, backend=args.server_backend, host=host, advertise=advertise) as server:  # workers read it over HTTP
+        for line in server.skipped:
+            print(f"raywds: skipped {line}", flush=True)
+        print(f"raywds: serving {server.root if not args.demo else root} at {server.url} ({server.backend})", flush=True)
+        yield server.url
+
+
+@contextlib.contextmanager
+def _data(args: argparse.Namespace, host: str = "127.0.0.1", advertise: str | None = None) -> Iterator[str]:
+    """The --data location, or for --demo the URL of a server over freshly made demo shards."""
+    if not args.demo:
+        if not args.data:
+            raise RaywdsError("no data: give --data SHARDS_DIR_OR_URL, or --demo to train on generated demo data")
+        if not getattr(args, "serve", False):
+            yield args.data
+            return
+        with _served(args.data, args, host, advertise) as url:
+            yield url
+        return
+    from raywds.data.demo import prepare
+
+    start = time.perf_counter()
+    shards = prepare(Path(args.demo_dir))
+    print(f"raywds: demo shards ready in {shards} ({time.perf_counter() - start:.1f} s)", flush=True)
+    with _served(shards, args, host, advertise) as url:
+        yield url
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from raywds.data.demo import write_tree
+
+    out = write_tree(Path(args.out))
+    print(f"raywds: demo tree written to {out}")
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from raywds.data.convert import ConvertOptions, convert
+
+    options = ConvertOptions(
+        maxcount=args.maxcount, maxsize=args.maxsize, num_workers=args.workers, seed=args.seed, prefix=args.prefix,
+        strict=args.strict, overwrite=args.overwrite, val_labels=args.val_labels, val_wnids=args.val_wnids, max_side_px=args.max_side_px,
+    )  # fmt: skip
+    manifest = convert(Path(args.src), Path(args.out), options)
+    for split, info in manifest["splits"].items():
+        print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards ({manifest['layouts'][split]})")
+    if manifest["kept_from_earlier_run"]:
+        print(f"kept {manifest['kept_from_earlier_run']} finished shards from an earlier run")
+    if manifest["ignored"]["count"]:
+        print(f"ignored {manifest['ignored']['count']} files that are not images, e.g. {', '.join(manifest['ignored']['examples'][:3])}")
+    if manifest["skipped"]:
+        print(f"skipped {len(manifest['skipped'])} unreadable images (listed in the manifest):")
+        for bad in manifest["skipped"][:50]:
+            print(f"  {bad['path']}: {bad['reason']}")
+    print(f"raywds: wrote {Path(args.out) / 'manifest.json'} ({len(manifest['classes'])} classes)")
+
+
+def cmd_verify(args: argparse.Namespace) -> None:
+    from raywds.data.verify import verify
+
+    count, problems = verify(Path(args.shards))
+    if problems:
+        raise RaywdsError(f"{len(problems)} problems in {count} shards of {args.shards}:\n" + "\n".join(problems))
+    print(f"raywds: {count} shards in {args.shards} match the manifest")
+
+
+def cmd_shardsum(args: argparse.Namespace) -> None:
+    from raywds.data.manifest import shardsum
+
+    names = args.names or sys.stdin.read().split()
+    print("\n".join(shardsum(names)))
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from raywds.serve import ShardServer, stop_all
+    from raywds.data.manifest import read_manifest, shardsum
+
+    if args.stop_all:
+        print(f"raywds: removed {stop_all()} shard-server container(s)")
+        return
+    if not args.shards:
+        raise RaywdsError("serve needs a shard folder (or --stop-all)")
+    host = "127.0.0.1" if args.local else args.host
+    server = ShardServer(args.shards, backend=args.backend, host=host, port=args.port, advertise=args.advertise, image=args.image, network=args.network, pull=not args.no_pull)
+    with server:
+        for line in server.skipped:
+            print(f"raywds: skipped {line}", flush=True)
+        manifest = read_manifest(str(server.root))
+        print(f"raywds: serving {server.root} at {server.url} ({server.backend}, listening on {host}:{server.port}); Ctrl-C stops", flush=True)
+        for split in manifest.splits:
+            for pattern in shardsum([s.name for s in manifest.shards(split)]):
+                print(f"  {split}: {server.url}/{pattern}", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+def _plan_shards(args: argparse.Namespace) -> list[Any]:
+    from raywds.data.manifest import ShardInfo, read_manifest
+
+    if args.data:
+        return read_manifest(args.data).shards("train")
+    if not (args.num_shards and args.samples_per_shard):
+        raise RaywdsError("plan needs --data SHARDS, or --num-shards N --samples-per-shard K")
+    sizes = [args.samples_per_shard] * args.num_shards
+    if args.last_shard_samples is not None:
+        sizes[-1] = args.last_shard_samples
+    return [ShardInfo(f"shard-{i:06d}.tar", n, 0, "") for i, n in enumerate(sizes)]
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from raywds.plan.checks import check, refusals
+    from raywds.plan.modes import parse
+    from raywds.plan.render import render
+
+    shards = _plan_shards(args)
+    plan = parse(args.mode).plan(
+        shards, num_ranks=args.nodes * args.gpus_per_node, num_workers=max(1, args.loader_workers), batch_size=args.batch_size,
+        seed=args.seed, epoch=args.epoch, batches_per_epoch=args.batches_per_epoch,
+    )  # fmt: skip
+    findings = check(plan, num_shards=len(shards))
+    print(render(plan, findings, gpus_per_node=args.gpus_per_node, max_ranks_shown=args.ranks_shown))
+    if args.shuffle_report:
+        from raywds.loader.mixing import report
+
+        print(report(plan, shards, data=args.data, num_classes=args.classes, seed=args.seed, epoch=args.epoch,
+                     worker_buffer=args.worker_shuffle_buffer, cross_buffer=args.shuffle_buffer, num_batches=args.report_batches))  # fmt: skip
+    refused = refusals(findings)
+    if refused:
+        raise RaywdsError(refused[0])
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from raywds.report import plot, read_epochs
+
+    out = plot(Path(args.run_dir), Path(args.out) if args.out else None)
+    last = read_epochs(Path(args.run_dir))[-1]
+    print(f"raywds: wrote {out} ({last['epoch']} epochs)")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from raywds.launch.local import run_local
+    from raywds.train.progress import summary_line
+
+    with _data(args) as data:
+        cfg = _config(args, data)
+        start = time.perf_counter()
+        metrics, run_dir = run_local(cfg)
+    if run_dir is not None:
+        print(f"raywds: checkpoint {run_dir.checkpoint_path}  metrics {run_dir.metrics_path}  ({time.perf_counter() - start:.0f} s)")
+        print(summary_line(metrics))
+
+
+def cmd_ray(args: argparse.Namespace) -> None:
+    from raywds.launch import ray_train
+    from raywds.train.progress import summary_line
+
+    ray_train.connect(args.address)
+    # A single-node cluster reads the demo server over loopback; a multi-node one listens on
+    # every interface and hands workers the head's IP as Ray sees it.
+    multi_node = ray_train.node_count() > 1
+    host, advertise = ("0.0.0.0", ray_train.node_ip()) if multi_node else ("127.0.0.1", None)
+    with _data(args, host=host, advertise=advertise) as data:
+        cfg = _config(args, data)
+        start = time.perf_counter()
+        run = ray_train.run(
+            cfg, num_workers=args.num_workers, storage_path=args.storage_path, name=args.name,
+            num_checkpoints_to_keep=args.keep_checkpoints, max_failures=args.max_failures,
+        )  # fmt: skip
+    print(f"raywds: {run.plan.describe()}  checkpoint {run.checkpoint}  results {run.path}  ({time.perf_counter() - start:.0f} s)")
+    print(summary_line(run.metrics))
+
+
+COMMANDS = {
+    "demo": cmd_demo, "convert": cmd_convert, "verify": cmd_verify, "shardsum": cmd_shardsum, "serve": cmd_serve,
+    "plan": cmd_plan, "report": cmd_report, "train": cmd_train, "ray": cmd_ray,
+}  # fmt: skip
+

@@ -1,0 +1,273 @@
+"""ImageNet tree or ImageFolder -> WebDataset shards plus manifest.json.
+
+    raywds convert ~/imagenet shards/ --maxcount 1000 --workers 8
+
+Every sample keeps the source file's bytes unchanged (`KEY.jpg`, or `.png`/`.webp`), with
+`KEY.cls` (class index, ASCII) and `KEY.json` (class, source path, real format, mode, size).
+Samples are shuffled with the seed, then cut into shards by count and size. Unreadable files
+(empty, truncated, not an image) are skipped and listed, or with `strict` stop the run.
+Keys hold only letters, digits, _ and -, and each shard is read back as webdataset groups it
+(one image and one .cls per key, the count the manifest gives) before the manifest lists it.
+
+An interrupted run, rerun with the same arguments, keeps the shards it finished (checked by
+size and sha256, see raywds.data.resume) and writes the rest; the manifest is written
+atomically, last. The tars are webdataset's bytes, written by raywds.data.tarwriter with
+tarfile, so converting never imports webdataset or torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+from tqdm import tqdm
+
+from raywds.data.layout import IMAGE_EXTENSIONS, Found, Source, scan
+from raywds.data.manifest import FORMAT, MANIFEST, TIMM_INFO, ShardInfo, write_json_atomic
+from raywds.data.resume import JOURNAL, STATE  # noqa: F401 - the names of the files convert writes, for its callers
+from raywds.data.resume import Journal, prepare_output, still_good
+from raywds.data.tarwriter import TAR_END_BYTES, TarWriter, tar_cost
+from raywds.data.verify import check_members, sha256_file
+from raywds.errors import ConfigError, DataError
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertOptions:
+    """How to read the source and cut the shards."""
+
+    maxcount: int = 1000
+    """Most samples per shard."""
+    maxsize: int = 1 << 30
+    """Most bytes per shard (a lone sample larger than this still gets its own shard)."""
+    num_workers: int = 1
+    """Processes writing shards at once."""
+    seed: int = 0
+    """Seeds the sample shuffle before sharding."""
+    prefix: str = "imagenet"
+    """Shard names are PREFIX-SPLIT-NNNNNN.tar."""
+    strict: bool = False
+    """Stop at the first unreadable image instead of skipping it."""
+    overwrite: bool = False
+    """Replace shards in OUT that were made with other settings."""
+    val_labels: Path | None = None
+    """Labels for a flat val/ folder: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt."""
+    val_wnids: Path | None = None
+    """wnid of each ILSVRC2012_ID for the devkit ground truth: meta.mat or a text file in ID order."""
+    max_side_px: int | None = None
+    """Downscale images whose longer side exceeds this (re-encoded, for fast experiments); None keeps every byte."""
+
+
+def plan_shards(sources: list[Source], split: str, options: ConvertOptions) -> list[list[Source]]:
+    """Shuffle with the seed, then cut into shards by count and size."""
+    order = list(sources)
+    random.Random(f"{options.seed}-{split}").shuffle(order)
+    shards: list[list[Source]] = []
+    current: list[Source] = []
+    size = 0
+    for source in order:
+        cost = tar_cost(source.num_bytes)
+        if current and (len(current) >= options.maxcount or size + cost + TAR_END_BYTES > options.maxsize):
+            shards.append(current)
+            current, size = [], 0
+        current.append(source)
+        size += cost
+    if current:
+        shards.append(current)
+    return shards
+
+
+def inspect_image(data: bytes) -> dict[str, Any]:
+    """The real format, mode and size of an image; raises ValueError if it cannot be decoded.
+
+    JPEGs are decoded at 1/8 scale (PIL draft mode): that still reads every byte of the
+    entropy-coded data, so truncation is caught, at about 60% of a full decode's cost."""
+    if not data:
+        raise ValueError("empty file")
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            meta = {"format": img.format, "mode": img.mode, "width": img.width, "height": img.height}
+            if img.format == "JPEG":
+                img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
+            img.load()
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for bad data
+        raise ValueError(f"not a readable image ({type(e).__name__}: {e})") from None
+    return meta
+
+
+def downscale(data: bytes, meta: dict[str, Any], max_side_px: int) -> bytes:
+    """Shrink so the longer side is `max_side_px`, re-encoded in the image's own format."""
+    with Image.open(io.BytesIO(data)) as img:
+        img.draft(img.mode, (max_side_px, max_side_px))  # JPEG: decode straight at a smaller scale
+        small = img.copy()
+    small.thumbnail((max_side_px, max_side_px), Image.Resampling.BICUBIC)
+    out = io.BytesIO()
+    fmt = meta["format"] if meta["format"] in ("JPEG", "PNG", "WEBP") else "PNG"
+    small.save(out, format=fmt, **({"quality": 90} if fmt in ("JPEG", "WEBP") else {}))
+    meta.update(resized_from=[meta["width"], meta["height"]], width=small.width, height=small.height)
+    return out.getvalue()
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    path: Path
+    sources: list[Source]
+    strict: bool
+    max_side_px: int | None
+    done: dict[str, Any] | None
+    """The journal's record of this shard from an earlier run, if any."""
+
+
+def write_shard(job: ShardJob) -> dict[str, Any]:
+    """Write one shard (to a temporary name, renamed into place); returns its journal record."""
+    if job.done is not None and still_good(job.path, job.done):
+        return {**job.done, "kept": True}
+    tmp = job.path.with_name(f".{job.path.name}.tmp")
+    skipped = []
+    num_samples = 0
+    with TarWriter(tmp) as sink:
+        for source in job.sources:
+            data = source.path.read_bytes()
+            try:
+                meta = inspect_image(data)
+            except ValueError as e:
+                if job.strict:
+                    raise DataError(f"{source.path}: {e} (without --strict it would be skipped and listed)") from None
+                skipped.append({"path": source.relpath, "reason": str(e)})
+                continue
+            if job.max_side_px and max(meta["width"], meta["height"]) > job.max_side_px:
+                data = downscale(data, meta, job.max_side_px)
+            meta.update({"class": source.class_name, "index": source.class_index, "source": source.relpath})
+            sink.write(
+                source.key,
+                {
+                    IMAGE_EXTENSIONS[source.path.suffix.lower()]: data,
+                    "cls": str(source.class_index).encode(),
+                    "json": json.dumps(meta, sort_keys=True).encode(),
+                },
+            )
+            num_samples += 1
+    # Read back as a loader would before the manifest promises it (a key with a dot once split
+    # samples in two). Only the member headers: the size and hash come from this same file.
+    problems = check_members(tmp, num_samples)
+    if problems:
+        tmp.unlink()
+        raise DataError(
+            f"{job.path.name} as written does not match its manifest entry: {'; '.join(problems[:5])}; "
+            f"this is a raywds bug, please report it with the names of these files: "
+            f"{', '.join(s.relpath for s in job.sources[:5])}"
+        )
+    info = ShardInfo(job.path.name, num_samples, tmp.stat().st_size, sha256_file(tmp))
+    tmp.replace(job.path)
+    return {"shard": asdict(info), "skipped": skipped, "kept": False}
+
+
+def fingerprint(found: Found, options: ConvertOptions) -> str:
+    """Changes when anything that decides the shards' contents changes."""
+    listing = {split: [(s.relpath, s.num_bytes, s.class_index, s.key) for s in sources] for split, sources in found.splits.items()}
+    settings = [options.prefix, options.seed, options.maxcount, options.maxsize, options.max_side_px, found.classes, found.layouts, listing]
+    return hashlib.sha256(json.dumps(settings).encode()).hexdigest()
+
+
+def timm_info(manifest: dict[str, Any]) -> dict[str, Any]:
+    """timm's `_info.json`, so `timm` (`--dataset wds/NAME --data-dir OUT`) reads the same shards."""
+    return {
+        "name": manifest["prefix"],
+        "num_classes": len(manifest["classes"]),
+        "splits": {
+            split: {
+                "name": split,
+                "num_samples": info["num_samples"],
+                "filenames": [s["name"] for s in info["shards"]],
+                "shard_lengths": [s["num_samples"] for s in info["shards"]],
+            }
+            for split, info in manifest["splits"].items()
+        },
+    }
+
+
+def _run(jobs: list[ShardJob], num_workers: int) -> Iterator[dict[str, Any]]:
+    if num_workers == 1:
+        yield from map(write_shard, jobs)
+        return
+    # fork where the OS has it: workers start at once, without importing PIL and raywds again.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # Not multiprocessing.Pool: its terminate() after a worker's error deadlocked about once in
+    # 200 runs (task handler stuck on the queue's lock), and a killed worker hangs it forever.
+    with ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context(method)) as pool:
+        futures = [pool.submit(write_shard, job) for job in jobs]
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()  # after an error, write no more shards than are under way
+
+
+def check_outside(src: Path, out: Path) -> None:
+    """Refuse an output folder inside the source tree: the next scan would read the shards
+    folder as a class of its own (or its files as ignored rubbish) and change the classes."""
+    source, output = src.resolve(), out.resolve()
+    if output.is_relative_to(source):
+        raise ConfigError(
+            f"output folder {out} is inside the source tree {src}; choose an output folder outside SRC, "
+            f"e.g. {source.parent / (source.name + '-shards')}"
+        )
+
+
+def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
+    """Convert the tree at `src` into shards under `out`; returns the manifest it wrote."""
+    check_outside(src, out)
+    if options.max_side_px is not None and options.max_side_px < 8:
+        raise DataError(f"--max-side {options.max_side_px} is too small; use at least 8, e.g. 256")
+    if options.maxcount < 1 or options.maxsize < 1 or options.num_workers < 1:
+        raise DataError(f"maxcount, maxsize and workers must be at least 1, got {options}")
+    found = scan(src, val_labels=options.val_labels, val_wnids=options.val_wnids)
+    done = prepare_output(out, fingerprint(found, options), prefix=options.prefix, overwrite=options.overwrite)
+    jobs: list[tuple[str, ShardJob]] = []
+    for split, sources in found.splits.items():
+        for i, shard in enumerate(plan_shards(sources, split, options)):
+            name = f"{options.prefix}-{split}-{i:06d}.tar"
+            jobs.append((split, ShardJob(out / name, shard, options.strict, options.max_side_px, done.get(name))))
+    records: dict[str, dict[str, Any]] = {}
+    total_bytes = sum(s.num_bytes for _, job in jobs for s in job.sources)
+    start = time.perf_counter()
+    files = 0
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=None) as bar, Journal(out) as journal:
+        for (_, job), record in zip(jobs, _run([job for _, job in jobs], options.num_workers)):
+            records[job.path.name] = record
+            if not record["kept"]:
+                journal.add(record)
+            files += len(job.sources)
+            bar.update(sum(s.num_bytes for s in job.sources))
+            bar.set_postfix_str(f"{files / max(time.perf_counter() - start, 1e-9):.0f} files/s")
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "prefix": options.prefix,
+        "classes": found.classes,
+        "seed": options.seed,
+        "maxcount": options.maxcount,
+        "maxsize": options.maxsize,
+        "max_side_px": options.max_side_px,
+        "source": str(src.resolve()),
+        "layouts": found.layouts,
+        "splits": {},
+        "skipped": [s for r in records.values() for s in r["skipped"]],
+        "ignored": {"count": len(found.ignored), "examples": found.ignored[:20]},
+        "empty_classes": found.empty,
+        "kept_from_earlier_run": sum(r["kept"] for r in records.values()),
+    }
+    for split in found.splits:
+        shards = [records[job.path.name]["shard"] for s, job in jobs if s == split]
+        manifest["splits"][split] = {"num_samples": sum(s["num_samples"] for s in shards), "shards": shards}
+    write_json_atomic(out / TIMM_INFO, timm_info(manifest))
+    write_json_atomic(out / MANIFEST, manifest)
+    return manifest

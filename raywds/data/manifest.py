@@ -1,0 +1,188 @@
+"""Manifests, shard URLs and the dealing of shards to (rank, worker) slots.
+
+A shard location is a local directory, a path to its manifest.json, or an http(s) URL of
+the directory a shard server serves. Shards are read by webdataset (curl for http).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raywds.errors import DataError
+
+MANIFEST = "manifest.json"
+TIMM_INFO = "_info.json"
+"""timm's view of the same shards, written beside the manifest."""
+FORMAT = "raywds-shards/1"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One tar file: its name beside the manifest, samples, bytes and sha256."""
+
+    name: str
+    num_samples: int
+    num_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What `raywds convert` wrote, plus where the shards live (`base`)."""
+
+    base: str
+    classes: list[str]
+    splits: dict[str, list[ShardInfo]]
+    raw: dict[str, Any]
+
+    def shards(self, split: str) -> list[ShardInfo]:
+        if split not in self.splits or not self.splits[split]:
+            raise DataError(f"no {split!r} shards in the manifest at {self.base}; it has {sorted(self.splits)}")
+        return self.splits[split]
+
+    def num_samples(self, split: str) -> int:
+        return sum(s.num_samples for s in self.shards(split))
+
+    def url(self, shard: ShardInfo) -> str:
+        return shard_url(self.base, shard.name)
+
+    def offsets(self, split: str) -> dict[str, int]:
+        """Each shard's first sample id: samples are numbered through the split in manifest order."""
+        offsets, start = {}, 0
+        for shard in self.shards(split):
+            offsets[shard.name] = start
+            start += shard.num_samples
+        return offsets
+
+    def fingerprint(self, split: str) -> str:
+        """A short hash of the split's shard names, counts and contents."""
+        h = hashlib.sha256()
+        for s in self.shards(split):
+            h.update(f"{s.name} {s.num_samples} {s.sha256}\n".encode())
+        return h.hexdigest()[:16]
+
+
+def is_url(location: str) -> bool:
+    return location.startswith(("http://", "https://"))
+
+
+def shard_url(base: str, name: str) -> str:
+    """The address of shard `name` under `base`: a directory, an http(s) URL, or a template in
+    which `{}` stands for the name (e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`)."""
+    if "{}" in base:
+        return base.replace("{}", name)
+    if is_url(base):
+        return base.rstrip("/") + "/" + name
+    return str(Path(base) / name)
+
+
+def _split_location(data: str) -> tuple[str, str]:
+    """(base, manifest location) for a directory, a manifest path, or a URL."""
+    if is_url(data):
+        if data.endswith(".json"):
+            return data.rsplit("/", 1)[0], data
+        return data.rstrip("/"), data.rstrip("/") + "/" + MANIFEST
+    path = Path(data)
+    if path.suffix == ".json":
+        return str(path.parent), str(path)
+    return str(path), str(path / MANIFEST)
+
+
+def read_manifest(data: str, timeout_s: float = 30.0, *, shards_at: str | None = None) -> Manifest:
+    """Load the manifest for the shards at `data` (directory, manifest path or URL); with
+    `shards_at` the shards live there instead of beside the manifest (see shard_url)."""
+    base, where = _split_location(data)
+    try:
+        if is_url(where):
+            with urllib.request.urlopen(where, timeout=timeout_s) as response:
+                raw = json.loads(response.read())
+        else:
+            raw = json.loads(Path(where).read_text())
+    except FileNotFoundError:
+        raise DataError(f"no manifest at {where}: run `raywds convert SRC {base}` first, or check --data") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise DataError(f"cannot read manifest {where}: {e}; is the shard server running?") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"manifest {where} is not valid JSON ({e}); rerun `raywds convert`") from None
+    if raw.get("format") != FORMAT:
+        raise DataError(f"{where} is not a raywds manifest (format {raw.get('format')!r}, expected {FORMAT!r})")
+    splits = {
+        split: [ShardInfo(**shard) for shard in info["shards"]] for split, info in raw["splits"].items()
+    }
+    return Manifest(base=shards_at or base, classes=list(raw["classes"]), splits=splits, raw=raw)
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Write JSON so that a reader sees either the old file or the whole new one.
+
+    The file gets 0666 less the umask, as open() gives the shards beside it: mkstemp's 0600
+    hid the manifest from other users and from nginx in Docker."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def deal(shards: list[ShardInfo], num_slots: int) -> list[list[ShardInfo]]:
+    """Deal shards to `num_slots` slots, balancing sample counts (largest first, to the lightest slot).
+
+    The order of `shards` breaks ties, so a shuffled list gives a shuffled deal; every shard
+    lands in exactly one slot.
+    """
+    if num_slots < 1:
+        raise ValueError(f"num_slots={num_slots} must be at least 1")
+    slots: list[list[ShardInfo]] = [[] for _ in range(num_slots)]
+    load = [0] * num_slots
+    order = sorted(range(len(shards)), key=lambda i: -shards[i].num_samples)
+    for i in order:
+        lightest = min(range(num_slots), key=lambda s: (load[s], len(slots[s]), s))
+        slots[lightest].append(shards[i])
+        load[lightest] += shards[i].num_samples
+    return slots
+
+
+def shardsum(names: list[str]) -> list[str]:
+    """Shard names in brace notation: `imagenet-train-{000000..001281}.tar`, one line per
+    unbroken run, so gaps show as separate ranges. Names without a number pass through."""
+    groups: dict[tuple[str, str, int], list[int]] = {}
+    lines: list[str] = []
+    for name in (n.strip() for n in names):
+        if not name:
+            continue
+        match = re.fullmatch(r"(.*?)(\d+)(\.[^/]*)?", name)
+        if match is None:
+            lines.append(name)
+            continue
+        head, digits, tail = match.group(1), match.group(2), match.group(3) or ""
+        groups.setdefault((head, tail, len(digits)), []).append(int(digits))
+    for (head, tail, width), numbers in sorted(groups.items()):
+        numbers = sorted(set(numbers))
+        start = prev = numbers[0]
+        for n in numbers[1:] + [None]:
+            if n is not None and n == prev + 1:
+                prev = n
+                continue
+            if start == prev:
+                lines.append(f"{head}{start:0{width}d}{tail}")
+            else:
+                lines.append(f"{head}{{{start:0{width}d}..{prev:0{width}d}}}{tail}")
+            if n is not None:
+                start = prev = n
+    return lines

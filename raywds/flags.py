@@ -1,0 +1,78 @@
+"""The training flags of `raywds train` and `raywds ray`, made from TrainConfig itself: one
+flag per field, its help the field's docstring, its choices the field's Literal type, its
+default the field's default. A flag is `--` and the field name with dashes, unless the field
+names another (`field(metadata=flag("--epochs"))`). A flag not given is None, so the recipe
+and the config file underneath it keep their values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import types
+import typing
+from typing import Any
+
+from raywds.config import TrainConfig, choices
+
+NOT_FLAGS = ("data",)
+"""Fields the CLI sets otherwise (`--data` or `--demo`)."""
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each TrainConfig field's docstring (the string literal under it in the class body)."""
+    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())  # type: ignore[union-attr]
+    return docs
+
+
+def _value_type(field: dataclasses.Field[Any]) -> Any:
+    """int, float or str: the field's type without None."""
+    hint = typing.get_type_hints(TrainConfig)[field.name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return str if typing.get_origin(hint) is typing.Literal else hint
+
+
+def flag_fields() -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(TrainConfig) if f.name not in NOT_FLAGS]
+
+
+def flag_name(field: dataclasses.Field[Any]) -> str:
+    return str(field.metadata.get("flag", "--" + field.name.replace("_", "-")))
+
+
+def _help(field: dataclasses.Field[Any]) -> str:
+    text = field_docs().get(field.name, "")
+    default = field.default
+    if default is None or default is False or field.name in choices():
+        return text  # choices are listed by argparse; None and False say nothing
+    return f"{text} (default {default})"
+
+
+def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig field (but `skip`), each None unless given."""
+    for field in flag_fields():
+        if field.name in skip:
+            continue
+        kind = _value_type(field)
+        options: dict[str, Any] = {"dest": field.name, "help": _help(field)}
+        if kind is bool:
+            options.update(action="store_const", const=True)
+        else:
+            options.update(type=kind)
+        if field.name in choices():
+            options.update(choices=choices()[field.name])
+        parser.add_argument(flag_name(field), **options)
+
+
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields set by flags (None: not given)."""
+    return {f.name: getattr(args, f.name, None) for f in flag_fields()}

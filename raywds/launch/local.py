@@ -1,0 +1,46 @@
+"""Train without Ray: in this process, or as one rank of a torchrun job (the world comes
+from RANK, WORLD_SIZE and LOCAL_RANK).
+
+    raywds train --data shards/ --model resnet18 --epochs 3                 # one process
+    torchrun --nproc-per-node 4 -m raywds train --data shards/             # DDP, same flags
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from raywds.config import TrainConfig
+from raywds.train.checkpoint import CHECKPOINT_FILE
+from raywds.train.rundir import Metrics, RunDir
+from raywds.train.trainer import train
+from raywds.world import World
+
+
+def resuming_in_place(cfg: TrainConfig) -> bool:
+    """True when the run continues from the checkpoint in its own out_dir (metrics.jsonl is kept)."""
+    if cfg.resume_from is None:
+        return False
+    out = Path(cfg.out_dir).resolve()
+    return Path(cfg.resume_from).resolve() in (out, out / CHECKPOINT_FILE)
+
+
+def run_local(cfg: TrainConfig) -> tuple[Metrics, RunDir | None]:
+    """Train in this process, or as one rank of a torchrun job; rank 0 returns its run folder."""
+    world = World.from_env()
+    if world.distributed:
+        backend = "nccl" if world.device.startswith("cuda") else "gloo"
+        if world.device.startswith("cuda"):
+            torch.cuda.set_device(world.local_rank)
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.pg_timeout_s))
+    run_dir = RunDir(cfg.out_dir, append=resuming_in_place(cfg)) if world.is_main else None
+    if run_dir is not None:
+        run_dir.write_config(cfg)  # the resolved config
+    try:
+        return train(cfg, world, run_dir=run_dir), run_dir
+    finally:
+        if world.distributed:
+            dist.destroy_process_group()

@@ -1,0 +1,206 @@
+"""Ray Train wrapper: the only module that uses ray.train. Each Ray touchpoint is marked `# RAY`.
+
+    raywds ray --data http://head:8080 --model resnet50          # one worker per cluster GPU
+    ray job submit --address http://127.0.0.1:8265 -- raywds ray --demo
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import torch
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from raywds import console
+from raywds.config import TrainConfig
+from raywds.errors import ConfigError, RaywdsError, one_line
+from raywds.data.manifest import read_manifest
+from raywds.plan.checks import check_plan
+from raywds.plan.modes import epoch_plan
+from raywds.train.checkpoint import CHECKPOINT_FILE, checkpoint_file, load_checkpoint
+from raywds.train.rundir import Metrics, RunDir
+from raywds.train.trainer import train
+from raywds.world import World
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """How many Ray Train workers, whether each holds a GPU, and the CPUs each reserves."""
+
+    num_workers: int
+    use_gpu: bool
+    cpus_per_worker: int = 1
+
+    def describe(self) -> str:
+        kind = "GPU" if self.use_gpu else "CPU (gloo)"
+        return f"{self.num_workers} {kind} worker{'s' if self.num_workers != 1 else ''}"
+
+
+def plan_workers(resources: dict[str, float], num_workers: int | None, *, default_cpu_workers: int = 2, loader_workers: int = 0) -> WorkerPlan:
+    """One worker per GPU the cluster has, each reserving CPUs for its loader workers (as many
+    as the cluster has per GPU); without GPUs, `num_workers` CPU workers of one CPU each.
+
+    Refuses plans the cluster can never place, which would otherwise wait forever."""
+    gpus = int(resources.get("GPU", 0))
+    cpus = int(resources.get("CPU", 0))
+    if gpus > 0:
+        wanted = gpus if num_workers is None else num_workers
+        if wanted > gpus:
+            raise ConfigError(f"--num-workers {wanted} needs {wanted} GPUs but the cluster has {gpus}; use --num-workers {gpus} or fewer")
+        return WorkerPlan(wanted, True, max(1, min(loader_workers + 1, cpus // gpus)))
+    wanted = default_cpu_workers if num_workers is None else num_workers
+    if wanted < 1:
+        raise ConfigError(f"--num-workers {wanted} must be at least 1")
+    if wanted > cpus:
+        raise ConfigError(f"--num-workers {wanted} needs {wanted} CPUs but the cluster has {cpus}; use --num-workers {max(cpus, 1)} or add nodes")
+    return WorkerPlan(wanted, False)
+
+
+def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDir | None = None) -> None:
+    """Every rank reports; rank 0 attaches the checkpoint, so Result.metrics is filled, and
+    records the metrics and best/ in the run folder (a local or shared storage path)."""
+    if state is not None and run_dir is not None:
+        run_dir.record(metrics, state)  # Ray keeps the last K checkpoints; best/ keeps the best by top-1
+    if state is None:
+        ray.train.report(metrics)  # RAY
+        return
+    with tempfile.TemporaryDirectory(prefix="raywds-ckpt-") as tmp:
+        torch.save(state, Path(tmp) / CHECKPOINT_FILE)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))  # RAY
+
+
+def quiet_ray_reports() -> None:
+    """Ray Train (2.60) logs every report at INFO, a whole metrics dict per rank, through a
+    logger named after its source file, which RunConfig's LoggingConfig does not reach (it
+    filters `ray.train*` loggers only). Raise that one logger to WARNING."""
+    try:
+        from ray.train.v2._internal.execution import context  # RAY: internal; gone in another Ray, nothing to quiet
+    except ImportError:
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Runs in every Ray Train worker: build the world from Ray's context, then train."""
+    quiet_ray_reports()
+    console.configure()
+    cfg = TrainConfig.from_dict(config)
+    context = ray.train.get_context()  # RAY
+    world = World(
+        rank=context.get_world_rank(),
+        world_size=context.get_world_size(),
+        local_rank=context.get_local_rank(),
+        device=str(ray.train.torch.get_device()),  # RAY
+    )
+    resume = None
+    checkpoint = ray.train.get_checkpoint()  # RAY: set when Ray restarts the run after a failure
+    if checkpoint is not None:
+        with checkpoint.as_directory() as where:
+            resume = load_checkpoint(where)
+    # Rank 0 writes the run folder the driver made, where this node sees it (local or shared storage).
+    run_dir = RunDir(cfg.out_dir, append=True) if world.is_main and Path(cfg.out_dir).is_dir() else None
+    train(cfg, world, functools.partial(report_to_ray, run_dir=run_dir), resume, run_dir=run_dir)
+
+
+def worker_error(failed: Exception) -> RaywdsError | None:
+    """The first rank's own raywds error inside Ray's failure, in its own words (a bad shard
+    or sample is one line, as in a local run), so the CLI need not show Ray's snippets."""
+    failures = getattr(failed, "worker_failures", None) or {}  # RAY: WorkerGroupError's rank -> exception
+    for rank, failure in sorted(failures.items()):
+        seen: list[BaseException] = []
+        cause: BaseException | None = failure
+        while cause is not None and cause not in seen:
+            if isinstance(cause, RaywdsError):
+                return type(cause)(f"{one_line(cause)} (rank {rank})")
+            seen.append(cause)
+            cause = getattr(cause, "cause", None) or cause.__cause__  # RAY: RayTaskError keeps the user's error in .cause
+    return None
+
+
+def connect(address: str | None) -> None:
+    """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one."""
+    if ray.is_initialized():
+        return
+    # Ray Train's print patch would log every epoch line twice.
+    quiet = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
+    ray.init(address=address, log_to_driver=True, runtime_env=quiet)  # RAY
+
+
+def node_count() -> int:
+    return sum(1 for node in ray.nodes() if node.get("Alive"))  # RAY
+
+
+def node_ip() -> str:
+    """This node's address as the cluster's other nodes reach it (for a shard server to advertise)."""
+    return str(ray.util.get_node_ip_address())  # RAY
+
+
+@dataclass(frozen=True)
+class RayRun:
+    metrics: Metrics
+    checkpoint: str | None
+    path: str
+    plan: WorkerPlan
+    history: list[Metrics]
+    """Metrics of every finished epoch whose checkpoint was kept, oldest first."""
+
+
+def run(
+    cfg: TrainConfig,
+    *,
+    num_workers: int | None = None,
+    storage_path: str | None = None,
+    name: str | None = None,
+    num_checkpoints_to_keep: int | None = 2,
+    max_failures: int = 0,
+) -> RayRun:
+    """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics."""
+    plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=cfg.num_loader_workers_per_rank)  # RAY
+    manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)  # refuse a data plan that would hang before starting any worker
+    check_plan(epoch_plan(manifest, cfg, plan.num_workers, epoch=0), manifest)
+    if cfg.resume_from:
+        resume_from = os.path.abspath(cfg.resume_from)
+        checkpoint_file(resume_from)  # fail here, naming the path, rather than in every worker
+        cfg = dataclasses.replace(cfg, resume_from=resume_from)
+    print(f"raywds: training on {plan.describe()} ({node_count()} node(s))", flush=True)
+    storage = os.path.abspath(storage_path or "runs/ray")
+    name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
+    cfg = dataclasses.replace(cfg, out_dir=os.path.join(storage, name))  # rank 0 appends metrics.jsonl here
+    RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")  # the resolved config, beside Ray's files
+    trainer = TorchTrainer(  # RAY
+        train_loop_per_worker,
+        train_loop_config=cfg.to_dict(),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=plan.num_workers, use_gpu=plan.use_gpu, resources_per_worker={"CPU": plan.cpus_per_worker}
+        ),
+        torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout_s),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=storage,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_checkpoints_to_keep),
+            # After a worker dies, Ray restarts the group and each worker resumes from the latest checkpoint.
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            # Ray Train's INFO lines (each checkpoint's path; see also quiet_ray_reports) would
+            # bury raywds's epoch lines; they still go to Ray's system log files (logs/train).
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]  # V2's RunConfig; mypy sees V1's
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:  # RAY
+        raise worker_error(e) or RaywdsError(f"Ray training failed: {e}") from e
+    if not result.metrics:
+        raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    history = sorted((dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"])
+    return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)

@@ -1,0 +1,249 @@
+"""Image bytes -> uint8 training and validation tensors, decoding no more than the crop needs.
+
+Three ways, chosen by `--decode`:
+
+- `cpu` (default): the random crop is drawn from the JPEG header alone (the same draw as
+  torchvision's RandomResizedCrop: `get_params`, then a flip with probability 1/2). libjpeg
+  then decodes only the region the crop covers (raywds.loader._jpeg, a small C extension over
+  libjpeg-turbo's jpeg_crop_scanline and jpeg_skip_scanlines), at 1/2, 1/4 or 1/8 scale
+  (DCT scaling) when the crop is at least twice the output size on both sides, and the crop
+  is resized as a uint8 tensor. Where the extension was not built (no C compiler or libjpeg
+  headers at install time), the whole JPEG is decoded instead: by PIL at the reduced scale
+  (`draft`), or else by `torchvision.io.decode_jpeg`.
+- `pil`: torchvision's own PIL transform, the reference the others are tested against.
+- `device`: workers draw the crop and send the JPEG bytes; the training device decodes the
+  batch (`decode_jpeg(..., device="cuda")` on a GPU) and crops, resizes and flips it there.
+
+Every way gives uint8 CHW; normalising happens on the device (raywds.train.compute).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torchvision
+from PIL import Image
+from torch.utils.data import get_worker_info
+from torchvision import transforms
+from torchvision.transforms.v2 import functional as F
+
+try:
+    from raywds.loader import _jpeg
+except ImportError:  # built without a C compiler or libjpeg's headers: decode whole JPEGs
+    _jpeg = None  # type: ignore[assignment]
+
+RATIO = (3 / 4, 4 / 3)
+
+Box = tuple[int, int, int, int]
+"""top, left, height, width in the full image."""
+
+
+def reduction(box: Box, size: int) -> int:
+    """The largest libjpeg scale-down (1, 2, 4 or 8) that keeps the crop at least `size` on both sides."""
+    _, _, h, w = box
+    r = 8
+    while r > 1 and min(h, w) < r * size:
+        r //= 2
+    return r
+
+
+_LOG_RATIO = torch.log(torch.tensor(RATIO)).tolist()  # float32-rounded, as get_params has them
+
+
+def draw_crop(height: int, width: int, scale: tuple[float, float]) -> tuple[Box, bool]:
+    """RandomResizedCrop's box, then RandomHorizontalFlip's coin, drawn from torch's generator
+    exactly as torchvision draws them (`RandomResizedCrop.get_params`: the same calls, in the
+    same order, on the same values), so a seed gives both the same crops. Written out because
+    get_params builds tensors for what is scalar arithmetic, 3.3x slower (benchmarks/loader_bench.py)."""
+    area = height * width
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        aspect_ratio = math.exp(torch.empty(1).uniform_(_LOG_RATIO[0], _LOG_RATIO[1]).item())
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,)).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,)).item())
+            return (top, left, h, w), torch.rand(1).item() < 0.5
+    in_ratio = width / height  # ten misses: the centre crop get_params falls back to
+    if in_ratio < min(RATIO):
+        w, h = width, int(round(width / min(RATIO)))
+    elif in_ratio > max(RATIO):
+        h, w = height, int(round(height * max(RATIO)))
+    else:
+        w, h = width, height
+    return ((height - h) // 2, (width - w) // 2, h, w), torch.rand(1).item() < 0.5
+
+
+def _as_rgb_tensor(img: Image.Image) -> torch.Tensor:
+    return F.pil_to_tensor(img.convert("RGB"))
+
+
+def jpeg_tensor(data: bytes) -> torch.Tensor:
+    """A whole JPEG decoded to uint8 RGB CHW by torchvision.io.decode_jpeg."""
+    return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB)
+
+
+def _plain_jpeg(img: Image.Image) -> bool:
+    """JPEGs decode_jpeg turns into RGB as PIL would (CMYK and others go through PIL)."""
+    return img.format == "JPEG" and img.mode in ("RGB", "L")
+
+
+def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
+    """Crop `box` of a uint8 CHW tensor, resize it to size x size (bilinear, antialiased), flip.
+    The crop is made contiguous channels-last first: torch's vectorised uint8 resize then runs
+    1.7x faster than on the strided view, copy included."""
+    top, left, height, width = box
+    crop = image[:, top : top + height, left : left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
+    out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+    return out.flip(-1) if flip else out
+
+
+def region(data: bytes, box: Box, r: int = 1) -> tuple[torch.Tensor, int, int]:
+    """Decode only the part of a JPEG under `box` (raywds.loader._jpeg), at 1/r scale: uint8 CHW
+    (a view of HWC pixels, so channels-last) and where its top-left corner sits in the 1/r image."""
+    top, left, height, width = box
+    pixels, y0, x0, rows, cols = _jpeg.decode_region(data, top, left, height, width, r)
+    return torch.frombuffer(pixels, dtype=torch.uint8).view(rows, cols, 3).permute(2, 0, 1), y0, x0
+
+
+def train_crop(data: bytes, size: int, scale: tuple[float, float]) -> torch.Tensor:
+    """The `cpu` decoder: a random crop of the image in `data`, decoding only what it needs."""
+    shape = _jpeg.size(data) if _jpeg is not None else None
+    if shape is not None:  # a JPEG the region decoder reads: its header gives the size, no PIL
+        box, flip = draw_crop(*shape, scale)
+        r = reduction(box, size)
+        image, y0, x0 = region(data, box, r)
+        if r == 1:
+            top, left, h, w = box
+            return cropped(image, (top - y0, left - x0, h, w), flip, size)
+        return _resampled(Image.fromarray(image.permute(1, 2, 0).numpy()), box, r, (y0, x0), flip, size)
+    with Image.open(io.BytesIO(data)) as img:  # without the extension, or not a plain JPEG
+        box, flip = draw_crop(img.height, img.width, scale)
+        r = reduction(box, size) if img.format == "JPEG" else 1
+        if r == 1 and _plain_jpeg(img):
+            return cropped(jpeg_tensor(data), box, flip, size)
+        if r > 1:
+            img.draft("RGB", (img.width // r, img.height // r))  # libjpeg decodes the whole image at 1/r scale
+        return _resampled(img, box, r, (0, 0), flip, size)
+
+
+def _resampled(img: Image.Image, box: Box, r: int, origin: tuple[int, int], flip: bool, size: int) -> torch.Tensor:
+    """PIL resamples `box` from `img`, the image (or the part from `origin` on) at 1/r scale,
+    where the box's corners fall between pixels, as the reference transform does at full scale."""
+    (top, left, h, w), (y0, x0) = box, origin
+    out = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=(left / r - x0, top / r - y0, (left + w) / r - x0, (top + h) / r - y0))
+    tensor = F.pil_to_tensor(out)
+    return tensor.flip(-1) if flip else tensor
+
+
+def val_crop(data: bytes, size: int) -> torch.Tensor:
+    """Resize the short side to size / 0.875, then the centre size x size."""
+    resize = round(size / 0.875)
+    with Image.open(io.BytesIO(data)) as img:
+        image = jpeg_tensor(data) if _plain_jpeg(img) else _as_rgb_tensor(img)
+    return F.center_crop(F.resize(image, [resize], antialias=True), [size, size])
+
+
+def reference_train(size: int, scale: tuple[float, float]) -> Callable[[bytes], torch.Tensor]:
+    """The `pil` decoder: torchvision's standard train transform, uint8 out."""
+    transform = transforms.Compose([transforms.RandomResizedCrop(size, scale=scale), transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
+    return lambda data: transform(open_rgb(data))
+
+
+def reference_val(size: int) -> Callable[[bytes], torch.Tensor]:
+    transform = transforms.Compose([transforms.Resize(round(size / 0.875)), transforms.CenterCrop(size), transforms.PILToTensor()])
+    return lambda data: transform(open_rgb(data))
+
+
+def open_rgb(data: bytes) -> Image.Image:
+    """PIL sniffs the real format, so grayscale, CMYK and PNG-named-JPEG files all come out RGB."""
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
+class EncodedImage(NamedTuple):
+    """One sample for the `device` decoder: its JPEG bytes and the crop drawn for it."""
+
+    data: torch.Tensor
+    box: Box
+    flip: bool
+    size: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A batch for the `device` decoder: every sample's JPEG bytes in one uint8 tensor (one
+    shared-memory block between processes, not one per sample), with offsets and crops."""
+
+    data: torch.Tensor
+    offsets: torch.Tensor
+    """(N + 1,) int64: sample i is data[offsets[i]:offsets[i + 1]]."""
+    boxes: torch.Tensor
+    """(N, 4) int64: top, left, height, width."""
+    flips: torch.Tensor
+    size: int
+
+    def __len__(self) -> int:
+        return len(self.flips)
+
+    def __getitem__(self, i: int) -> EncodedImage:
+        top, left, height, width = (int(v) for v in self.boxes[i])
+        return EncodedImage(self.data[self.offsets[i] : self.offsets[i + 1]], (top, left, height, width), bool(self.flips[i]), self.size)
+
+    @classmethod
+    def of(cls, images: list[EncodedImage]) -> Encoded:
+        lengths = torch.tensor([0] + [len(im.data) for im in images], dtype=torch.long)
+        return cls(
+            torch.cat([im.data for im in images]), torch.cumsum(lengths, 0), torch.tensor([im.box for im in images], dtype=torch.long).view(-1, 4),
+            torch.tensor([im.flip for im in images], dtype=torch.bool), images[0].size,
+        )  # fmt: skip
+
+    def decode(self, device: str) -> torch.Tensor:
+        """uint8 NCHW on `device`: one batched decode_jpeg call, then crop, resize and flip there."""
+        samples = [self[i] for i in range(len(self))]
+        images = torchvision.io.decode_jpeg([s.data for s in samples], mode=torchvision.io.ImageReadMode.RGB, device=device)
+        return stack_crops([cropped(img, s.box, s.flip, s.size) for img, s in zip(images, samples)])
+
+
+def encoded_crop(data: bytes, size: int, scale: tuple[float, float]) -> EncodedImage:
+    """The `device` decoder's worker side: draw the crop from the header, keep the bytes.
+    Images decode_jpeg cannot read (PNG, CMYK JPEG) are re-encoded as JPEG (quality 95)."""
+    with Image.open(io.BytesIO(data)) as img:
+        box, flip = draw_crop(img.height, img.width, scale)
+        if not _plain_jpeg(img):
+            out = io.BytesIO()
+            img.convert("RGB").save(out, format="JPEG", quality=95)
+            data = out.getvalue()
+    return EncodedImage(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, size)
+
+
+OutOf = Callable[[tuple[int, ...]], torch.Tensor | None]
+"""Where a worker stacks a batch of `shape`: a reused shared-memory block, or None for a fresh one."""
+
+
+def stack_crops(images: list[torch.Tensor], out_of: OutOf | None = None) -> torch.Tensor:
+    """uint8 CHW crops -> an NCHW batch stored channels-last (the layout the crops come in and
+    CUDA models want). In a DataLoader worker the batch is made in shared memory, so handing
+    it over copies nothing more (as torch's default_collate does): in the block `out_of(shape)`
+    gives (raywds.loader.blocks), else in a fresh one."""
+    hwc = [image.permute(1, 2, 0) for image in images]
+    out = None
+    if get_worker_info() is not None:
+        shape = (len(hwc), *hwc[0].shape)
+        out = out_of(shape) if out_of is not None else None
+        if out is None:
+            out = torch.empty(shape, dtype=torch.uint8).share_memory_()
+    return torch.stack(hwc, out=out).permute(0, 3, 1, 2)
+
+
+def stack(images: list[torch.Tensor] | list[EncodedImage], out_of: OutOf | None = None) -> torch.Tensor | Encoded:
+    """A batch's images: crops stacked (`stack_crops`), or encoded samples gathered."""
+    if isinstance(images[0], EncodedImage):
+        return Encoded.of(images)  # type: ignore[arg-type]
+    return stack_crops(images, out_of)  # type: ignore[arg-type]

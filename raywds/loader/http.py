@@ -1,0 +1,216 @@
+"""Opening one shard so that a network cannot hang or silently corrupt an epoch.
+
+http(s): connect and read timeouts; a transient failure (refused, reset, timeout, 5xx, a
+short body) is retried with backoff, resuming where it stopped with a Range request; a 404
+or a shard that stays unreadable is an error naming the URL. Local paths open directly;
+`pipe:` URLs (e.g. `pipe:aws s3 cp s3://bucket/x.tar -`) go to webdataset, which checks the
+command's exit status. With a cache dir, each http shard is kept on local disk after its
+first full, size-checked read.
+
+    with open_shard("http://head:8080/imagenet-train-000000.tar", ReadPolicy()) as stream: ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import io
+import logging
+import os
+import socket
+import tempfile
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import webdataset as wds
+
+from raywds.errors import ShardError
+
+log = logging.getLogger(__name__)
+
+TRANSIENT = (OSError, http.client.HTTPException, socket.timeout)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadPolicy:
+    """How hard to try, and what to do with a shard that stays unreadable."""
+
+    read_timeout_s: float = 60.0
+    """Longest wait for the next bytes of a shard (and for a connection, capped at 10 s)."""
+    retries: int = 3
+    """Retries of a transient failure, with backoff 1, 2, 4, ... s, resuming with a Range request."""
+    backoff_s: float = 1.0
+    skip_unreadable: bool = False
+    """True (resample mode): skip the shard with a warning; False (split mode): raise."""
+    max_failures_in_a_row: int = 5
+    """Skipping gives up after this many unreadable shards in a row: the source is down."""
+    cache_dir: str | None = None
+    """Keep each http shard here after its first complete read, and read it from here after."""
+
+
+def _status_error(url: str, status: int, reason: str) -> ShardError:
+    if status == 404:
+        return ShardError(f"shard {url} is missing on the server (HTTP 404); is the server serving the folder the manifest describes?")
+    return ShardError(f"shard {url} answered HTTP {status} {reason}")
+
+
+class HttpShard(io.RawIOBase):
+    """An http(s) shard as a file, resuming with `Range` after a transient failure."""
+
+    def __init__(self, url: str, policy: ReadPolicy, size: int | None = None):
+        self.url = url
+        self.policy = policy
+        self.size = size
+        self.pos = 0
+        self.failures = 0
+        self._conn: http.client.HTTPConnection | None = None
+        self._response: http.client.HTTPResponse | None = None
+        try:
+            self._connect()
+        except TRANSIENT as e:
+            self._recover(e)
+
+    def readable(self) -> bool:
+        return True
+
+    def _connect(self) -> None:
+        parts = urllib.parse.urlsplit(self.url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = kind(parts.hostname or "", parts.port, timeout=min(10.0, self.policy.read_timeout_s))
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(self.policy.read_timeout_s)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.request("GET", path, headers={"Range": f"bytes={self.pos}-"} if self.pos else {})
+        response = conn.getresponse()
+        if response.status >= 500:
+            conn.close()
+            raise OSError(f"HTTP {response.status} {response.reason}")
+        if response.status not in (200, 206):
+            conn.close()
+            raise _status_error(self.url, response.status, response.reason)
+        if self.pos and response.status == 200:  # the server ignored the range: skip what we have
+            remaining = self.pos
+            while remaining:
+                chunk = response.read(min(remaining, 1 << 20))
+                if not chunk:
+                    raise OSError("body ended before the resume point")
+                remaining -= len(chunk)
+        if self.size is None:
+            length = response.getheader("Content-Length")
+            if length is not None and response.status == 200:
+                self.size = int(length)
+        self._conn, self._response = conn, response
+
+    def _recover(self, cause: BaseException) -> None:
+        """Reconnect at self.pos after a transient failure, waiting backoff x 1, 2, 4, ... s;
+        failures count until bytes flow again, so a server that accepts and then stalls
+        uses up the retries too."""
+        last = cause
+        while True:
+            self.failures += 1
+            if self.failures > self.policy.retries:
+                where = f"at byte {self.pos}" if self.pos else "when opening it"
+                raise ShardError(f"shard {self.url}: cannot read it {where}: {last} (after {self.policy.retries} retries)")
+            time.sleep(self.policy.backoff_s * 2 ** (self.failures - 1))
+            self._drop()
+            try:
+                self._connect()
+                return
+            except TRANSIENT as e:  # a ShardError (404, 4xx) is not transient and goes up
+                last = e
+
+    def readinto(self, buffer: Any) -> int:
+        while True:
+            try:
+                assert self._response is not None
+                n = self._response.readinto(buffer)
+                if n == 0 and self.size is not None and self.pos < self.size:
+                    raise OSError(f"connection closed at byte {self.pos} of {self.size}")
+                self.pos += n
+                if n:
+                    self.failures = 0
+                return n
+            except TRANSIENT as e:
+                self._recover(e)
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn, self._response = None, None
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
+
+
+class CachingReader(io.RawIOBase):
+    """Reads `source` and writes a copy; the copy becomes `path` only when complete and intact."""
+
+    def __init__(self, source: BinaryIO, path: Path, size: int | None, sha256: str | None):
+        self.source, self.path, self.size, self.sha256 = source, path, size, sha256
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        self.tmp = Path(tmp)
+        self.out: BinaryIO | None = os.fdopen(fd, "wb")
+        self.hash = hashlib.sha256()
+        self.written = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self.source.readinto(buffer)  # type: ignore[attr-defined]
+        if self.out is not None:
+            if n:
+                view = memoryview(buffer)[:n]
+                self.out.write(view)
+                self.hash.update(view)
+                self.written += n
+            else:
+                self._finish()
+        return n
+
+    def _finish(self) -> None:
+        assert self.out is not None
+        self.out.close()
+        self.out = None
+        intact = (self.size is None or self.written == self.size) and (not self.sha256 or self.hash.hexdigest() == self.sha256)
+        if intact:
+            os.replace(self.tmp, self.path)
+        else:
+            self.tmp.unlink(missing_ok=True)
+            log.warning("not caching %s: %d bytes, sha256 %s… differ from the manifest", self.path.name, self.written, self.hash.hexdigest()[:12])
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
+            self.out = None
+            self.tmp.unlink(missing_ok=True)
+        self.source.close()
+        super().close()
+
+
+def cache_path(cache_dir: str, url: str) -> Path:
+    """A place per URL: the shard's name, prefixed by a hash of the URL, so datasets never collide."""
+    return Path(cache_dir) / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{url.rsplit('/', 1)[-1]}"
+
+
+def open_shard(url: str, policy: ReadPolicy, *, size: int | None = None, sha256: str | None = None) -> BinaryIO:
+    """A readable binary stream of the shard at `url` (http(s), pipe: or a local path)."""
+    if url.startswith(("http://", "https://")):
+        if policy.cache_dir:
+            cached = cache_path(policy.cache_dir, url)
+            if cached.is_file() and (size is None or cached.stat().st_size == size):
+                return open(cached, "rb")  # noqa: SIM115 - the caller closes it
+            return io.BufferedReader(CachingReader(io.BufferedReader(HttpShard(url, policy, size)), cached, size, sha256), 1 << 20)  # type: ignore[arg-type]
+        return io.BufferedReader(HttpShard(url, policy, size), 1 << 20)
+    if url.startswith("pipe:"):
+        return wds.gopen(url)  # type: ignore[no-any-return]
+    try:
+        return open(url, "rb")  # noqa: SIM115 - the caller closes it
+    except OSError as e:
+        raise ShardError(f"shard {url}: cannot open it: {e.strerror}") from None

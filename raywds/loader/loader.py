@@ -1,0 +1,127 @@
+"""Train and validation loaders over WebDataset shards, one per rank. Which shards each
+(rank, worker) reads, and where the epoch ends, is the plan's (raywds.plan); this module
+builds the DataLoader over the stages (raywds.loader.stages) that read them.
+
+validation: shards dealt in manifest order, no shuffle, no padding, partial last batches.
+
+    from raywds.plan.modes import epoch_plan
+    plan = epoch_plan(manifest, cfg, world.world_size, epoch=0)
+    for batch in train_loader(manifest, cfg, world, plan, epoch=0): ...
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial as bind
+from typing import Any
+
+import webdataset as wds
+from torch.utils.data import DataLoader
+
+from raywds.config import TrainConfig
+from raywds.data.manifest import Manifest, ShardInfo, deal
+from raywds.loader.blocks import Blocks, HandedOver
+from raywds.loader.readers import Expected, ReadPolicy, tar_samples
+from raywds.loader.stages import (
+    Batch, Skips, collate, decoded, rebatched, shard_urls, slot_urls, train_decoder, unconsumed, val_decoder, worker_shuffled,
+)  # fmt: skip
+from raywds.plan import seeds
+from raywds.plan.epoch import EpochPlan
+from raywds.plan.modes import loader_slots
+from raywds.plan.position import Position
+from raywds.world import World
+
+
+def read_policy(cfg: TrainConfig, *, skip_unreadable: bool) -> ReadPolicy:
+    """Exact passes (split, validation) raise on a shard that stays unreadable; resample skips it."""
+    return ReadPolicy(read_timeout_s=cfg.read_timeout_s, retries=cfg.read_retries, skip_unreadable=skip_unreadable, cache_dir=cfg.cache_dir)
+
+
+def expected(manifest: Manifest, split: str) -> dict[str, Expected]:
+    """Each shard's URL -> what the manifest says reading it must give."""
+    offsets = manifest.offsets(split)
+    return {manifest.url(s): Expected(num_samples=s.num_samples, num_bytes=s.num_bytes, sha256=s.sha256, first_id=offsets[s.name]) for s in manifest.shards(split)}
+
+
+def _read_stages(source: Any, manifest: Manifest, split: str, cfg: TrainConfig, skips: Skips) -> list[Any]:
+    """Shard URLs -> samples with ids, each shard checked against the manifest."""
+    return [source, bind(tar_samples, policy=skips.shards.policy, expected=expected(manifest, split), verify_hashes=cfg.verify_hashes, failures=skips.shards)]
+
+
+def _loader(stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool, skips: Skips | None = None) -> Iterable[Batch]:
+    """A DataLoader over the stages then batching (`partial`: keep a short last batch), its
+    batches handed over in reused shared-memory blocks (raywds.loader.blocks), each carrying what
+    `skips` skipped before it."""
+    # Workers start afresh each epoch (the pipeline is seeded by epoch), so start them by fork
+    # where the OS has it: a process that was itself spawned would otherwise spawn its workers
+    # too and re-import torch in each, seconds per epoch. Workers only decode on the CPU.
+    workers = cfg.num_loader_workers_per_rank
+    context = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
+    blocks = Blocks(workers)
+    batched = wds.batched(cfg.batch_size_per_rank, collation_fn=bind(collate, out_of=blocks.take), partial=partial)
+    loader = DataLoader(
+        wds.DataPipeline(*stages, batched, *([skips.attach] if skips is not None else []), blocks.leased),
+        batch_size=None,
+        num_workers=workers,
+        multiprocessing_context=context,
+        pin_memory=world.device.startswith("cuda"),
+    )
+    return HandedOver(loader, blocks)
+
+
+
+class EpochLoader:
+    """One epoch of batches for one rank; its length is the plan's batch count for the rank."""
+
+    def __init__(self, batches: Callable[[], Iterator[Batch]], plan: EpochPlan, rank: int):
+        self.batches = batches
+        self.plan = plan
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.plan.mode.epoch_batches(self.batches(), self.plan, self.rank)
+
+    def __len__(self) -> int:
+        return self.plan.batches_per_rank[self.rank]
+
+
+def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: EpochPlan, *, epoch: int, position: Position | None = None) -> EpochLoader:
+    """This rank's training batches for `epoch` as `plan` deals them; after `position`, only
+    what the epoch has not yet delivered (exact mode) or a reseeded stream (resample)."""
+    rank, exact = world.rank, plan.mode.exact
+    resuming = position is not None and position.epoch == epoch
+    reseed = position.samples_done if resuming and position else 0
+    source = bind(shard_urls, plan, manifest.shards("train"), manifest, rank=rank, seed=cfg.seed, epoch=epoch, reseed=reseed)
+    skips = Skips(read_policy(cfg, skip_unreadable=not exact))
+    stages = [
+        *_read_stages(source, manifest, "train", cfg, skips),
+        bind(unconsumed, consumed=position.consumed if resuming and position else None),
+        bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
+        bind(decoded, decode=train_decoder(cfg), skips=skips),
+    ]
+    loader = _loader(stages, cfg, world, partial=exact, skips=skips)
+    if not exact and cfg.cross_worker_shuffle_samples == 0:
+        return EpochLoader(lambda: iter(loader), plan, rank)
+
+    def batches() -> Iterator[Batch]:
+        rng = seeds.rng(seeds.CROSS_SHUFFLE, cfg.seed, epoch, rank)
+        return rebatched(loader, batch_size=cfg.batch_size_per_rank, buffer=cfg.cross_worker_shuffle_samples, rng=rng, partial=exact)
+
+    return EpochLoader(batches, plan, rank)
+
+
+def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[ShardInfo]]:
+    """Deal `split`'s shards, in manifest order, to `num_slots` slots."""
+    return deal(list(manifest.shards(split)), num_slots)
+
+
+def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
+    """This rank's share of the validation split: every sample once across ranks, no padding."""
+    slots = split_slots(manifest, "val", world.world_size * loader_slots(cfg))
+    skips = Skips(read_policy(cfg, skip_unreadable=False))
+    stages = [
+        *_read_stages(bind(slot_urls, slots, world.rank, manifest), manifest, "val", cfg, skips),
+        bind(decoded, decode=val_decoder(cfg), skips=skips),
+    ]
+    return _loader(stages, cfg, world, partial=True)

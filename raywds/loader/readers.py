@@ -1,0 +1,164 @@
+"""Opening shards so that networks cannot hang or silently corrupt an epoch.
+
+http(s): connect and read timeouts; a transient failure (refused, reset, timeout, 5xx, a
+short body) is retried with backoff, resuming where it stopped with a Range request; a 404
+or a shard that stays unreadable is an error naming the URL. Local paths open directly;
+`pipe:` URLs (e.g. `pipe:aws s3 cp s3://bucket/x.tar -`) go to webdataset, which checks the
+command's exit status. With a cache dir, each http shard is kept on local disk after its
+first full, size-checked read.
+
+Every shard is checked against its manifest entry as it is read: as many samples, no key
+twice, and with `verify_hashes` the same sha256 (hashed while streaming, checked at the
+shard's end). A shard that disagrees is always an error (`ShardMismatch`): an epoch must never
+count wrong without a word. What happens to a shard that stays unreadable is the caller's
+policy: split mode raises (an exact epoch cannot lose a shard); resample mode skips it with a
+counted warning, and gives up when several shards in a row fail (the server is down).
+
+    expected = {url: Expected(num_samples=1000, sha256=...)}
+    for sample in tar_samples([{"url": u} for u in urls], ReadPolicy(skip_unreadable=True), expected): ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import webdataset as wds
+
+from raywds.data import tars
+from raywds.errors import ShardError
+from raywds.loader.http import ReadPolicy, open_shard
+
+log = logging.getLogger(__name__)
+
+class Failures:
+    """The policy for unreadable shards: raise, or warn, count and skip (up to a run of them).
+    A shard that reads cleanly but disagrees with the manifest (`ShardMismatch`) always raises."""
+
+    def __init__(self, policy: ReadPolicy):
+        self.policy = policy
+        self.skipped: list[str] = []
+        """Why each skipped shard was skipped (one line each), for the batches to carry."""
+        self.in_a_row = 0
+
+    def __call__(self, exn: ShardError) -> None:
+        if not self.policy.skip_unreadable or isinstance(exn, ShardMismatch):
+            raise exn
+        self.skipped.append(str(exn))
+        self.in_a_row += 1
+        if self.in_a_row >= self.policy.max_failures_in_a_row:
+            raise ShardError(f"{self.in_a_row} shards in a row were unreadable, the last: {exn}; is the shard server down?") from exn
+        log.warning("skipped an unreadable shard (%s); %d skipped by this loader worker", exn, len(self.skipped))
+
+    def succeeded(self) -> None:
+        self.in_a_row = 0
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the manifest says one shard holds; reading it must agree."""
+
+    num_samples: int
+    num_bytes: int | None = None
+    sha256: str | None = None
+    first_id: int = 0
+    """The id of its first sample: shards are numbered through the split in manifest order."""
+
+
+class ShardMismatch(ShardError):
+    """A shard read to its end disagrees with its manifest entry (samples, keys or sha256)."""
+
+
+class _Hashing(io.RawIOBase):
+    """Passes a stream through, hashing what is read (for --verify-hashes)."""
+
+    def __init__(self, source: BinaryIO):
+        self.source, self.hash, self.num_bytes = source, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if hasattr(self.source, "readinto"):
+            n: int = self.source.readinto(buffer)
+        else:  # webdataset's pipe: streams only read
+            data = self.source.read(len(buffer))
+            n = len(data)
+            buffer[:n] = data
+        self.hash.update(memoryview(buffer)[:n])
+        self.num_bytes += n
+        return n
+
+
+def shard_samples(url: str, stream: BinaryIO, expected: Expected, *, verify_hash: bool = False) -> Iterator[dict[str, Any]]:
+    """One shard's samples, each with its `__id__`; raises ShardError naming the shard (and the
+    last good key) when the tar cannot be read, and ShardMismatch when what it holds differs
+    from `expected`: more or fewer samples, a key twice, or (`verify_hash`) another sha256."""
+    hashing = _Hashing(stream) if verify_hash else None
+    source: BinaryIO = io.BufferedReader(hashing, 1 << 20) if hashing is not None else stream  # type: ignore[arg-type]
+    seen: set[str] = set()
+    key = ""
+    try:
+        for sample in wds.tariterators.group_by_keys(tars.tar_files([{"url": url, "stream": source}], handler=_reraise)):
+            key = sample["__key__"]
+            if key in seen:
+                raise ShardMismatch(f"shard {url}: key {key} appears twice; the shard is corrupt, reconvert it")
+            if len(seen) >= expected.num_samples:
+                raise ShardMismatch(f"shard {url} holds more than the {expected.num_samples} samples its manifest entry lists; the shard or manifest.json changed, run `raywds verify`")
+            sample["__id__"] = expected.first_id + len(seen)
+            seen.add(key)
+            yield sample
+        if hashing is not None:
+            source.read()  # the tar's closing blocks count in its sha256 too
+    except ShardError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tarfile, webdataset and the stream raise many types
+        after = f"after sample {key}" if key else "before its first sample"
+        raise ShardError(f"shard {url}: cannot read it {after}: {_reason(e)}") from e
+    if len(seen) != expected.num_samples:
+        raise ShardMismatch(f"shard {url} holds {len(seen)} samples, its manifest entry {expected.num_samples}; the shard was cut short or changed, run `raywds verify`")
+    if hashing is not None and expected.sha256 and hashing.hash.hexdigest() != expected.sha256:
+        raise ShardMismatch(
+            f"shard {url}: sha256 {hashing.hash.hexdigest()[:12]}… ({hashing.num_bytes} bytes) differs from the manifest's "
+            f"{expected.sha256[:12]}… ({expected.num_bytes} bytes); the shard is corrupt, run `raywds verify`"
+        )
+
+
+def _reraise(exn: BaseException) -> bool:
+    raise exn
+
+
+def _reason(e: BaseException) -> str:
+    """An exception's first line, with webdataset's extra args left out."""
+    text = str(e.args[0]) if e.args else ""
+    return (text.splitlines() or [""])[0] or type(e).__name__
+
+
+def tar_samples(
+    sources: Iterable[dict[str, Any]], policy: ReadPolicy, expected: dict[str, Expected], *, verify_hashes: bool = False, failures: Failures | None = None,
+) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """{url} dicts -> samples with `__url__`, `__key__` and `__id__`, each shard checked against
+    `expected` (by URL), read by `policy`: an unreadable shard raises or is skipped into `failures`."""
+    failures = failures if failures is not None else Failures(policy)
+    for source in sources:
+        url = source["url"]
+        shard = expected[url]
+        try:
+            stream = open_shard(url, policy, size=shard.num_bytes, sha256=shard.sha256)
+        except (ShardError, OSError) as e:
+            failures(e if isinstance(e, ShardError) else ShardError(f"shard {url}: cannot open it: {e}"))
+            continue
+        try:
+            yield from shard_samples(url, stream, shard, verify_hash=verify_hashes)
+            stream.close()  # a pipe: command's exit status arrives here
+            failures.succeeded()
+        except ShardError as e:
+            failures(e)
+        except OSError as e:
+            failures(ShardError(f"shard {url}: {e}"))
+        finally:
+            stream.close()

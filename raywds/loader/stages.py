@@ -1,0 +1,222 @@
+"""The loader's stages, each a generator over the one before, so any of them can be fed a
+plain list: shard URLs for a (rank, worker), samples not yet consumed, the worker's shuffle,
+decoding (bad samples to `Skips`), batches, and the main process's rebatching.
+
+Workers batch their own samples; the main process can unbatch, shuffle across workers and
+rebatch (`cross_worker_shuffle_samples`), as WebLoader's unbatched().shuffle(n).batched(b).
+Every batch carries its samples' ids and keys, so the loop knows what it trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial as bind
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import webdataset as wds
+from torch.utils.data import get_worker_info
+
+from raywds.config import TrainConfig
+from raywds.data.manifest import Manifest, ShardInfo
+from raywds.errors import ConfigError, DataError
+from raywds.loader import decode
+from raywds.loader.decode import Encoded
+from raywds.loader.readers import Failures, ReadPolicy
+from raywds.plan import seeds
+from raywds.plan.epoch import EpochPlan
+
+IMAGE_KEYS = ("jpg", "png", "webp", "jpeg")
+log = logging.getLogger(__name__)
+
+
+class Batch(NamedTuple):
+    images: torch.Tensor | Encoded
+    """uint8 NCHW, or (`--decode device`) the JPEG bytes and crops the device decodes."""
+    labels: torch.Tensor
+    ids: torch.Tensor
+    """Each sample's id: its shard's offset in manifest order plus its place in the shard."""
+    keys: list[str]
+    """Each sample's `__key__` in its tar."""
+    bad_samples: tuple[str, ...] = ()
+    """resample mode: why each sample skipped since the worker's previous batch could not be used."""
+    bad_shards: tuple[str, ...] = ()
+    """resample mode: why each shard skipped since the worker's previous batch could not be read."""
+
+
+Sample = tuple[Any, int, int, str]
+
+
+def train_decoder(cfg: TrainConfig) -> Callable[[bytes], Any]:
+    size, scale = cfg.image_size_px, (cfg.crop_scale_min, 1.0)
+    if cfg.decode == "pil":
+        return decode.reference_train(size, scale)
+    crop = decode.encoded_crop if cfg.decode == "device" else decode.train_crop
+    return bind(crop, size=size, scale=scale)
+
+
+def val_decoder(cfg: TrainConfig) -> Callable[[bytes], torch.Tensor]:
+    return decode.reference_val(cfg.image_size_px) if cfg.decode == "pil" else bind(decode.val_crop, size=cfg.image_size_px)
+
+
+class SampleError(DataError):
+    """One sample cannot be used; the message names its shard, key and member."""
+
+
+MAX_LOGGED = 5
+"""Bad samples a loader worker logs in full per epoch; the rest are only counted."""
+
+
+class Skips:
+    """A loader worker's policy for bad samples and unreadable shards: raise (exact passes), or
+    skip, log the first few and hand the reasons on with the worker's next batch (resample)."""
+
+    def __init__(self, policy: ReadPolicy):
+        self.shards = Failures(policy)
+        self.samples: list[str] = []
+        self.num_logged = 0
+        self.shards_sent = 0
+
+    def bad_sample(self, error: SampleError) -> None:
+        if not self.shards.policy.skip_unreadable:
+            raise error
+        self.samples.append(str(error))
+        if self.num_logged < MAX_LOGGED:
+            self.num_logged += 1
+            log.warning("skipped a bad sample: %s", error)
+
+    def attach(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """Stage: each batch carries what was skipped since the previous one."""
+        for batch in batches:
+            shards = self.shards.skipped[self.shards_sent :]
+            self.shards_sent += len(shards)
+            samples, self.samples = self.samples, []
+            yield batch._replace(bad_samples=tuple(samples), bad_shards=tuple(shards)) if samples or shards else batch
+
+
+def _what(e: BaseException) -> str:
+    """A decoder's complaint in one line (torchvision's carry a C++ file and line first)."""
+    text = (str(e).splitlines() or [""])[0] or type(e).__name__
+    text = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", text)  # PIL names the buffer it read
+    return text.rsplit(".cpp:", 1)[-1].split(", ", 1)[-1] if ".cpp:" in text else text
+
+
+def decoded(samples: Iterable[dict[str, Any]], decode: Callable[[bytes], Any], skips: Skips) -> Iterator[Sample]:
+    """Sample dicts -> (image, class index, id, key), the image as `decode` (raywds.loader.decode) makes
+    it; a sample without an image or class, or whose image or class cannot be read, goes to `skips`."""
+    for sample in samples:
+        key, url = sample["__key__"], sample["__url__"]
+        ext = next((k for k in IMAGE_KEYS if k in sample), None)
+        member = f"{key}.{ext}"
+        try:
+            if ext is None or "cls" not in sample:
+                member = f"{key}.*"
+                raise ValueError(f"has no {'image' if ext is None else '.cls'} member (found {', '.join(sorted(k for k in sample if not k.startswith('__')))})")
+            try:
+                label = int(sample["cls"])
+            except ValueError:
+                member = f"{key}.cls"
+                raise ValueError(f"class {bytes(sample['cls'][:20])!r} is not a number") from None
+            image = decode(sample[ext])
+        except Exception as e:  # noqa: BLE001 - PIL, libjpeg and torchvision raise many types for bad bytes
+            skips.bad_sample(SampleError(f"shard {url}: sample {key} ({member}): {_what(e)}"))
+            continue
+        yield image, label, sample["__id__"], key
+
+
+def _worker() -> tuple[int, int]:
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+
+def shard_urls(plan: EpochPlan, shards: list[ShardInfo], manifest: Manifest, *, rank: int, seed: int, epoch: int, reseed: int = 0) -> Iterator[dict[str, str]]:
+    """The shards this DataLoader worker of `rank` reads, as the plan's mode gives them."""
+    worker, _ = _worker()
+    for shard in plan.mode.shards_for(plan, shards, rank=rank, worker=worker, seed=seed, epoch=epoch, reseed=reseed):
+        yield {"url": manifest.url(shard)}
+
+
+def slot_urls(slots: list[list[ShardInfo]], rank: int, manifest: Manifest) -> Iterator[dict[str, str]]:
+    """The shards dealt to this rank's current DataLoader worker (slot rank x workers + worker)."""
+    worker, num_workers = _worker()
+    index = rank * num_workers + worker
+    if index >= len(slots):
+        raise ConfigError(f"slot {index} (rank {rank}, worker {worker} of {num_workers}) is not among the {len(slots)} dealt")
+    for shard in slots[index]:
+        yield {"url": manifest.url(shard)}
+
+
+def unconsumed(samples: Iterable[dict[str, Any]], consumed: np.ndarray | None) -> Iterator[dict[str, Any]]:
+    """Drop the samples an interrupted epoch already trained on."""
+    for sample in samples:
+        if consumed is None or not consumed[sample["__id__"]]:
+            yield sample
+
+
+def shuffled(src: Iterable[Any], *, buffer: int, rng: random.Random) -> Iterator[Any]:
+    """Shuffle through a buffer of `buffer` items (webdataset's shuffle); 0 passes through."""
+    if buffer <= 1:
+        return iter(src)
+    return wds.shuffle(buffer, min(buffer, 100), rng=rng)(iter(src))
+
+
+
+def worker_shuffled(src: Iterable[Any], *, buffer: int, seed: int, epoch: int, rank: int) -> Iterator[Any]:
+    """Sample shuffle inside a DataLoader worker, seeded per (seed, epoch, rank, worker)."""
+    worker, _ = _worker()
+    return shuffled(src, buffer=buffer, rng=seeds.rng(seeds.WORKER_SHUFFLE, seed, epoch, rank, worker))
+
+
+def collate(samples: list[Sample], out_of: decode.OutOf | None = None, *, bad_samples: tuple[str, ...] = (), bad_shards: tuple[str, ...] = ()) -> Batch:
+    """Samples -> a Batch; in a worker, the images go into shared memory (`out_of`: raywds.loader.blocks)."""
+    images, labels, ids, keys = zip(*samples)
+    return Batch(
+        decode.stack(list(images), out_of), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys),
+        bad_samples, bad_shards,
+    )  # fmt: skip
+
+
+def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """A last batch of one sample joins the batch before it: BatchNorm cannot train on one.
+    (With a batch size of one every batch is single, and nothing is folded.)"""
+    held: list[Batch] = []  # the last two batches: the tail is only known at the end
+    for batch in batches:
+        held.append(batch)
+        if len(held) == 3:
+            yield held.pop(0)
+    if len(held) == 2 and len(held[1].keys) == 1 and len(held[0].keys) > 1:
+        a, b = held
+        yield collate([*_samples(a), *_samples(b)], bad_samples=a.bad_samples + b.bad_samples, bad_shards=a.bad_shards + b.bad_shards)
+    else:
+        yield from held
+
+
+def _samples(batch: Batch) -> list[Sample]:
+    return [(batch.images[i], int(batch.labels[i]), int(batch.ids[i]), batch.keys[i]) for i in range(len(batch.keys))]
+
+
+def rebatched(batches: Iterable[Batch], *, batch_size: int, buffer: int, rng: random.Random, partial: bool) -> Iterator[Batch]:
+    """Main process: unbatch the workers' batches, shuffle across workers, batch again; what the
+    workers skipped travels on with the next batch out."""
+    skipped: tuple[list[str], list[str]] = ([], [])
+
+    def unbatched() -> Iterator[Sample]:
+        for batch in batches:
+            skipped[0].extend(batch.bad_samples)
+            skipped[1].extend(batch.bad_shards)
+            yield from _samples(batch)
+
+    def collated(samples: list[Sample]) -> Batch:
+        batch = collate(samples, bad_samples=tuple(skipped[0]), bad_shards=tuple(skipped[1]))
+        skipped[0].clear()
+        skipped[1].clear()
+        return batch
+
+    out = wds.batched(batch_size, collation_fn=collated, partial=partial)(shuffled(unbatched(), buffer=buffer, rng=rng))
+    return fold_single_tail(out) if partial else out
+

@@ -1,0 +1,72 @@
+"""The plan of one epoch for the whole job: which shards each (rank, loader worker) slot
+reads, and how many samples and batches each rank takes. Every rank computes the same plan
+from shared, seeded inputs; the loaders read it, so what `raywds plan` prints is what
+training does. How a plan is made depends on the mode (raywds.plan.modes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from raywds.data.manifest import ShardInfo
+
+if TYPE_CHECKING:
+    from raywds.plan.modes import Mode
+
+Level = Literal["refuse", "warn", "note"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of a plan's verdict: `refuse` stops training before it starts."""
+
+    level: Level
+    text: str
+
+
+def split_batches(num_samples: int, batch_size: int) -> int:
+    """Batches a rank takes from `num_samples` in an exact epoch: full ones, then the partial
+    rest, except that a rest of one sample joins the batch before it (BatchNorm cannot train on one)."""
+    batches = math.ceil(num_samples / batch_size)
+    if batches > 1 and num_samples % batch_size == 1:
+        batches -= 1
+    return batches
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One epoch for the whole job, the same on every rank (all inputs are shared and seeded)."""
+
+    mode: Mode
+    num_ranks: int
+    num_workers: int
+    """Slots per rank: DataLoader workers, or 1 when the main process reads."""
+    batch_size: int
+    num_samples: int
+    """Samples in the split (the manifest's count)."""
+    samples_per_rank: list[int]
+    """Samples each rank trains on this epoch (what is left of it, when resuming)."""
+    batches_per_rank: list[int]
+    slots: list[list[ShardInfo]]
+    """The shards of slot rank x num_workers + worker, when the mode deals shards (split)."""
+    resumed: bool = False
+
+    def slot(self, rank: int, worker: int) -> list[ShardInfo]:
+        return self.slots[rank * self.num_workers + worker]
+
+    @property
+    def min_batches(self) -> int:
+        """Steps every rank takes: the last point where all ranks are still in the loop."""
+        return min(self.batches_per_rank)
+
+    @property
+    def max_batches(self) -> int:
+        return max(self.batches_per_rank)
+
+
+def remaining(shards: list[ShardInfo], consumed_per_shard: list[int]) -> list[ShardInfo]:
+    """The shards with `num_samples` reduced to what an interrupted epoch has not yet delivered."""
+    return [dataclasses.replace(s, num_samples=s.num_samples - done) for s, done in zip(shards, consumed_per_shard)]

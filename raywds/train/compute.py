@@ -1,0 +1,68 @@
+"""How a rank computes: device, precision and memory format, chosen once and passed down.
+
+Batches arrive as uint8 images (workers do only the crop and flip), or as JPEG bytes that the
+device decodes (`--decode device`, raywds.loader.decode); they are copied to the device (non-blocking,
+from pinned memory on CUDA), turned into floats and normalised there.
+On CUDA the defaults are bf16 autocast, channels_last and cudnn.benchmark; on the CPU, float32
+and the default layout. Every choice can be forced, so the CUDA path's plumbing runs on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raywds.config import TrainConfig
+from raywds.loader.decode import Encoded
+
+MEAN_255 = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STD_255 = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+@dataclass(frozen=True)
+class Compute:
+    device: str
+    autocast_dtype: torch.dtype | None
+    """bf16 autocast, or None for float32."""
+    channels_last: bool
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig, device: str) -> Compute:
+        cuda = device.startswith("cuda")
+        precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
+        layout = cfg.memory_format if cfg.memory_format != "auto" else ("channels_last" if cuda else "contiguous")
+        if cuda:
+            torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels
+        return cls(device, torch.bfloat16 if precision == "bf16" else None, layout == "channels_last")
+
+    def model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        return model.to(memory_format=torch.channels_last) if self.channels_last else model  # type: ignore[call-overload]
+
+    @functools.cached_property
+    def _mean_std(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Made on the device once, not per batch."""
+        mean = torch.tensor(MEAN_255, device=self.device).view(1, 3, 1, 1)
+        return mean, torch.tensor(STD_255, device=self.device).view(1, 3, 1, 1)
+
+    def inputs(self, images: torch.Tensor | Encoded, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 NCHW on the host, or JPEG bytes and crops (`--decode device`) -> normalised float on the device."""
+        x = images.decode(self.device) if isinstance(images, Encoded) else images.to(self.device, non_blocking=True)
+        if x.dtype == torch.uint8:
+            mean, std = self._mean_std
+            x = (x.float() - mean) / std
+        x = x.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
+        return x, labels.to(self.device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        if self.autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=self.device.split(":")[0], dtype=self.autocast_dtype):
+            yield

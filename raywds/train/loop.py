@@ -1,0 +1,128 @@
+"""One rank's epoch: the training loop (with Join for uneven ranks) and exact validation."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+
+from raywds.errors import CollectiveError
+from raywds.loader.stages import Batch
+from raywds.train.compute import Compute
+from raywds.train.optim import set_lr
+from raywds.world import World
+
+
+@dataclass
+class EpochResult:
+    """This rank's counts, updated as the epoch runs (after_step sees them) and returned at its end."""
+
+    num_samples: int = 0
+    loss_sum: float = 0.0
+    seconds: float = 0.0
+    num_steps: int = 0
+    stopped: bool = False
+    """True when `after_step` asked to stop before the epoch's end."""
+    data_wait_s: float = 0.0
+    """Time the loop spent waiting for the loader."""
+    bad_samples: list[str] = field(default_factory=list)
+    """resample mode: why each skipped sample could not be used (the loader workers' words)."""
+    num_bad_shards: int = 0
+    """resample mode: shards skipped as unreadable."""
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("timed out", "timeout", "gloo", "nccl", "connection closed", "connection reset"))
+
+
+def train_epoch(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    optimizer: torch.optim.Optimizer,
+    lr: Callable[[int], float],
+    world: World,
+    compute: Compute,
+    *,
+    uneven: bool,
+    label_smoothing: float = 0.0,
+    after_step: Callable[[int, Batch, EpochResult], bool] | None = None,
+    where: str = "",
+    pg_timeout_s: float | None = None,
+) -> EpochResult:
+    """One pass; `lr(steps done)` sets the rate before each step, and `after_step(steps done,
+    batch, counts so far)` runs after it and may stop the epoch by returning True. With `uneven` (split mode)
+    Join lets ranks that run out early shadow the collectives of the rest."""
+    model.train()
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+    r = EpochResult()
+    start = time.perf_counter()
+    joinable = uneven and isinstance(model, DistributedDataParallel)
+    try:
+        with Join([model]) if joinable else contextlib.nullcontext():  # type: ignore[list-item]
+            it = iter(batches)
+            while True:
+                asked = time.perf_counter()
+                batch = next(it, None)
+                r.data_wait_s += time.perf_counter() - asked  # time the step waited for the loader
+                if batch is None:
+                    break
+                set_lr(optimizer, lr(r.num_steps))
+                images, labels = compute.inputs(batch.images, batch.labels)
+                with compute.autocast():
+                    loss = loss_fn(model(images), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                r.num_steps += 1
+                r.num_samples += len(labels)
+                r.bad_samples += batch.bad_samples
+                r.num_bad_shards += len(batch.bad_shards)
+                r.loss_sum += loss.item() * len(labels)
+                r.seconds = time.perf_counter() - start
+                if after_step is not None and after_step(r.num_steps, batch, r):
+                    r.stopped = True
+                    break
+    except RuntimeError as e:
+        if world.distributed and _is_collective_failure(e):
+            raise CollectiveError(
+                f"rank {world.rank} of {world.world_size}: a collective failed {where} step {r.num_steps + 1} "
+                f"after {time.perf_counter() - start:.0f} s (process-group timeout {pg_timeout_s} s): another rank "
+                f"stalled or died, see its log. {str(e).splitlines()[0][:300]}"
+            ) from e
+        raise
+    r.seconds = time.perf_counter() - start
+    return r
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable[Batch], world: World, compute: Compute) -> dict[str, float]:
+    """Exact validation: each rank sums its share, then one all_reduce, so uneven ranks never block."""
+    model.eval()
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    totals = torch.zeros(4, dtype=torch.float64, device=world.device)  # top1, top5, loss, count
+    for batch in batches:
+        images, labels = compute.inputs(batch.images, batch.labels)
+        with compute.autocast():
+            logits = model(images).float()
+        k = min(5, logits.shape[1])
+        top = logits.topk(k, dim=1).indices
+        hits = top.eq(labels[:, None])
+        totals += torch.tensor(
+            [hits[:, 0].sum().item(), hits.any(dim=1).sum().item(), loss_fn(logits, labels).item(), len(labels)],
+            dtype=torch.float64,
+            device=world.device,
+        )
+    if world.distributed:
+        dist.all_reduce(totals)
+    top1, top5, loss, count = totals.tolist()
+    count = max(count, 1.0)
+    return {"val_top1": top1 / count, "val_top5": top5 / count, "val_loss": loss / count, "val_samples": int(count)}
+

@@ -1,0 +1,87 @@
+"""What rank 0 tells as a run goes: a progress bar with ETA on a terminal, a progress line
+(and a `"kind": "progress"` row in the run's metrics.jsonl) every `log_every_s`, the line
+after each epoch and the summary line at the end. Lines are logged (INFO); the console
+(raywds.console) prints them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from raywds.config import TrainConfig
+from raywds.errors import DataError
+from raywds.train.rundir import Metrics, RunDir
+from raywds.world import World
+
+log = logging.getLogger(__name__)
+
+
+class ProgressLog:
+    """Rank 0's view inside an epoch."""
+
+    def __init__(self, cfg: TrainConfig, world: World, epoch: int, num_steps: int, run_dir: RunDir | None):
+        self.cfg, self.world, self.epoch, self.num_steps, self.run_dir = cfg, world, epoch, num_steps, run_dir
+        self.last = time.monotonic()
+        on = world.is_main and sys.stderr.isatty()
+        self.bar = tqdm(total=num_steps, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", unit="step", disable=not on, leave=False)
+
+    def update(self, step: int, seconds: float, num_samples: int, loss_sum: float, data_wait_s: float, lr: float) -> None:
+        self.bar.update(1)
+        if not self.world.is_main or time.monotonic() - self.last < self.cfg.log_every_s:
+            return
+        self.last = time.monotonic()
+        row: dict[str, Any] = {
+            "kind": "progress", "epoch": self.epoch + 1, "step_in_epoch": step, "steps_in_epoch": self.num_steps,
+            "loss": loss_sum / max(num_samples, 1), "lr": lr,
+            "images_per_s_rank0": num_samples / max(seconds, 1e-9), "data_wait_rank0": data_wait_s / max(seconds, 1e-9),
+            "eta_epoch_s": (self.num_steps - step) * seconds / step,
+        }  # fmt: skip
+        with tqdm.external_write_mode():
+            log.info(
+                f"epoch {row['epoch']} step {step}/{self.num_steps}  loss {row['loss']:.3f}  lr {lr:.4g}  "
+                f"images/s {row['images_per_s_rank0'] * self.world.world_size:.0f} (~{self.world.world_size} ranks)  "
+                f"data wait {100 * row['data_wait_rank0']:.0f}%  epoch ends in {row['eta_epoch_s']:.0f} s"
+            )
+        if self.run_dir is not None:
+            self.run_dir.append(row)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def too_many_bad(reasons: list[str], allowed: int, cfg: TrainConfig, *, job_total: int | None = None) -> DataError:
+    """The error past --max-bad-samples: the last bad sample's own line, then the count."""
+    count = f"{job_total} bad samples this epoch across ranks" if job_total is not None else f"{len(reasons)} bad samples this epoch on this rank"
+    last = f"{reasons[-1]} " if reasons else ""
+    return DataError(f"{last}({count}, more than the {allowed} that --max-bad-samples {cfg.max_bad_samples:g} allows); run `raywds verify` on the shards")
+
+
+def _skipped(m: Metrics) -> str:
+    """What an epoch skipped, when it skipped anything (resample mode)."""
+    parts = [f"{m[k]} bad {what}" for k, what in (("bad_samples", "samples"), ("bad_shards", "shards")) if m.get(k)]
+    return f"  skipped {' and '.join(parts)}" if parts else ""
+
+
+def epoch_line(m: Metrics, num_epochs: int) -> str:
+    val = f"  val top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}" if "val_top1" in m else ""
+    return (
+        f"epoch {m['epoch']}/{num_epochs}  loss {m['train_loss']:.3f}{val}  images/s {m['images_per_s']:.1f}"
+        f"  data wait {100 * m['data_wait_max']:.0f}%{_skipped(m)}"
+    )
+
+
+def summary_line(m: Metrics) -> str:
+    """The one line a script can parse at the end of a run."""
+    if m.get("inside_epoch"):
+        return f"stopped at step {m['step']} inside epoch {m['epoch'] + 1}  samples seen {m['samples_seen']}  (continue with --resume)"
+    bad = f"  bad samples skipped {m['bad_samples_total']}" if m.get("bad_samples_total") else ""
+    return (
+        f"epochs {m['epoch']}  top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}"
+        f"  samples seen {m['samples_seen']}  images/s {m['images_per_s']:.1f}{bad}"
+    )
+

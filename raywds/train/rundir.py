@@ -1,0 +1,65 @@
+"""A run's folder, written by rank 0 of local, torchrun and Ray runs alike:
+
+    RUN_DIR/metrics.jsonl   a row per finished epoch, per in-epoch checkpoint, and progress rows ("kind": "progress")
+    RUN_DIR/config.json     the resolved config (raywds-config.json beside a Ray run's own files)
+    RUN_DIR/checkpoint.pt   the latest checkpoint (local runs; Ray keeps its own checkpoint folders)
+    RUN_DIR/best/           the checkpoint with the best validation top-1, and its metrics.json
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from raywds.config import TrainConfig
+from raywds.train.checkpoint import CHECKPOINT_FILE, save_checkpoint
+
+Metrics = dict[str, Any]
+
+
+class RunDir:
+    """`append` keeps the metrics of the run being resumed; otherwise metrics.jsonl starts empty."""
+
+    def __init__(self, path: str | Path, *, append: bool = False):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.checkpoint_path = self.path / CHECKPOINT_FILE
+        if not append:
+            self.metrics_path.write_text("")
+
+    def write_config(self, cfg: TrainConfig, name: str = "config.json") -> None:
+        (self.path / name).write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+
+    def append(self, row: Metrics) -> None:
+        """One row of metrics.jsonl."""
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def record(self, metrics: Metrics, state: dict[str, Any]) -> None:
+        """An epoch's (or an in-epoch checkpoint's) metrics, and best/ when top-1 improved."""
+        self.append(metrics)
+        self.keep_best(metrics, state)
+
+    def save(self, metrics: Metrics, state: dict[str, Any] | None) -> None:
+        """A local run's report: the metrics, the latest checkpoint and best/ (rank 0 passes `state`)."""
+        if state is None:
+            return
+        self.append(metrics)
+        save_checkpoint(state, self.checkpoint_path)
+        self.keep_best(metrics, state)
+
+    def keep_best(self, metrics: Metrics, state: dict[str, Any]) -> bool:
+        """Copy the checkpoint to best/ when its validation top-1 beats the one there (read from
+        best/metrics.json, so it holds across restarts); True when it did."""
+        if "val_top1" not in metrics:
+            return False
+        best = self.path / "best"
+        record = best / "metrics.json"
+        if record.is_file() and json.loads(record.read_text()).get("val_top1", -1.0) >= metrics["val_top1"]:
+            return False
+        best.mkdir(exist_ok=True)
+        save_checkpoint(state, best / CHECKPOINT_FILE)
+        record.write_text(json.dumps(metrics) + "\n")
+        return True

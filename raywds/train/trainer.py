@@ -1,0 +1,291 @@
+"""One rank's run: the epoch loop around `train_epoch`, in-epoch checkpoints, exact-epoch
+checks, validation and reports. It never imports ray: the launchers (raywds.launch) build
+the world and call `train(cfg, world, ...)`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from raywds.config import TrainConfig
+from raywds.data.manifest import read_manifest
+from raywds.errors import ConfigError, DataError
+from raywds.loader.loader import train_loader, val_loader
+from raywds.loader.stages import Batch
+from raywds.plan.checks import check_plan
+from raywds.plan.epoch import EpochPlan
+from raywds.plan.modes import epoch_plan, parse
+from raywds.plan.position import Position, check_same_shards, shard_entries
+from raywds.train.checkpoint import load_checkpoint
+from raywds.train.compute import Compute
+from raywds.train.ledger import Audit, Ledger, per_rank, sum_and_max
+from raywds.train.loop import EpochResult, evaluate, train_epoch
+from raywds.train.model import build_model
+from raywds.train.optim import lr_at, make_optimizer
+from raywds.train.progress import ProgressLog, epoch_line, too_many_bad
+from raywds.train.rundir import Metrics, RunDir
+from raywds.world import World
+
+log = logging.getLogger(__name__)
+
+# report(metrics, checkpoint): called on every rank after every epoch; checkpoint only on rank 0.
+Report = Callable[[Metrics, dict[str, Any] | None], None]
+
+
+@dataclass
+class Progress:
+    """Counters that survive a resume."""
+
+    epoch: int = 0
+    steps: int = 0
+    """Steps so far, counting each finished epoch as its longest rank's batches."""
+    samples_seen: int = 0
+    position: Position | None = None
+    """Inside an unfinished epoch: what it has delivered."""
+    bad_samples: int = 0
+    """Samples skipped as undecodable in the finished epochs (resample mode)."""
+
+
+@dataclass
+class Epoch:
+    """What one run of (part of) an epoch needs to know: its plan, where it started and what it has trained on."""
+
+    index: int
+    plan: EpochPlan
+    position: Position | None
+    """Where a resumed epoch starts; None from its beginning."""
+    start: Progress
+    """The run's progress when this part of the epoch began."""
+    ledger: Ledger
+    global_batch: int
+    size: int
+    """Samples in a whole epoch, for the schedule."""
+    bad_allowed: int
+
+    @property
+    def done_before(self) -> int:
+        return self.position.samples_done if self.position else 0
+
+    @property
+    def step_before(self) -> int:
+        return self.position.step if self.position else 0
+
+
+class Trainer:
+    """One rank's run: model, optimizer, data and the counters; `fit()` is the epoch loop."""
+
+    def __init__(self, cfg: TrainConfig, world: World, report: Report | None, resume: dict[str, Any] | None, run_dir: RunDir | None = None):
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.world, self.run_dir = cfg, world, run_dir
+        self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
+        self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
+        self.num_samples = self.manifest.num_samples("train")
+        self.compute = Compute.for_run(cfg, world.device)
+        self.model = self.compute.model(build_model(cfg.model, len(self.manifest.classes)))
+        self.wrapped: nn.Module = self.model
+        if world.distributed:
+            device_ids = [world.local_rank] if world.device.startswith("cuda") else None
+            self.wrapped = DistributedDataParallel(self.model, device_ids=device_ids)
+        if cfg.compile:
+            self.wrapped = torch.compile(self.wrapped)  # type: ignore[assignment]
+        self.optimizer = make_optimizer(self.model, cfg, world)
+        self.progress = Progress()
+        if resume is not None:
+            self.restore(resume)
+        self.audit = Audit(cfg.audit_dir, world.rank)
+        self.metrics: Metrics = {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state["classes"] != self.manifest.classes:
+            raise ConfigError(f"the checkpoint's {len(state['classes'])} classes differ from the data's {len(self.manifest.classes)}; resume with the same --data")
+        if "shards" in state:
+            check_same_shards(state["shards"], self.manifest)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        position = Position.from_state(state["position"]) if state.get("position") else None
+        if position is not None:
+            position.check_compatible(self.manifest, parse(self.cfg.mode))
+            if position.samples_done == 0:
+                position = None
+        self.progress = Progress(
+            epoch=state["epoch"], steps=state["steps"], samples_seen=state["samples_seen"], position=position, bad_samples=state.get("bad_samples", 0)
+        )  # fmt: skip
+
+    def fit(self) -> Metrics:
+        """Train until cfg.num_epochs or cfg.max_steps; returns the last metrics (the same on every rank)."""
+        while self.progress.epoch < self.cfg.num_epochs:
+            if self.run_epoch(self.progress.epoch):
+                break
+        return self.metrics
+
+    def begin(self, index: int) -> Epoch:
+        """Plan `index` (or what is left of it) and refuse a plan that would hang."""
+        cfg, world = self.cfg, self.world
+        position = self.progress.position if self.progress.position and self.progress.position.epoch == index else None
+        plan = epoch_plan(self.manifest, cfg, world.world_size, epoch=index, position=position)
+        check_plan(plan, self.manifest)
+        global_batch = world.world_size * cfg.batch_size_per_rank
+        size = cfg.batches_per_epoch * global_batch if cfg.batches_per_epoch else self.num_samples
+        bad_allowed = cfg.bad_samples_allowed(sum(plan.samples_per_rank))  # an exact epoch never skips
+        return Epoch(index, plan, position, self.progress, Ledger(self.num_samples), global_batch, size, bad_allowed)
+
+    def run_epoch(self, index: int) -> bool:
+        """Train epoch `index` (or what is left of it), evaluate, report; True when max_steps stopped it."""
+        cfg, world = self.cfg, self.world
+        epoch = self.begin(index)
+        batches = train_loader(self.manifest, cfg, world, epoch.plan, epoch=index, position=epoch.position)
+
+        def lr(step: int) -> float:
+            """The rate for step `step` (0-based) of this run's part of the epoch: the schedule's
+            value where the step ends, so the first step of a warm-up already learns."""
+            return lr_at(cfg, world, index + min((epoch.done_before + (step + 1) * epoch.global_batch) / epoch.size, 1.0))
+
+        progress = ProgressLog(cfg, world, index, len(batches), run_dir=self.run_dir)
+
+        def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
+            epoch.ledger.mark(batch.ids)
+            self.audit.write(index, batch.keys)
+            progress.update(step, so_far.seconds, so_far.num_samples, so_far.loss_sum, so_far.data_wait_s, lr(step - 1))
+            if len(so_far.bad_samples) > epoch.bad_allowed:  # this rank alone is past the job's bound
+                raise too_many_bad(so_far.bad_samples, epoch.bad_allowed, cfg)
+            return self.maybe_checkpoint(epoch, step)
+
+        try:
+            result = train_epoch(
+                self.wrapped, batches, self.optimizer, lr, world, self.compute, uneven=epoch.plan.mode.exact,
+                label_smoothing=cfg.label_smoothing, after_step=after_step, where=f"in epoch {index + 1}", pg_timeout_s=cfg.pg_timeout_s,
+            )  # fmt: skip
+        finally:
+            progress.close()
+        if result.stopped:
+            return True
+        self.finish_epoch(epoch, result)
+        return cfg.max_steps is not None and self.progress.steps >= cfg.max_steps
+
+    def maybe_checkpoint(self, epoch: Epoch, step: int) -> bool:
+        """After in-epoch `step`: checkpoint when max_steps or checkpoint_every_steps says so,
+        only where every rank is still in the loop (collectives cannot meet a joined rank);
+        True to stop at max_steps."""
+        cfg = self.cfg
+        if step > epoch.plan.min_batches:
+            return False
+        at_stop = cfg.max_steps is not None and epoch.start.steps + step >= cfg.max_steps
+        at_checkpoint = (  # not at the epoch's last step: the epoch's own checkpoint follows
+            cfg.checkpoint_every_steps is not None
+            and (epoch.step_before + step) % cfg.checkpoint_every_steps == 0
+            and step < epoch.plan.max_batches
+        )
+        if at_stop or at_checkpoint:
+            self.checkpoint_inside(epoch, step)
+        return at_stop
+
+    def consumed(self, epoch: Epoch) -> np.ndarray:
+        """Times each sample was trained on this epoch, over all ranks and earlier runs."""
+        counts = epoch.ledger.total(self.world)
+        if epoch.position is not None and epoch.position.consumed is not None:
+            counts = counts + epoch.position.consumed
+        return counts
+
+    def checkpoint_inside(self, epoch: Epoch, step: int) -> None:
+        """Save the data position after in-epoch `step` of this run's part of the epoch."""
+        done = epoch.done_before + step * epoch.global_batch  # resample: every batch is full
+        consumed = None
+        if epoch.plan.mode.exact:  # resample mode resumes from the counts alone: no gather needed
+            consumed = self.consumed(epoch) > 0
+            done = int(consumed.sum())
+        here = Position(
+            mode=epoch.plan.mode, epoch=epoch.index, step=epoch.step_before + step, samples_done=done, consumed=consumed,
+            dataset=self.manifest.fingerprint("train"),
+        )  # fmt: skip
+        steps = epoch.start.steps + step
+        samples_seen = epoch.start.samples_seen + done - epoch.done_before
+        self.progress = Progress(epoch=epoch.index, steps=steps, samples_seen=samples_seen, position=here, bad_samples=epoch.start.bad_samples)
+        if self.world.is_main:
+            log.info(f"step {steps}: checkpoint inside epoch {epoch.index + 1} ({done}/{self.num_samples} samples done)")
+        self.emit({"epoch": epoch.index, "step": steps, "samples_seen": samples_seen, "epoch_samples_done": done, "inside_epoch": True})
+
+    def finish_epoch(self, epoch: Epoch, result: EpochResult) -> None:
+        cfg, world = self.cfg, self.world
+        metrics = self.epoch_metrics(epoch, result)
+        if epoch.plan.mode.exact and (metrics["epoch_duplicates"] or metrics["epoch_missing"] or metrics["epoch_samples"] != self.num_samples):
+            raise DataError(
+                f"split epoch {epoch.index + 1} was not exact: {metrics['epoch_samples']} samples trained, the manifest has "
+                f"{self.num_samples}; {metrics['epoch_duplicates']} repeated, {metrics['epoch_missing']} missing"
+            )
+        if (epoch.index + 1) % cfg.val_every_epochs == 0 or epoch.index + 1 == cfg.num_epochs:
+            metrics.update(evaluate(self.model, val_loader(self.manifest, cfg, world), world, self.compute))
+        self.progress = Progress(epoch=epoch.index + 1, steps=metrics["step"], samples_seen=metrics["samples_seen"], bad_samples=metrics["bad_samples_total"])
+        if world.is_main:
+            log.info(epoch_line(metrics, cfg.num_epochs))
+        self.emit(metrics)
+
+    def epoch_metrics(self, epoch: Epoch, result: EpochResult) -> Metrics:
+        """The job's numbers for the epoch (collectives: every rank calls this at its end)."""
+        world, start = self.world, epoch.start
+        (num_samples, loss_sum, num_bad, bad_shards), seconds = sum_and_max(
+            world, [result.num_samples, result.loss_sum, len(result.bad_samples), result.num_bad_shards], result.seconds
+        )  # fmt: skip
+        if num_bad > epoch.bad_allowed:
+            raise too_many_bad(result.bad_samples, epoch.bad_allowed, self.cfg, job_total=int(num_bad))
+        ranks = per_rank(world, [result.num_samples / max(result.seconds, 1e-9), result.data_wait_s / max(result.seconds, 1e-9)])
+        counts = self.consumed(epoch)
+        return {
+            "epoch": epoch.index + 1,
+            "step": start.steps + epoch.plan.max_batches,
+            "train_loss": loss_sum / max(num_samples, 1),
+            "train_samples": int(num_samples),
+            "samples_seen": start.samples_seen + int(num_samples),
+            "bad_samples": int(num_bad),
+            "bad_samples_total": start.bad_samples + int(num_bad),
+            "bad_shards": int(bad_shards),
+            "epoch_samples": int(counts.sum()),
+            "epoch_distinct": int((counts > 0).sum()),
+            "epoch_duplicates": int(np.maximum(counts - 1, 0).sum()),
+            "epoch_missing": int((counts == 0).sum()),
+            "images_per_s": num_samples / max(seconds, 1e-9),
+            "images_per_s_per_rank": [round(r[0], 2) for r in ranks],
+            "data_wait_per_rank": [round(r[1], 4) for r in ranks],
+            "data_wait_max": max(r[1] for r in ranks),
+            "lr": lr_at(self.cfg, world, epoch.index + 1),
+        }
+
+    def emit(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        if self.report is not None:
+            self.report(metrics, self.state() if self.world.is_main else None)
+
+    def state(self) -> dict[str, Any]:
+        """Model, optimizer and position; the learning rate is a function of progress, so it needs no state."""
+        position = self.progress.position
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "epoch": self.progress.epoch,
+            "steps": self.progress.steps,
+            "samples_seen": self.progress.samples_seen,
+            "bad_samples": self.progress.bad_samples,
+            "position": position.to_state() if position else None,
+            "shards": shard_entries(self.manifest),
+            "config": self.cfg.to_dict(),
+            "classes": self.manifest.classes,
+        }
+
+
+def train(
+    cfg: TrainConfig, world: World, report: Report | None = None, resume: dict[str, Any] | None = None, *, run_dir: RunDir | None = None
+) -> Metrics:
+    """Train for cfg.num_epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or
+    cfg.resume_from when given; returns the last metrics, the same on every rank. Rank 0's
+    `run_dir` gets progress rows, and is the report (metrics, checkpoint, best/) when no
+    `report` is given."""
+    if resume is None and cfg.resume_from:
+        resume = load_checkpoint(cfg.resume_from)
+    return Trainer(cfg, world, report, resume, run_dir).fit()

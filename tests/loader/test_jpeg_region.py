@@ -1,0 +1,107 @@
+"""raywds.loader._jpeg, the region decoder: the pixels of any box, at any DCT scale, must be exactly
+those of decoding the whole image, for every JPEG layout a photo collection holds. (The
+region may be wider than the box; only the box's pixels are promised.)"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import need_jpeg_extension
+from raywds.loader import decode
+
+need_jpeg_extension()
+
+from raywds.loader._jpeg import decode_region  # noqa: E402
+
+
+def jpeg(width: int, height: int, mode: str = "RGB", **save: object) -> bytes:
+    """Colourful noise, so chroma upsampling and any off-by-one show."""
+    rng = np.random.default_rng(width * height)
+    small = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC).convert(mode)
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=92, **save)
+    return out.getvalue()
+
+
+def whole(data: bytes, scale: int = 1) -> np.ndarray:
+    """The whole image at 1/scale, as PIL (libjpeg's DCT scaling) decodes it: HWC RGB."""
+    with Image.open(io.BytesIO(data)) as img:
+        if scale > 1:
+            img.draft("RGB", (img.width // scale, img.height // scale))
+        return np.asarray(img.convert("RGB"))
+
+
+def boxes(width: int, height: int, n: int, seed: int) -> list[tuple[int, int, int, int]]:
+    """Random boxes plus the awkward ones: corners, edges, the whole image, one pixel, iMCU-aligned."""
+    rng = np.random.default_rng(seed)
+    out = [(0, 0, height, width), (0, 0, 1, 1), (height - 1, width - 1, 1, 1), (16, 16, 16, 16), (0, width - 17, height, 17), (height - 9, 0, 9, width)]
+    for _ in range(n):
+        h, w = int(rng.integers(1, height + 1)), int(rng.integers(1, width + 1))
+        out.append((int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w))
+    return out
+
+
+LAYOUTS = {
+    "4:2:0": dict(subsampling=2),
+    "4:2:2": dict(subsampling=1),
+    "4:4:4": dict(subsampling=0),
+    "progressive": dict(subsampling=2, progressive=True),
+    "restart markers": dict(subsampling=2, restart_marker_blocks=3),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("scale", [1, 2, 4, 8])
+def test_region_pixels_equal_the_whole_decode(layout: str, scale: int) -> None:
+    width, height = 333, 251  # not multiples of the iMCU size
+    data = jpeg(width, height, **LAYOUTS[layout])  # type: ignore[arg-type]
+    full = whole(data, scale)
+    for top, left, h, w in boxes(width, height, 40, seed=scale):
+        pixels, y0, x0, rows, cols = decode_region(data, top, left, h, w, scale)
+        region = np.frombuffer(pixels, dtype=np.uint8).reshape(rows, cols, 3)
+        assert y0 <= top // scale and x0 <= left // scale, "the region starts at or before the box"
+        assert y0 + rows >= -(-(top + h) // scale) and x0 + cols >= -(-(left + w) // scale), "and ends at or after it"
+        assert y0 + rows <= full.shape[0] and x0 + cols <= full.shape[1]
+        y, x, y1, x1 = top // scale, left // scale, -(-(top + h) // scale), -(-(left + w) // scale)  # the box at 1/scale
+        got = region[y - y0 : y1 - y0, x - x0 : x1 - x0]
+        np.testing.assert_array_equal(got, full[y:y1, x:x1], err_msg=f"box {(top, left, h, w)}")
+
+
+def test_region_crop_equals_decode_jpeg() -> None:
+    """At full scale the region is the same pixels torchvision's decode_jpeg gives (both libjpeg-turbo)."""
+    data = jpeg(500, 375)
+    full = decode.jpeg_tensor(data)
+    for box in boxes(500, 375, 20, seed=9):
+        image, y0, x0 = decode.region(data, box)
+        top, left, h, w = box
+        assert torch.equal(image[:, top - y0 : top - y0 + h, left - x0 : left - x0 + w], full[:, top : top + h, left : left + w])
+
+
+def test_grayscale_comes_out_rgb() -> None:
+    data = jpeg(120, 80, mode="L")
+    pixels, y0, x0, rows, cols = decode_region(data, 10, 10, 50, 50, 1)
+    region = np.frombuffer(pixels, dtype=np.uint8).reshape(rows, cols, 3)
+    np.testing.assert_array_equal(region, whole(data)[y0 : y0 + rows, x0 : x0 + cols])
+    assert (region[..., 0] == region[..., 1]).all()
+
+
+def test_what_it_refuses() -> None:
+    data = jpeg(64, 48)
+    with pytest.raises(ValueError, match="scale"):
+        decode_region(data, 0, 0, 10, 10, 3)
+    with pytest.raises(ValueError, match="outside"):
+        decode_region(data, 40, 0, 10, 10, 1)
+    with pytest.raises(ValueError, match="bad box"):
+        decode_region(data, 0, 0, 0, 10, 1)
+    with pytest.raises(ValueError, match="colour space"):
+        decode_region(jpeg(64, 48, mode="CMYK"), 0, 0, 10, 10, 1)
+    with pytest.raises(ValueError, match="JPEG"):
+        decode_region(b"not a jpeg at all", 0, 0, 10, 10, 1)
+    with pytest.raises(ValueError, match="JPEG"):
+        decode_region(data[:20], 0, 0, 10, 10, 1)
