@@ -23,6 +23,11 @@ from raywds.errors import RaywdsError, one_line
 from raywds.flags import add_config_flags
 
 BACKENDS = ("auto", "docker", "nginx", "embedded")
+PLAN_FIELDS = (
+    "mode", "num_loader_workers_per_rank", "batch_size_per_rank", "batches_per_epoch", "seed",
+    "shuffle_buffer_samples", "cross_worker_shuffle_samples",
+)
+"""The config fields `raywds plan` takes, with the config's defaults."""
 
 
 def _add_train_flags(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
@@ -85,18 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last-shard-samples", type=int, help="without --data: samples in the last shard (default: as the others)")
     p.add_argument("--nodes", type=int, default=1, help="nodes in the job (default %(default)s)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default %(default)s)")
-    p.add_argument("--loader-workers", "--workers", type=int, default=2, help="DataLoader workers per rank (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64, help="batch per rank (default %(default)s)")
-    p.add_argument("--mode", choices=["resample", "split"], default="resample")
-    p.add_argument("--batches-per-epoch", type=int, help="resample mode: batches per epoch per rank")
     p.add_argument("--epoch", type=int, default=0, help="which epoch's shuffle to show (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks-shown", type=int, default=16, help="rows of the per-rank table (default %(default)s)")
     p.add_argument("--shuffle-report", action="store_true", help="also measure how well the loader order mixes the data")
     p.add_argument("--classes", type=int, default=1000, help="--shuffle-report without --data: classes in the data (default %(default)s)")
-    p.add_argument("--shuffle-buffer", type=int, default=0, help="--shuffle-report: main-process buffer across workers (default %(default)s)")
-    p.add_argument("--worker-shuffle-buffer", type=int, default=1000, help="--shuffle-report: each worker's buffer (default %(default)s)")
     p.add_argument("--report-batches", type=int, default=50, help="--shuffle-report: batches per rank to simulate (default %(default)s)")
+    add_config_flags(p, only=PLAN_FIELDS, with_defaults=True, aliases={"num_loader_workers_per_rank": ("--workers",)})
 
     p = sub.add_parser("report", help="plot a run's loss, accuracy, throughput and data wait to a PNG")
     p.add_argument("run_dir", help="the --out folder of a local run, or a Ray run folder (with metrics.jsonl)")

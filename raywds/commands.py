@@ -148,16 +148,16 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     shards = _plan_shards(args)
     plan = parse(args.mode).plan(
-        shards, num_ranks=args.nodes * args.gpus_per_node, num_workers=max(1, args.loader_workers), batch_size=args.batch_size,
-        seed=args.seed, epoch=args.epoch, batches_per_epoch=args.batches_per_epoch,
-    )  # fmt: skip
+        shards, num_ranks=args.nodes * args.gpus_per_node, num_workers=max(1, args.num_loader_workers_per_rank),
+        batch_size=args.batch_size_per_rank, seed=args.seed, epoch=args.epoch, batches_per_epoch=args.batches_per_epoch,
+    )
     findings = check(plan, num_shards=len(shards))
     print(render(plan, findings, gpus_per_node=args.gpus_per_node, max_ranks_shown=args.ranks_shown))
     if args.shuffle_report:
         from raywds.loader.mixing import report
 
-        print(report(plan, shards, data=args.data, num_classes=args.classes, seed=args.seed, epoch=args.epoch,
-                     worker_buffer=args.worker_shuffle_buffer, cross_buffer=args.shuffle_buffer, num_batches=args.report_batches))  # fmt: skip
+        buffers = {"worker_buffer": args.shuffle_buffer_samples, "cross_buffer": args.cross_worker_shuffle_samples}
+        print(report(plan, shards, data=args.data, num_classes=args.classes, seed=args.seed, epoch=args.epoch, num_batches=args.report_batches, **buffers))
     refused = refusals(findings)
     if refused:
         raise RaywdsError(refused[0])

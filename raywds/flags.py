@@ -52,15 +52,23 @@ def flag_name(field: dataclasses.Field[Any]) -> str:
 def _help(field: dataclasses.Field[Any]) -> str:
     text = field_docs().get(field.name, "")
     default = field.default
-    if default is None or default is False or field.name in choices():
-        return text  # choices are listed by argparse; None and False say nothing
+    if default is None or default is False:
+        return text  # None and False say nothing
     return f"{text} (default {default})"
 
 
-def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    """One flag per TrainConfig field (but `skip`), each None unless given."""
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    skip: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+    with_defaults: bool = False,
+    aliases: dict[str, tuple[str, ...]] | None = None,
+) -> None:
+    """One flag per TrainConfig field (those in `only`, but `skip`), each None unless given, or
+    `with_defaults` the field's default (for commands that use the values without a config)."""
     for field in flag_fields():
-        if field.name in skip:
+        if field.name in skip or (only is not None and field.name not in only):
             continue
         kind = _value_type(field)
         options: dict[str, Any] = {"dest": field.name, "help": _help(field)}
@@ -70,7 +78,9 @@ def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] =
             options.update(type=kind)
         if field.name in choices():
             options.update(choices=choices()[field.name])
-        parser.add_argument(flag_name(field), **options)
+        if with_defaults:
+            options.update(default=field.default)
+        parser.add_argument(flag_name(field), *(aliases or {}).get(field.name, ()), **options)
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
