@@ -64,7 +64,7 @@ def per_image_ms(datas: list[bytes], check: str) -> float:
     for data in datas:
         if check == "header":
             with Image.open(io.BytesIO(data)) as img:
-                img.size
+                _ = img.size  # the header only: Image.open reads no pixels
         elif check == "draft":
             inspect_image(data)
         else:
@@ -75,7 +75,9 @@ def per_image_ms(datas: list[bytes], check: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/imagenet-sample-100")
+    parser.add_argument(
+        "--images", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/imagenet-sample-100"
+    )
     parser.add_argument("--copies", type=int, default=8)
     args = parser.parse_args()
     images = sorted(args.images.glob("*.JPEG"))
@@ -90,14 +92,22 @@ def main() -> None:
             convert(root / "src", root / f"out{workers}", ConvertOptions(maxcount=100, num_workers=workers))
             seconds = time.perf_counter() - start
             rates[workers] = num_files / seconds
-            print(f"convert --workers {workers}: {seconds:.2f} s  {num_files / seconds:.0f} files/s  {num_bytes / seconds / 1e6:.1f} MB/s")
+            print(
+                f"convert --workers {workers}: {seconds:.2f} s  {num_files / seconds:.0f} files/s  "
+                f"{num_bytes / seconds / 1e6:.1f} MB/s"
+            )
         print(f"ratio workers 2 / workers 1: {rates[2] / rates[1]:.2f}x")
         seconds, imported, heavy = fresh_process()
-        print(f"fresh process, import raywds.data.convert only: {seconds:.2f} s (import {imported:.2f} s; loads {heavy})")
+        print(
+            f"fresh process, import raywds.data.convert only: {seconds:.2f} s (import {imported:.2f} s; loads {heavy})"
+        )
         for workers in (1, 2):
             seconds, imported, _ = fresh_process(str(root / "src"), str(root / f"fresh{workers}"), str(workers))
             rates[workers] = num_files / seconds
-            print(f"fresh process convert --workers {workers}: {seconds:.2f} s  {rates[workers]:.0f} files/s  (import {imported:.2f} s)")
+            print(
+                f"fresh process convert --workers {workers}: {seconds:.2f} s  {rates[workers]:.0f} files/s  "
+                f"(import {imported:.2f} s)"
+            )
         print(f"fresh process ratio workers 2 / workers 1: {rates[2] / rates[1]:.2f}x")
     datas = [p.read_bytes() for p in images] * 3
     cost = {check: per_image_ms(datas, check) for check in ("header", "draft", "full")}

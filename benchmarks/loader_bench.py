@@ -47,13 +47,13 @@ from PIL import Image, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from raywds.loader import decode
-from raywds.loader.blocks import Blocks
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
-from raywds.loader.loader import epoch_plan, train_loader
 from raywds.data.manifest import read_manifest
 from raywds.data.tars import members
+from raywds.loader import decode
+from raywds.loader.blocks import Blocks
+from raywds.loader.loader import epoch_plan, train_loader
 from raywds.world import World
 
 BATCH = 64
@@ -109,7 +109,9 @@ def draw_rate(draw: Callable[[int, int], object], count: int = 3000) -> float:
 
 def torchvision_draw(height: int, width: int) -> object:
     """The draw as torchvision's transforms make it: get_params, then the flip's coin."""
-    box = transforms.RandomResizedCrop.get_params(torch.empty(1, 1, 1).expand(3, height, width), [0.08, 1.0], [3 / 4, 4 / 3])
+    box = transforms.RandomResizedCrop.get_params(
+        torch.empty(1, 1, 1).expand(3, height, width), [0.08, 1.0], [3 / 4, 4 / 3]
+    )
     return box, bool(torch.rand(1) < 0.5)
 
 
@@ -135,12 +137,18 @@ def timed(batches, num_images: int) -> float:
 
 
 def imagefolder_rate(root: Path, workers: int, num_images: int, size: int) -> float:
-    transform = transforms.Compose([
-        transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
-        transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-    ])  # fmt: skip
+    transform = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(size),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ]
+    )
     dataset = torchvision.datasets.ImageFolder(str(root / "train"), transform=transform)
-    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers, multiprocessing_context="fork", drop_last=True)
+    loader = DataLoader(
+        dataset, batch_size=BATCH, shuffle=True, num_workers=workers, multiprocessing_context="fork", drop_last=True
+    )
     return timed(loader, num_images)
 
 
@@ -151,14 +159,23 @@ def raywds_rate(shards: Path, workers: int, num_images: int, size: int, how: str
             return raywds_rate(shards, workers, num_images, size, how)
         finally:
             Blocks.take = saved  # type: ignore[method-assign]
-    cfg = TrainConfig(data=str(shards), model="demo", batch_size_per_rank=BATCH, num_loader_workers_per_rank=workers, image_size_px=size, decode=how)
+    cfg = TrainConfig(
+        data=str(shards),
+        model="demo",
+        batch_size_per_rank=BATCH,
+        num_loader_workers_per_rank=workers,
+        image_size_px=size,
+        decode=how,
+    )
     manifest = read_manifest(str(shards))
     return timed(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0), num_images)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/imagenet-sample-100")
+    parser.add_argument(
+        "--images", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/imagenet-sample-100"
+    )
     parser.add_argument("--copies", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -170,12 +187,17 @@ def main() -> None:
         n = build_tree(images, args.copies, root / "tree")
         convert(root / "tree", root / "shards", ConvertOptions(maxcount=100, num_workers=cores))
         kind = "generated" if images[0].is_relative_to(root) else "real ImageNet"
-        print(f"{n} JPEGs ({len(images)} {kind} photos x {args.copies}), batch {BATCH}, {cores} cores, median of {args.rounds} rounds")
+        print(
+            f"{n} JPEGs ({len(images)} {kind} photos x {args.copies}), batch {BATCH}, {cores} cores, "
+            f"median of {args.rounds} rounds"
+        )
         datas = [p.read_bytes() for p in images] * 3
         runs: dict[str, Callable[[], float]] = {
             "limit: full decode, decode_jpeg": partial(loop_rate, datas, decode.jpeg_tensor),
             "limit: full decode, PIL": partial(loop_rate, datas, decode.open_rgb),
-            "loop: raywds crop (cpu), 224": partial(loop_rate, datas, partial(decode.train_crop, size=224, scale=(0.08, 1.0))),
+            "loop: raywds crop (cpu), 224": partial(
+                loop_rate, datas, partial(decode.train_crop, size=224, scale=(0.08, 1.0))
+            ),
             "loop: same, whole-image decoding": partial(loop_rate, datas, whole_image_crop),
         }
         runs["draw: torchvision get_params (crops/s)"] = partial(draw_rate, torchvision_draw)
@@ -187,7 +209,9 @@ def main() -> None:
             runs[f"ImageFolder, {workers}w, 224"] = partial(imagefolder_rate, root / "tree", workers, n, 224)
             runs[f"raywds cpu, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "cpu")
             runs[f"raywds pil, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "pil")
-        runs["raywds cpu, 1w, fresh blocks, 224"] = partial(raywds_rate, root / "shards", 1, n, 224, "cpu", reuse_blocks=False)
+        runs["raywds cpu, 1w, fresh blocks, 224"] = partial(
+            raywds_rate, root / "shards", 1, n, 224, "cpu", reuse_blocks=False
+        )
         runs["raywds cpu, 0w (in-process), 224"] = partial(raywds_rate, root / "shards", 0, n, 224, "cpu")
         runs["ImageFolder, 1w, 128"] = partial(imagefolder_rate, root / "tree", 1, n, 128)
         runs["raywds cpu, 1w, 128"] = partial(raywds_rate, root / "shards", 1, n, 128, "cpu")
@@ -202,19 +226,44 @@ def main() -> None:
         limit = rate["limit: full decode, decode_jpeg"]
         all_w = f"{cores}w"
         print("ratios (per core = 1 worker):")
-        print(f"  raywds / ImageFolder, 1 worker:        {rate['raywds cpu, 1w, 224'] / rate['ImageFolder, 1w, 224']:.2f}x")
-        print(f"  raywds / ImageFolder, {cores} workers:       {rate[f'raywds cpu, {all_w}, 224'] / rate[f'ImageFolder, {all_w}, 224']:.2f}x")
+        print(
+            "  raywds / ImageFolder, 1 worker:        "
+            f"{rate['raywds cpu, 1w, 224'] / rate['ImageFolder, 1w, 224']:.2f}x"
+        )
+        print(
+            f"  raywds / ImageFolder, {cores} workers:       "
+            f"{rate[f'raywds cpu, {all_w}, 224'] / rate[f'ImageFolder, {all_w}, 224']:.2f}x"
+        )
         print(f"  raywds 1 worker / full decode_jpeg:   {rate['raywds cpu, 1w, 224'] / limit:.2f}x")
         print(f"  raywds crop loop / full decode_jpeg:  {rate['loop: raywds crop (cpu), 224'] / limit:.2f}x")
-        print(f"  crop loop, region / whole-image decoding: {rate['loop: raywds crop (cpu), 224'] / rate['loop: same, whole-image decoding']:.2f}x")
-        print(f"  raywds {cores} workers / 1 worker:          {rate[f'raywds cpu, {all_w}, 224'] / rate['raywds cpu, 1w, 224']:.2f}x")
+        print(
+            "  crop loop, region / whole-image decoding: "
+            f"{rate['loop: raywds crop (cpu), 224'] / rate['loop: same, whole-image decoding']:.2f}x"
+        )
+        print(
+            f"  raywds {cores} workers / 1 worker:          "
+            f"{rate[f'raywds cpu, {all_w}, 224'] / rate['raywds cpu, 1w, 224']:.2f}x"
+        )
         print(f"  raywds in-process / full decode_jpeg: {rate['raywds cpu, 0w (in-process), 224'] / limit:.2f}x")
-        print(f"  raywds cpu / raywds pil, 1 worker:    {rate['raywds cpu, 1w, 224'] / rate['raywds pil, 1w, 224']:.2f}x")
-        print(f"  at 128 px, raywds / ImageFolder:      {rate['raywds cpu, 1w, 128'] / rate['ImageFolder, 1w, 128']:.2f}x")
+        print(
+            f"  raywds cpu / raywds pil, 1 worker:    {rate['raywds cpu, 1w, 224'] / rate['raywds pil, 1w, 224']:.2f}x"
+        )
+        print(
+            f"  at 128 px, raywds / ImageFolder:      {rate['raywds cpu, 1w, 128'] / rate['ImageFolder, 1w, 128']:.2f}x"
+        )
         print(f"  at 128 px, raywds / full decode_jpeg: {rate['raywds cpu, 1w, 128'] / limit:.2f}x")
-        print(f"  reused / fresh shared-memory blocks, 1 worker: {rate['raywds cpu, 1w, 224'] / rate['raywds cpu, 1w, fresh blocks, 224']:.2f}x")
-        print(f"  crop draw, raywds / torchvision:      {rate['draw: raywds draw_crop (crops/s)'] / rate['draw: torchvision get_params (crops/s)']:.2f}x")
-        print(f"  tar members, raywds.data.tars / webdataset: {rate['tar members, raywds.data.tars (samples/s)'] / rate['tar members, webdataset (samples/s)']:.2f}x")
+        print(
+            "  reused / fresh shared-memory blocks, 1 worker: "
+            f"{rate['raywds cpu, 1w, 224'] / rate['raywds cpu, 1w, fresh blocks, 224']:.2f}x"
+        )
+        print(
+            "  crop draw, raywds / torchvision:      "
+            f"{rate['draw: raywds draw_crop (crops/s)'] / rate['draw: torchvision get_params (crops/s)']:.2f}x"
+        )
+        print(
+            "  tar members, raywds.data.tars / webdataset: "
+            f"{rate['tar members, raywds.data.tars (samples/s)'] / rate['tar members, webdataset (samples/s)']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

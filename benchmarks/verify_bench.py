@@ -24,9 +24,9 @@ from loader_bench import BATCH, build_tree, photos, timed
 
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
+from raywds.data.manifest import read_manifest
 from raywds.loader.loader import epoch_plan, expected, train_loader
 from raywds.loader.readers import ReadPolicy, tar_samples
-from raywds.data.manifest import read_manifest
 from raywds.world import World
 
 
@@ -40,14 +40,23 @@ def read_rate(shards: Path, verify: bool) -> float:
 
 
 def loader_rate(shards: Path, verify: bool, num_images: int) -> float:
-    cfg = TrainConfig(data=str(shards), model="demo", mode="split", batch_size_per_rank=BATCH, num_loader_workers_per_rank=1, verify_hashes=verify)
+    cfg = TrainConfig(
+        data=str(shards),
+        model="demo",
+        mode="split",
+        batch_size_per_rank=BATCH,
+        num_loader_workers_per_rank=1,
+        verify_hashes=verify,
+    )
     manifest = read_manifest(str(shards))
     return timed(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0), num_images)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample-100")
+    parser.add_argument(
+        "--images", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample-100"
+    )
     parser.add_argument("--copies", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -59,9 +68,13 @@ def main() -> None:
         rows: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             for verify in (False, True):
-                rows.setdefault(f"read only{', --verify-hashes' if verify else ''}", []).append(read_rate(root / "shards", verify))
+                rows.setdefault(f"read only{', --verify-hashes' if verify else ''}", []).append(
+                    read_rate(root / "shards", verify)
+                )
             for verify in (False, True):
-                rows.setdefault(f"loader 1w 224 px{', --verify-hashes' if verify else ''}", []).append(loader_rate(root / "shards", verify, num_images))
+                rows.setdefault(f"loader 1w 224 px{', --verify-hashes' if verify else ''}", []).append(
+                    loader_rate(root / "shards", verify, num_images)
+                )
     print(f"{num_images} samples, {size_mb:.0f} MB of shards, medians of {args.rounds} rounds")
     print("| pipeline | samples/s | with hashes / without |")
     print("| --- | --- | --- |")

@@ -24,8 +24,13 @@ from raywds.flags import add_config_flags
 
 BACKENDS = ("auto", "docker", "nginx", "embedded")
 PLAN_FIELDS = (
-    "mode", "num_loader_workers_per_rank", "batch_size_per_rank", "batches_per_epoch", "seed",
-    "shuffle_buffer_samples", "cross_worker_shuffle_samples",
+    "mode",
+    "num_loader_workers_per_rank",
+    "batch_size_per_rank",
+    "batches_per_epoch",
+    "seed",
+    "shuffle_buffer_samples",
+    "cross_worker_shuffle_samples",
 )
 """The config fields `raywds plan` takes, with the config's defaults."""
 
@@ -33,11 +38,15 @@ PLAN_FIELDS = (
 def _add_train_flags(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--data", help="shard directory, manifest.json, or http(s) URL of a shard server")
-    source.add_argument("--demo", action="store_true", help="generate, convert and serve the demo data, then train on it")
+    source.add_argument(
+        "--demo", action="store_true", help="generate, convert and serve the demo data, then train on it"
+    )
     p.add_argument("--recipe", choices=list(RECIPES), help="preset values (flags and --config override them)")
     p.add_argument("--config", help="a .json or .toml file of config fields (overrides the recipe; flags override it)")
     add_config_flags(p, skip=skip)
-    p.add_argument("--demo-dir", default=DEMO_DIR, help=f"where --demo keeps its images and shards (default {DEMO_DIR})")
+    p.add_argument(
+        "--demo-dir", default=DEMO_DIR, help=f"where --demo keeps its images and shards (default {DEMO_DIR})"
+    )
     p.add_argument("--server-backend", default="auto", choices=BACKENDS, help="shard server for --demo and --serve")
 
 
@@ -45,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raywds", description="Train image classifiers from WebDataset shards, on one machine or a Ray cluster."
     )
-    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error, not just its one line")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full traceback of an error, not just its one line"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("demo", help="write the generated demo ImageNet-layout tree")
@@ -59,11 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="processes writing shards (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sample shuffle seed (default %(default)s)")
     p.add_argument("--prefix", default="imagenet", help="shard name prefix (default %(default)s)")
-    p.add_argument("--max-side", type=int, dest="max_side_px", help="downscale images whose longer side exceeds this many pixels (re-encodes them)")
+    p.add_argument(
+        "--max-side",
+        type=int,
+        dest="max_side_px",
+        help="downscale images whose longer side exceeds this many pixels (re-encodes them)",
+    )
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping it")
     p.add_argument("--overwrite", action="store_true", help="replace shards in OUT made with other settings")
-    p.add_argument("--val-labels", type=Path, help="labels for a flat val/: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt")
-    p.add_argument("--val-wnids", type=Path, help="for the devkit ground truth: meta.mat, or a text file of wnids in ILSVRC2012_ID order")
+    p.add_argument(
+        "--val-labels",
+        type=Path,
+        help="labels for a flat val/: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt",
+    )
+    p.add_argument(
+        "--val-wnids",
+        type=Path,
+        help="for the devkit ground truth: meta.mat, or a text file of wnids in ILSVRC2012_ID order",
+    )
 
     p = sub.add_parser("verify", help="re-read every shard and check it against manifest.json")
     p.add_argument("shards", help="shard folder (with manifest.json)")
@@ -71,30 +95,59 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shardsum", help="shard names (arguments or stdin) in brace notation")
     p.add_argument("names", nargs="*", help="shard names; read from stdin when none are given")
 
-    p = sub.add_parser("serve", help="serve a shard folder over HTTP until interrupted (nginx in Docker, local nginx, or embedded)")
+    p = sub.add_parser(
+        "serve", help="serve a shard folder over HTTP until interrupted (nginx in Docker, local nginx, or embedded)"
+    )
     p.add_argument("shards", nargs="?", help="shard folder (with manifest.json)")
     p.add_argument("--backend", default="auto", choices=BACKENDS)
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default %(default)s: every interface, for multi-node jobs)")
+    p.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on (default %(default)s: every interface, for multi-node jobs)",
+    )
     p.add_argument("--local", action="store_true", help="listen on 127.0.0.1 only (single-node jobs)")
     p.add_argument("--port", type=int, default=8080, help="port (default %(default)s; 0 picks a free one)")
-    p.add_argument("--advertise", help="host name or IP workers should use (default: this node's IP, or 127.0.0.1 with --local)")
+    p.add_argument(
+        "--advertise", help="host name or IP workers should use (default: this node's IP, or 127.0.0.1 with --local)"
+    )
     p.add_argument("--image", default="nginx:stable", help="Docker image with nginx (default %(default)s)")
-    p.add_argument("--network", choices=["host", "bridge"], default="host", help="Docker: host networking, or publish the port from a bridge network (default %(default)s)")
+    p.add_argument(
+        "--network",
+        choices=["host", "bridge"],
+        default="host",
+        help="Docker: host networking, or publish the port from a bridge network (default %(default)s)",
+    )
     p.add_argument("--no-pull", action="store_true", help="Docker: use only a local image, never pull one")
     p.add_argument("--stop-all", action="store_true", help="remove every raywds shard-server container and exit")
 
-    p = sub.add_parser("plan", help="show what each rank and loader worker reads in an epoch, and whether the setup would hang")
+    p = sub.add_parser(
+        "plan", help="show what each rank and loader worker reads in an epoch, and whether the setup would hang"
+    )
     p.add_argument("--data", help="shard folder, manifest.json or URL (or give --num-shards and --samples-per-shard)")
     p.add_argument("--num-shards", type=int, help="without --data: this many training shards")
     p.add_argument("--samples-per-shard", type=int, help="without --data: samples in each shard")
-    p.add_argument("--last-shard-samples", type=int, help="without --data: samples in the last shard (default: as the others)")
+    p.add_argument(
+        "--last-shard-samples", type=int, help="without --data: samples in the last shard (default: as the others)"
+    )
     p.add_argument("--nodes", type=int, default=1, help="nodes in the job (default %(default)s)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default %(default)s)")
     p.add_argument("--epoch", type=int, default=0, help="which epoch's shuffle to show (default %(default)s)")
     p.add_argument("--ranks-shown", type=int, default=16, help="rows of the per-rank table (default %(default)s)")
-    p.add_argument("--shuffle-report", action="store_true", help="also measure how well the loader order mixes the data")
-    p.add_argument("--classes", type=int, default=1000, help="--shuffle-report without --data: classes in the data (default %(default)s)")
-    p.add_argument("--report-batches", type=int, default=50, help="--shuffle-report: batches per rank to simulate (default %(default)s)")
+    p.add_argument(
+        "--shuffle-report", action="store_true", help="also measure how well the loader order mixes the data"
+    )
+    p.add_argument(
+        "--classes",
+        type=int,
+        default=1000,
+        help="--shuffle-report without --data: classes in the data (default %(default)s)",
+    )
+    p.add_argument(
+        "--report-batches",
+        type=int,
+        default=50,
+        help="--shuffle-report: batches per rank to simulate (default %(default)s)",
+    )
     add_config_flags(p, only=PLAN_FIELDS, with_defaults=True, aliases={"num_loader_workers_per_rank": ("--workers",)})
 
     p = sub.add_parser("report", help="plot a run's loss, accuracy, throughput and data wait to a PNG")
@@ -106,15 +159,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ray", help="train with a Ray Train TorchTrainer on the cluster (one worker per GPU)")
     _add_train_flags(p, skip=("out_dir",))  # a Ray run's folder is under --storage-path
-    p.add_argument("--serve", action="store_true", help="serve the --data folder from this driver, so workers on every node read it over HTTP")
-    p.add_argument("--num-workers", type=int, help="Ray Train workers (default: one per cluster GPU, else 2 CPU workers)")
-    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, a running `ray start`, else a new local cluster)")
-    p.add_argument("--storage-path", default="runs/ray", help="Ray Train storage for checkpoints and results (default %(default)s)")
-    p.add_argument("--max-failures", type=int, default=0, help="restarts after a worker dies, each resuming from the latest checkpoint (default %(default)s)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept in the run folder (default %(default)s)")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve the --data folder from this driver, so workers on every node read it over HTTP",
+    )
+    p.add_argument(
+        "--num-workers", type=int, help="Ray Train workers (default: one per cluster GPU, else 2 CPU workers)"
+    )
+    p.add_argument(
+        "--address", help="Ray cluster address (default: RAY_ADDRESS, a running `ray start`, else a new local cluster)"
+    )
+    p.add_argument(
+        "--storage-path", default="runs/ray", help="Ray Train storage for checkpoints and results (default %(default)s)"
+    )
+    p.add_argument(
+        "--max-failures",
+        type=int,
+        default=0,
+        help="restarts after a worker dies, each resuming from the latest checkpoint (default %(default)s)",
+    )
+    p.add_argument(
+        "--keep-checkpoints", type=int, default=2, help="checkpoints kept in the run folder (default %(default)s)"
+    )
     p.add_argument("--name", help="Ray Train run name (default raywds-DATE-TIME; reusing a name resumes that run)")
     return parser
-
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -30,10 +30,14 @@ def _config(args: argparse.Namespace, data: str) -> Any:
 def _served(root: Any, args: argparse.Namespace, host: str, advertise: str | None) -> Iterator[str]:
     from raywds.serve import ShardServer
 
-    with ShardServer(root, backend=args.server_backend, host=host, advertise=advertise) as server:  # workers read it over HTTP
+    with ShardServer(
+        root, backend=args.server_backend, host=host, advertise=advertise
+    ) as server:  # workers read it over HTTP
         for line in server.skipped:
             print(f"raywds: skipped {line}", flush=True)
-        print(f"raywds: serving {server.root if not args.demo else root} at {server.url} ({server.backend})", flush=True)
+        print(
+            f"raywds: serving {server.root if not args.demo else root} at {server.url} ({server.backend})", flush=True
+        )
         yield server.url
 
 
@@ -69,16 +73,27 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from raywds.data.convert import ConvertOptions, convert
 
     options = ConvertOptions(
-        maxcount=args.maxcount, maxsize=args.maxsize, num_workers=args.workers, seed=args.seed, prefix=args.prefix,
-        strict=args.strict, overwrite=args.overwrite, val_labels=args.val_labels, val_wnids=args.val_wnids, max_side_px=args.max_side_px,
-    )  # fmt: skip
+        maxcount=args.maxcount,
+        maxsize=args.maxsize,
+        num_workers=args.workers,
+        seed=args.seed,
+        prefix=args.prefix,
+        strict=args.strict,
+        overwrite=args.overwrite,
+        val_labels=args.val_labels,
+        val_wnids=args.val_wnids,
+        max_side_px=args.max_side_px,
+    )
     manifest = convert(Path(args.src), Path(args.out), options)
     for split, info in manifest["splits"].items():
         print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards ({manifest['layouts'][split]})")
     if manifest["kept_from_earlier_run"]:
         print(f"kept {manifest['kept_from_earlier_run']} finished shards from an earlier run")
     if manifest["ignored"]["count"]:
-        print(f"ignored {manifest['ignored']['count']} files that are not images, e.g. {', '.join(manifest['ignored']['examples'][:3])}")
+        print(
+            f"ignored {manifest['ignored']['count']} files that are not images, e.g. "
+            f"{', '.join(manifest['ignored']['examples'][:3])}"
+        )
     if manifest["skipped"]:
         print(f"skipped {len(manifest['skipped'])} unreadable images (listed in the manifest):")
         for bad in manifest["skipped"][:50]:
@@ -103,8 +118,8 @@ def cmd_shardsum(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from raywds.serve import ShardServer, stop_all
     from raywds.data.manifest import read_manifest, shardsum
+    from raywds.serve import ShardServer, stop_all
 
     if args.stop_all:
         print(f"raywds: removed {stop_all()} shard-server container(s)")
@@ -112,12 +127,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not args.shards:
         raise RaywdsError("serve needs a shard folder (or --stop-all)")
     host = "127.0.0.1" if args.local else args.host
-    server = ShardServer(args.shards, backend=args.backend, host=host, port=args.port, advertise=args.advertise, image=args.image, network=args.network, pull=not args.no_pull)
+    server = ShardServer(
+        args.shards,
+        backend=args.backend,
+        host=host,
+        port=args.port,
+        advertise=args.advertise,
+        image=args.image,
+        network=args.network,
+        pull=not args.no_pull,
+    )
     with server:
         for line in server.skipped:
             print(f"raywds: skipped {line}", flush=True)
         manifest = read_manifest(str(server.root))
-        print(f"raywds: serving {server.root} at {server.url} ({server.backend}, listening on {host}:{server.port}); Ctrl-C stops", flush=True)
+        print(
+            (
+                f"raywds: serving {server.root} at {server.url} ({server.backend}, listening on {host}:{server.port}); "
+                "Ctrl-C stops"
+            ),
+            flush=True,
+        )
         for split in manifest.splits:
             for pattern in shardsum([s.name for s in manifest.shards(split)]):
                 print(f"  {split}: {server.url}/{pattern}", flush=True)
@@ -148,8 +178,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     shards = _plan_shards(args)
     plan = parse(args.mode).plan(
-        shards, num_ranks=args.nodes * args.gpus_per_node, num_workers=max(1, args.num_loader_workers_per_rank),
-        batch_size=args.batch_size_per_rank, seed=args.seed, epoch=args.epoch, batches_per_epoch=args.batches_per_epoch,
+        shards,
+        num_ranks=args.nodes * args.gpus_per_node,
+        num_workers=max(1, args.num_loader_workers_per_rank),
+        batch_size=args.batch_size_per_rank,
+        seed=args.seed,
+        epoch=args.epoch,
+        batches_per_epoch=args.batches_per_epoch,
     )
     findings = check(plan, num_shards=len(shards))
     print(render(plan, findings, gpus_per_node=args.gpus_per_node, max_ranks_shown=args.ranks_shown))
@@ -157,7 +192,18 @@ def cmd_plan(args: argparse.Namespace) -> None:
         from raywds.loader.mixing import report
 
         buffers = {"worker_buffer": args.shuffle_buffer_samples, "cross_buffer": args.cross_worker_shuffle_samples}
-        print(report(plan, shards, data=args.data, num_classes=args.classes, seed=args.seed, epoch=args.epoch, num_batches=args.report_batches, **buffers))
+        print(
+            report(
+                plan,
+                shards,
+                data=args.data,
+                num_classes=args.classes,
+                seed=args.seed,
+                epoch=args.epoch,
+                num_batches=args.report_batches,
+                **buffers,
+            )
+        )
     refused = refusals(findings)
     if refused:
         raise RaywdsError(refused[0])
@@ -180,7 +226,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         metrics, run_dir = run_local(cfg)
     if run_dir is not None:
-        print(f"raywds: checkpoint {run_dir.checkpoint_path}  metrics {run_dir.metrics_path}  ({time.perf_counter() - start:.0f} s)")
+        print(
+            f"raywds: checkpoint {run_dir.checkpoint_path}  metrics {run_dir.metrics_path}  "
+            f"({time.perf_counter() - start:.0f} s)"
+        )
         print(summary_line(metrics))
 
 
@@ -197,15 +246,28 @@ def cmd_ray(args: argparse.Namespace) -> None:
         cfg = _config(args, data)
         start = time.perf_counter()
         run = ray_train.run(
-            cfg, num_workers=args.num_workers, storage_path=args.storage_path, name=args.name,
-            num_checkpoints_to_keep=args.keep_checkpoints, max_failures=args.max_failures,
-        )  # fmt: skip
-    print(f"raywds: {run.plan.describe()}  checkpoint {run.checkpoint}  results {run.path}  ({time.perf_counter() - start:.0f} s)")
+            cfg,
+            num_workers=args.num_workers,
+            storage_path=args.storage_path,
+            name=args.name,
+            num_checkpoints_to_keep=args.keep_checkpoints,
+            max_failures=args.max_failures,
+        )
+    print(
+        f"raywds: {run.plan.describe()}  checkpoint {run.checkpoint}  results {run.path}  "
+        f"({time.perf_counter() - start:.0f} s)"
+    )
     print(summary_line(run.metrics))
 
 
 COMMANDS = {
-    "demo": cmd_demo, "convert": cmd_convert, "verify": cmd_verify, "shardsum": cmd_shardsum, "serve": cmd_serve,
-    "plan": cmd_plan, "report": cmd_report, "train": cmd_train, "ray": cmd_ray,
-}  # fmt: skip
-
+    "demo": cmd_demo,
+    "convert": cmd_convert,
+    "verify": cmd_verify,
+    "shardsum": cmd_shardsum,
+    "serve": cmd_serve,
+    "plan": cmd_plan,
+    "report": cmd_report,
+    "train": cmd_train,
+    "ray": cmd_ray,
+}

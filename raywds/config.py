@@ -1,7 +1,7 @@
 """One frozen config shared by the CLI, the notebook and the Ray job.
 
-    from raywds.config import TrainConfig
-    cfg = TrainConfig(data="shards/", num_epochs=3, model="resnet18")
+from raywds.config import TrainConfig
+cfg = TrainConfig(data="shards/", num_epochs=3, model="resnet18")
 """
 
 from __future__ import annotations
@@ -127,8 +127,12 @@ class TrainConfig:
             raise ConfigError(f"crop_scale_min={self.crop_scale_min} must lie in (0, 1]")
         if self.warmup_epochs < 0:
             raise ConfigError(f"warmup_epochs={self.warmup_epochs} must be 0 or more")
-        if self.max_bad_samples < 0 or (self.max_bad_samples >= 1 and self.max_bad_samples != int(self.max_bad_samples)):
-            raise ConfigError(f"max_bad_samples={self.max_bad_samples} must be a fraction below 1 or a whole number of samples")
+        if self.max_bad_samples < 0 or (
+            self.max_bad_samples >= 1 and self.max_bad_samples != int(self.max_bad_samples)
+        ):
+            raise ConfigError(
+                f"max_bad_samples={self.max_bad_samples} must be a fraction below 1 or a whole number of samples"
+            )
         if self.read_timeout_s <= 0:
             raise ConfigError(f"read_timeout_s={self.read_timeout_s} must be positive")
         for name in ("shuffle_buffer_samples", "cross_worker_shuffle_samples", "read_retries"):
@@ -182,20 +186,47 @@ def choices() -> dict[str, tuple[str, ...]]:
 RECIPES: dict[str, dict[str, Any]] = {
     # Goyal et al. / torchvision's reference, with label smoothing and a cosine schedule.
     "imagenet-resnet50": dict(
-        model="resnet50", optimizer="sgd", lr=None, weight_decay=5e-5, warmup_epochs=5.0, num_epochs=90,
-        label_smoothing=0.1, image_size_px=224, crop_scale_min=0.08, batch_size_per_rank=256, num_loader_workers_per_rank=8,
+        model="resnet50",
+        optimizer="sgd",
+        lr=None,
+        weight_decay=5e-5,
+        warmup_epochs=5.0,
+        num_epochs=90,
+        label_smoothing=0.1,
+        image_size_px=224,
+        crop_scale_min=0.08,
+        batch_size_per_rank=256,
+        num_loader_workers_per_rank=8,
     ),
     "imagenet-resnet18": dict(
-        model="resnet18", optimizer="sgd", lr=None, weight_decay=5e-5, warmup_epochs=5.0, num_epochs=90,
-        label_smoothing=0.1, image_size_px=224, crop_scale_min=0.08, batch_size_per_rank=256, num_loader_workers_per_rank=8,
+        model="resnet18",
+        optimizer="sgd",
+        lr=None,
+        weight_decay=5e-5,
+        warmup_epochs=5.0,
+        num_epochs=90,
+        label_smoothing=0.1,
+        image_size_px=224,
+        crop_scale_min=0.08,
+        batch_size_per_rank=256,
+        num_loader_workers_per_rank=8,
     ),
     # Reaches high accuracy on the generated demo data in a few CPU minutes.
     "demo": dict(
-        model="demo", optimizer="adamw", lr=3e-3, weight_decay=5e-5, warmup_epochs=0.5, num_epochs=6,
-        image_size_px=56, crop_scale_min=0.35, batch_size_per_rank=32, num_loader_workers_per_rank=1,
-        shuffle_buffer_samples=500, out_dir="runs/demo",
+        model="demo",
+        optimizer="adamw",
+        lr=3e-3,
+        weight_decay=5e-5,
+        warmup_epochs=0.5,
+        num_epochs=6,
+        image_size_px=56,
+        crop_scale_min=0.35,
+        batch_size_per_rank=32,
+        num_loader_workers_per_rank=1,
+        shuffle_buffer_samples=500,
+        out_dir="runs/demo",
     ),
-}  # fmt: skip
+}
 
 
 def read_config_file(path: str) -> dict[str, Any]:

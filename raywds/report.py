@@ -19,7 +19,9 @@ def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ConfigError(f"no metrics.jsonl in {run_dir}: give the --out folder of a run, or a Ray run folder")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    epochs = {row["epoch"]: row for row in rows if "train_loss" in row}  # a resumed run may repeat an epoch: keep the last
+    epochs = {
+        row["epoch"]: row for row in rows if "train_loss" in row
+    }  # a resumed run may repeat an epoch: keep the last
     if not epochs:
         raise ConfigError(f"{path} has no finished epoch yet")
     return [epochs[e] for e in sorted(epochs)]

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 import raycluster
+
 from raywds import console
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
@@ -25,8 +25,16 @@ def small_config(data: str | Path, **overrides: object) -> TrainConfig:
     """The config the tests share: the demo model on small crops, one loader worker, adamw at a
     fixed rate without warm-up; each test overrides what it is about."""
     values: dict = dict(
-        data=str(data), model="demo", optimizer="adamw", lr=3e-3, batch_size_per_rank=16, image_size_px=28,
-        crop_scale_min=0.5, num_loader_workers_per_rank=1, num_epochs=4, warmup_epochs=0.0,
+        data=str(data),
+        model="demo",
+        optimizer="adamw",
+        lr=3e-3,
+        batch_size_per_rank=16,
+        image_size_px=28,
+        crop_scale_min=0.5,
+        num_loader_workers_per_rank=1,
+        num_epochs=4,
+        warmup_epochs=0.0,
     )
     values.update(overrides)
     return TrainConfig(**values)
@@ -85,7 +93,9 @@ def recut(shards: Path, out: Path, sizes: list[int]) -> Path:
                 sink.write({k: v for k, v in sample.items() if k in ("__key__", "jpg", "cls", "json")})
         start += size
         data = (out / name).read_bytes()
-        written.append({"name": name, "num_samples": size, "num_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        written.append(
+            {"name": name, "num_samples": size, "num_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        )
     for shard in manifest["splits"]["val"]["shards"]:
         shutil.copy(shards / shard["name"], out / shard["name"])
     manifest["splits"]["train"] = {"num_samples": sum(sizes), "shards": written}
@@ -147,8 +157,8 @@ def home_ray_untouched() -> Iterator[None]:
         old, new = before or {}, after or {}
         changed = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
         pytest.fail(
-            f"the tests {'created' if before is None else 'changed'} {Path.home() / '.ray'} ({', '.join(changed)}): a test "
-            "started Ray without a token of its own (tests/raycluster.py)"
+            f"the tests {'created' if before is None else 'changed'} {Path.home() / '.ray'} ({', '.join(changed)}): "
+            "a test started Ray without a token of its own (tests/raycluster.py)"
         )
 
 
@@ -164,7 +174,8 @@ def user_cluster() -> Iterator[raycluster.HeadNode]:
         gone = [line for p, line in before.items() if not raycluster.is_running(p)]
         if gone:
             pytest.fail(
-                f"{len(gone)} of the {len(before)} processes of the user's stand-in cluster in {temp} died during the tests: "
+                f"{len(gone)} of the {len(before)} processes of the user's stand-in cluster in {temp} "
+                "died during the tests: "
                 "a test stopped Ray processes that were not its own (`ray stop` ends them all)\n" + "\n".join(gone)
             )
 

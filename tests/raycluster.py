@@ -281,22 +281,52 @@ def head_node(
 
     gcs_port, dashboard_port = str(port) if port else free(), free()
     args = [
-        *prefix, str(RAY), "start", "--head", "--temp-dir", str(temp_dir), "--node-ip-address", node_ip_address,
-        "--port", gcs_port, "--num-cpus", str(num_cpus), "--disable-usage-stats",
-        "--min-worker-port", "0", "--max-worker-port", "0",  # the OS picks: never another cluster's
-        "--ray-client-server-port", free(), "--metrics-export-port", free(),  # else 10001 and a fixed port
-        "--dashboard-agent-listen-port", free(), "--dashboard-agent-grpc-port", free(), "--runtime-env-agent-port", free(),
-        "--include-dashboard", "true" if include_dashboard else "false",
-        "--dashboard-host", node_ip_address, "--dashboard-port", dashboard_port, *extra_args,
-    ]  # fmt: skip
+        *prefix,
+        str(RAY),
+        "start",
+        "--head",
+        "--temp-dir",
+        str(temp_dir),
+        "--node-ip-address",
+        node_ip_address,
+        "--port",
+        gcs_port,
+        "--num-cpus",
+        str(num_cpus),
+        "--disable-usage-stats",
+        "--min-worker-port",
+        "0",
+        "--max-worker-port",
+        "0",  # the OS picks: never another cluster's
+        "--ray-client-server-port",
+        free(),
+        "--metrics-export-port",
+        free(),  # else 10001 and a fixed port
+        "--dashboard-agent-listen-port",
+        free(),
+        "--dashboard-agent-grpc-port",
+        free(),
+        "--runtime-env-agent-port",
+        free(),
+        "--include-dashboard",
+        "true" if include_dashboard else "false",
+        "--dashboard-host",
+        node_ip_address,
+        "--dashboard-port",
+        dashboard_port,
+        *extra_args,
+    ]
     try:
         try:
             out = subprocess.run(args, capture_output=True, text=True, timeout=start_timeout_s, env=node_env)
         except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"`ray start --head` in {temp_dir} took over {start_timeout_s:.0f} s\n{session_logs(temp_dir)}") from e
+            raise RuntimeError(
+                f"`ray start --head` in {temp_dir} took over {start_timeout_s:.0f} s\n{session_logs(temp_dir)}"
+            ) from e
         if out.returncode != 0:
             raise RuntimeError(
-                f"`ray start --head` in {temp_dir} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}\n"
+                f"`ray start --head` in {temp_dir} exited {out.returncode}:\n"
+                f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}\n"
                 f"{session_logs(temp_dir)}"
             )
         current = temp_dir / "ray_current_cluster"  # the GCS address with the node IP as Ray resolved it

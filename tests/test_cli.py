@@ -49,9 +49,22 @@ def test_convert_then_train_from_the_command_line(tree: Path, tmp_path: Path) ->
     assert out.returncode == 0, out.stderr
     assert "train: 120 samples in 4 shards" in out.stdout and "val: 50 samples in 2 shards" in out.stdout
     out = raywds(
-        "train", "--data", str(tmp_path / "shards"), "--model", "demo", "--epochs", "1", "--batch-size", "16",
-        "--image-size", "28", "--loader-workers", "1", "--out", str(tmp_path / "run"),
-    )  # fmt: skip
+        "train",
+        "--data",
+        str(tmp_path / "shards"),
+        "--model",
+        "demo",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--image-size",
+        "28",
+        "--loader-workers",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert out.returncode == 0, out.stderr
     match = SUMMARY.search(out.stdout)
     assert match and match.group(1) == "1" and match.group(4) == "128", out.stdout
@@ -61,9 +74,19 @@ def test_convert_then_train_from_the_command_line(tree: Path, tmp_path: Path) ->
 def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
     """The README's first command, shortened to one epoch: generate, convert, serve, train, summary."""
     out = subprocess.run(
-        [str(ROOT / "run-local"), "--epochs", "1", "--demo-dir", str(tmp_path / "demo"), "--out", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            str(ROOT / "run-local"),
+            "--epochs",
+            "1",
+            "--demo-dir",
+            str(tmp_path / "demo"),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"serving .* at http://127\.0\.0\.1:\d+ \((nginx|embedded|docker)\)", out.stdout)
     match = SUMMARY.search(out.stdout)
@@ -71,17 +94,45 @@ def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
 
 
 def test_plan_prints_ranks_and_a_verdict(shards: Path) -> None:
-    out = raywds("plan", "--data", str(shards), "--gpus-per-node", "2", "--workers", "2", "--batch-size", "8", "--mode", "split")
+    out = raywds(
+        "plan", "--data", str(shards), "--gpus-per-node", "2", "--workers", "2", "--batch-size", "8", "--mode", "split"
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("split mode: 2 ranks x 2 loader workers, batch 8 per rank, 120 samples")
     assert "shards each worker opens:" in out.stdout and out.stdout.rstrip().splitlines()[-1].startswith("verdict: OK")
-    out = raywds("plan", "--num-shards", "8", "--samples-per-shard", "16", "--gpus-per-node", "3", "--workers", "4", "--mode", "split")
-    assert out.returncode == 1 and "verdict: REFUSED: split mode needs at least one shard per (rank, loader worker)" in out.stdout
+    out = raywds(
+        "plan",
+        "--num-shards",
+        "8",
+        "--samples-per-shard",
+        "16",
+        "--gpus-per-node",
+        "3",
+        "--workers",
+        "4",
+        "--mode",
+        "split",
+    )
+    assert (
+        out.returncode == 1
+        and "verdict: REFUSED: split mode needs at least one shard per (rank, loader worker)" in out.stdout
+    )
     assert out.stderr.startswith("raywds: error: split mode needs at least one shard")
 
 
 def test_plan_shuffle_report_on_real_shards(shards: Path) -> None:
-    out = raywds("plan", "--data", str(shards), "--gpus-per-node", "1", "--batch-size", "8", "--shuffle-report", "--report-batches", "5")
+    out = raywds(
+        "plan",
+        "--data",
+        str(shards),
+        "--gpus-per-node",
+        "1",
+        "--batch-size",
+        "8",
+        "--shuffle-report",
+        "--report-batches",
+        "5",
+    )
     assert out.returncode == 0, out.stderr
     row = re.search(r"^these shards\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)$", out.stdout, re.M)
     assert row, out.stdout
@@ -90,16 +141,46 @@ def test_plan_shuffle_report_on_real_shards(shards: Path) -> None:
 
 
 def test_training_refuses_a_plan_that_would_leave_workers_idle(shards: Path, tmp_path: Path) -> None:
-    out = raywds("train", "--data", str(shards), "--model", "demo", "--mode", "split", "--loader-workers", "9", "--out", str(tmp_path))
+    out = raywds(
+        "train",
+        "--data",
+        str(shards),
+        "--model",
+        "demo",
+        "--mode",
+        "split",
+        "--loader-workers",
+        "9",
+        "--out",
+        str(tmp_path),
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "raywds: error: split mode needs at least one shard per (rank, loader worker): 8 shards < 1 ranks x 9 workers" in out.stderr
+    assert (
+        "raywds: error: split mode needs at least one shard per (rank, loader worker): 8 shards < 1 ranks x 9 workers"
+        in out.stderr
+    )
 
 
 def test_stop_with_max_steps_then_resume_from_the_command_line(shards: Path, tmp_path: Path) -> None:
     common = [
-        "train", "--data", str(shards), "--model", "demo", "--epochs", "1", "--batch-size", "8", "--image-size", "24",
-        "--loader-workers", "1", "--mode", "split", "--out", str(tmp_path / "run"),
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(shards),
+        "--model",
+        "demo",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--image-size",
+        "24",
+        "--loader-workers",
+        "1",
+        "--mode",
+        "split",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     out = raywds(*common, "--max-steps", "4")
     assert out.returncode == 0, out.stderr
     assert "stopped at step 4 inside epoch 1  samples seen 32  (continue with --resume)" in out.stdout
@@ -116,18 +197,46 @@ def test_a_missing_shard_read_in_a_loader_worker_is_one_clear_line(shards: Path,
     missing = sorted((tmp_path / "holed").glob("imagenet-train-*.tar"))[3]
     missing.unlink()
     out = raywds(
-        "train", "--data", str(tmp_path / "holed"), "--model", "demo", "--mode", "split", "--epochs", "1",
-        "--batch-size", "8", "--image-size", "16", "--loader-workers", "1", "--out", str(tmp_path / "run"),
-    )  # fmt: skip
+        "train",
+        "--data",
+        str(tmp_path / "holed"),
+        "--model",
+        "demo",
+        "--mode",
+        "split",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--image-size",
+        "16",
+        "--loader-workers",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr == f"raywds: error: shard {missing}: cannot open it: No such file or directory\n"
 
 
 def test_report_draws_a_png_from_a_run(shards: Path, tmp_path: Path) -> None:
     out = raywds(
-        "train", "--data", str(shards), "--model", "demo", "--epochs", "2", "--batch-size", "16", "--image-size", "24",
-        "--loader-workers", "1", "--out", str(tmp_path / "run"),
-    )  # fmt: skip
+        "train",
+        "--data",
+        str(shards),
+        "--model",
+        "demo",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--image-size",
+        "24",
+        "--loader-workers",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert out.returncode == 0, out.stderr
     out = raywds("report", str(tmp_path / "run"))
     assert out.returncode == 0 and out.stdout.strip() == f"raywds: wrote {tmp_path / 'run' / 'report.png'} (2 epochs)"

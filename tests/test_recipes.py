@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raywds.train.compute import Compute
 from raywds.config import RECIPES, TrainConfig, resolve
 from raywds.errors import ConfigError
+from raywds.train.compute import Compute
 from raywds.train.model import DemoNet
 from raywds.train.optim import make_optimizer
 from raywds.train.trainer import train
@@ -26,7 +26,13 @@ SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples se
 
 def test_imagenet_recipe_is_the_reference_one() -> None:
     cfg = resolve("shards/", recipe="imagenet-resnet50")
-    assert (cfg.model, cfg.optimizer, cfg.num_epochs, cfg.warmup_epochs, cfg.label_smoothing) == ("resnet50", "sgd", 90, 5.0, 0.1)
+    assert (cfg.model, cfg.optimizer, cfg.num_epochs, cfg.warmup_epochs, cfg.label_smoothing) == (
+        "resnet50",
+        "sgd",
+        90,
+        5.0,
+        0.1,
+    )
     assert (cfg.image_size_px, cfg.crop_scale_min, cfg.batch_size_per_rank) == (224, 0.08, 256)
     assert cfg.peak_lr(world_size=8) == pytest.approx(0.1 * 256 * 8 / 256)
     assert 5e-5 <= cfg.weight_decay <= 1e-4
@@ -42,7 +48,9 @@ def test_config_file_overrides_the_recipe_and_flags_override_both(tmp_path: Path
     (tmp_path / "bad.json").write_text(json.dumps({"epochs": 3}))
     with pytest.raises(ConfigError, match=r"config file .*bad.json has unknown keys \['epochs'\]"):
         resolve("d", config_file=str(tmp_path / "bad.json"))
-    with pytest.raises(ConfigError, match="unknown recipe 'resnet'; recipes are imagenet-resnet50, imagenet-resnet18, demo"):
+    with pytest.raises(
+        ConfigError, match="unknown recipe 'resnet'; recipes are imagenet-resnet50, imagenet-resnet18, demo"
+    ):
         resolve("d", recipe="resnet")
     assert set(RECIPES) == {"imagenet-resnet50", "imagenet-resnet18", "demo"}
 
@@ -58,9 +66,18 @@ def test_no_weight_decay_on_norms_and_biases() -> None:
 
 def test_the_cuda_path_bf16_and_channels_last_runs_on_the_cpu(shards: Path) -> None:
     cfg = TrainConfig(
-        data=str(shards), model="demo", optimizer="adamw", lr=3e-3, batch_size_per_rank=16, image_size_px=28, num_epochs=1,
-        num_loader_workers_per_rank=1, precision="bf16", memory_format="channels_last", label_smoothing=0.1,
-    )  # fmt: skip
+        data=str(shards),
+        model="demo",
+        optimizer="adamw",
+        lr=3e-3,
+        batch_size_per_rank=16,
+        image_size_px=28,
+        num_epochs=1,
+        num_loader_workers_per_rank=1,
+        precision="bf16",
+        memory_format="channels_last",
+        label_smoothing=0.1,
+    )
     compute = Compute.for_run(cfg, "cpu")
     assert compute.autocast_dtype == torch.bfloat16 and compute.channels_last
     images, _ = compute.inputs(torch.full((2, 3, 4, 4), 255, dtype=torch.uint8), torch.zeros(2, dtype=torch.long))
@@ -68,16 +85,43 @@ def test_the_cuda_path_bf16_and_channels_last_runs_on_the_cpu(shards: Path) -> N
     assert images[0, 0, 0, 0].item() == pytest.approx((1 - 0.485) / 0.229, rel=1e-5), "normalised on the device"
     metrics = train(cfg, World())
     assert metrics["val_samples"] == 50 and 0 < metrics["train_loss"] < 10
-    assert Compute.for_run(TrainConfig(data="x"), "cpu") == Compute("cpu", None, False), "CPU defaults: float32, contiguous"
+    assert Compute.for_run(TrainConfig(data="x"), "cpu") == Compute("cpu", None, False), (
+        "CPU defaults: float32, contiguous"
+    )
 
 
 def test_torchrun_two_processes_without_ray(shards: Path, tmp_path: Path) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     out = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", "-m", "raywds", "train", "--data", str(shards), "--model", "demo", "--epochs", "1",
-         "--batch-size", "8", "--image-size", "24", "--loader-workers", "1", "--mode", "split", "--out", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "raywds",
+            "train",
+            "--data",
+            str(shards),
+            "--model",
+            "demo",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--image-size",
+            "24",
+            "--loader-workers",
+            "1",
+            "--mode",
+            "split",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     match = SUMMARY.search(out.stdout)
     assert match and match.group(4) == "120", out.stdout  # 2 ranks, split mode: the whole epoch once

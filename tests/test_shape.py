@@ -19,7 +19,11 @@ def modules() -> list[Path]:
 
 
 def test_no_module_is_over_300_lines() -> None:
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in modules() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in modules()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert long == {}
 
 
@@ -38,7 +42,7 @@ def test_no_function_is_over_60_lines() -> None:
 def test_mode_names_appear_only_where_config_text_is_parsed() -> None:
     """A mode is an object (raywds.plan.modes); its name is text only in the config, the mode
     registry, the seed tags and help text."""
-    allowed = {"raywds/config.py", "raywds/plan/modes.py", "raywds/plan/seeds.py"}
+    allowed = {"raywds/config.py", "raywds/plan/resample.py", "raywds/plan/split.py", "raywds/plan/seeds.py"}
     found = {
         f"{p.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
         for p in modules()

@@ -34,11 +34,11 @@ from tqdm import tqdm
 
 from raywds.data.layout import IMAGE_EXTENSIONS, Found, Source, scan
 from raywds.data.manifest import FORMAT, MANIFEST, TIMM_INFO, ShardInfo, write_json_atomic
-from raywds.data.resume import JOURNAL, STATE  # noqa: F401 - the names of the files convert writes, for its callers
-from raywds.data.resume import Journal, prepare_output, still_good
+from raywds.data.resume import JOURNAL, STATE, Journal, prepare_output, still_good  # noqa: F401 - the names of the files convert writes, for its callers
 from raywds.data.tarwriter import TAR_END_BYTES, TarWriter, tar_cost
 from raywds.data.verify import check_members, sha256_file
 from raywds.errors import ConfigError, DataError
+
 
 @dataclass(frozen=True, kw_only=True)
 class ConvertOptions:
@@ -172,8 +172,20 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
 
 def fingerprint(found: Found, options: ConvertOptions) -> str:
     """Changes when anything that decides the shards' contents changes."""
-    listing = {split: [(s.relpath, s.num_bytes, s.class_index, s.key) for s in sources] for split, sources in found.splits.items()}
-    settings = [options.prefix, options.seed, options.maxcount, options.maxsize, options.max_side_px, found.classes, found.layouts, listing]
+    listing = {
+        split: [(s.relpath, s.num_bytes, s.class_index, s.key) for s in sources]
+        for split, sources in found.splits.items()
+    }
+    settings = [
+        options.prefix,
+        options.seed,
+        options.maxcount,
+        options.maxsize,
+        options.max_side_px,
+        found.classes,
+        found.layouts,
+        listing,
+    ]
     return hashlib.sha256(json.dumps(settings).encode()).hexdigest()
 
 
@@ -241,7 +253,10 @@ def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) ->
     total_bytes = sum(s.num_bytes for _, job in jobs for s in job.sources)
     start = time.perf_counter()
     files = 0
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=None) as bar, Journal(out) as journal:
+    with (
+        tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=None) as bar,
+        Journal(out) as journal,
+    ):
         for (_, job), record in zip(jobs, _run([job for _, job in jobs], options.num_workers)):
             records[job.path.name] = record
             if not record["kept"]:

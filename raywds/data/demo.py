@@ -50,7 +50,9 @@ def _jitter(rng: np.random.Generator, colour: tuple[int, int, int], amount: int 
     return (int(c[0]), int(c[1]), int(c[2]))
 
 
-def _draw(pattern: str, draw: ImageDraw.ImageDraw, rng: np.random.Generator, side: int, fill: tuple[int, int, int]) -> None:
+def _draw(
+    pattern: str, draw: ImageDraw.ImageDraw, rng: np.random.Generator, side: int, fill: tuple[int, int, int]
+) -> None:
     size = int(rng.integers(side * 4 // 10, side * 8 // 10))
     x0 = int(rng.integers(0, side - size + 1))
     y0 = int(rng.integers(0, side - size + 1))

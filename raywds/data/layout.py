@@ -118,7 +118,9 @@ def _find(candidates: list[Path]) -> Path | None:
     return next((p for p in candidates if p.is_file()), None)
 
 
-def flat_val_labels(src: Path, images: list[Path], val_labels: Path | None, val_wnids: Path | None) -> tuple[dict[str, str], str]:
+def flat_val_labels(
+    src: Path, images: list[Path], val_labels: Path | None, val_wnids: Path | None
+) -> tuple[dict[str, str], str]:
     """Labels for a flat val/ folder, from the given files or the usual places; (stem -> wnid, layout)."""
     devkit = src / "ILSVRC2012_devkit_t12" / "data"
     labels_file = val_labels or _find(
@@ -135,7 +137,9 @@ def flat_val_labels(src: Path, images: list[Path], val_labels: Path | None, val_
         return read_kaggle_csv(labels_file), f"flat val, labels from {labels_file.name}"
     wnids = val_wnids or _find([labels_file.parent / "meta.mat", devkit / "meta.mat"])
     if wnids is None or not wnids.is_file():
-        raise DataError(f"{labels_file} gives ILSVRC2012_IDs; pass --val-wnids meta.mat (or a text file of wnids in ID order)")
+        raise DataError(
+            f"{labels_file} gives ILSVRC2012_IDs; pass --val-wnids meta.mat (or a text file of wnids in ID order)"
+        )
     return read_devkit_labels(labels_file, wnids, images), f"flat val, labels from {labels_file.name} + {wnids.name}"
 
 
@@ -187,10 +191,13 @@ def _warn_empty(found: Found, split: str, first: Path) -> None:
     if not empty:
         return
     found.empty[split] = [name for _, name in empty]
-    named = ", ".join(f"{name} (index {i})" for i, name in empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+    named = ", ".join(f"{name} (index {i})" for i, name in empty[:10]) + (
+        f" and {len(empty) - 10} more" if len(empty) > 10 else ""
+    )
     log.warning(
-        f"{len(empty)} {'classes have' if len(empty) > 1 else 'class has'} no {split} images: {named}; kept in the class list so the other "
-        f"indices match ImageFolder's sorted order; add their images, or remove empty class folders from {first}"
+        f"{len(empty)} {'classes have' if len(empty) > 1 else 'class has'} no {split} images: {named}; "
+        "kept in the class list so the other indices match ImageFolder's sorted order; "
+        f"add their images, or remove empty class folders from {first}"
     )
 
 

@@ -115,9 +115,7 @@ def read_manifest(data: str, timeout_s: float = 30.0, *, shards_at: str | None =
         raise DataError(f"manifest {where} is not valid JSON ({e}); rerun `raywds convert`") from None
     if raw.get("format") != FORMAT:
         raise DataError(f"{where} is not a raywds manifest (format {raw.get('format')!r}, expected {FORMAT!r})")
-    splits = {
-        split: [ShardInfo(**shard) for shard in info["shards"]] for split, info in raw["splits"].items()
-    }
+    splits = {split: [ShardInfo(**shard) for shard in info["shards"]] for split, info in raw["splits"].items()}
     return Manifest(base=shards_at or base, classes=list(raw["classes"]), splits=splits, raw=raw)
 
 

@@ -33,7 +33,11 @@ def still_good(path: Path, done: dict[str, Any]) -> bool:
 
 def _ours(out: Path, prefix: str) -> list[Path]:
     names = [MANIFEST, TIMM_INFO, STATE, JOURNAL]
-    return [p for p in out.iterdir() if p.name in names or (p.name.endswith(".tar") and p.name.lstrip(".").startswith(f"{prefix}-"))]
+    return [
+        p
+        for p in out.iterdir()
+        if p.name in names or (p.name.endswith(".tar") and p.name.lstrip(".").startswith(f"{prefix}-"))
+    ]
 
 
 def prepare_output(out: Path, wanted: str, *, prefix: str, overwrite: bool) -> dict[str, dict[str, Any]]:

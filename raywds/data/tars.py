@@ -52,7 +52,7 @@ def tar_files(sources: Iterable[dict[str, Any]], handler: Callable[[BaseExceptio
                 if not SKIP.match(name):
                     yield {"fname": name, "data": data, "__url__": source["url"]}
             yield {}
-        except Exception as exn:
+        except Exception as exn:  # noqa: BLE001 - as webdataset's tar_file_expander: the handler decides
             exn.args = (*exn.args, source.get("url"))
             if not handler(exn):
                 return

@@ -43,9 +43,15 @@ def check_members(path: Path, num_samples: int) -> list[str]:
     for key, exts in sorted(samples.items()):
         images = sorted(ext for ext in exts if ext in IMAGE_KEYS)
         if len(images) != 1:
-            problems.append(f"sample {key} has no image" if not images else f"sample {key} has {len(images)} images ({', '.join(images)})")
+            problems.append(
+                f"sample {key} has no image"
+                if not images
+                else f"sample {key} has {len(images)} images ({', '.join(images)})"
+            )
         if exts.count("cls") != 1:
-            problems.append(f"sample {key} has no .cls" if "cls" not in exts else f"sample {key} has {exts.count('cls')} .cls")
+            problems.append(
+                f"sample {key} has no .cls" if "cls" not in exts else f"sample {key} has {exts.count('cls')} .cls"
+            )
     if len(samples) != num_samples:
         problems.append(f"{len(samples)} samples, manifest says {num_samples}")
     return problems

@@ -1,7 +1,7 @@
 """Ray Train wrapper: the only module that uses ray.train. Each Ray touchpoint is marked `# RAY`.
 
-    raywds ray --data http://head:8080 --model resnet50          # one worker per cluster GPU
-    ray job submit --address http://127.0.0.1:8265 -- raywds ray --demo
+raywds ray --data http://head:8080 --model resnet50          # one worker per cluster GPU
+ray job submit --address http://127.0.0.1:8265 -- raywds ray --demo
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raywds import console
 from raywds.config import TrainConfig
-from raywds.errors import ConfigError, RaywdsError, one_line
 from raywds.data.manifest import read_manifest
+from raywds.errors import ConfigError, RaywdsError, one_line
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
 from raywds.train.checkpoint import CHECKPOINT_FILE, checkpoint_file, load_checkpoint
@@ -46,7 +46,9 @@ class WorkerPlan:
         return f"{self.num_workers} {kind} worker{'s' if self.num_workers != 1 else ''}"
 
 
-def plan_workers(resources: dict[str, float], num_workers: int | None, *, default_cpu_workers: int = 2, loader_workers: int = 0) -> WorkerPlan:
+def plan_workers(
+    resources: dict[str, float], num_workers: int | None, *, default_cpu_workers: int = 2, loader_workers: int = 0
+) -> WorkerPlan:
     """One worker per GPU the cluster has, each reserving CPUs for its loader workers (as many
     as the cluster has per GPU); without GPUs, `num_workers` CPU workers of one CPU each.
 
@@ -56,13 +58,19 @@ def plan_workers(resources: dict[str, float], num_workers: int | None, *, defaul
     if gpus > 0:
         wanted = gpus if num_workers is None else num_workers
         if wanted > gpus:
-            raise ConfigError(f"--num-workers {wanted} needs {wanted} GPUs but the cluster has {gpus}; use --num-workers {gpus} or fewer")
+            raise ConfigError(
+                f"--num-workers {wanted} needs {wanted} GPUs but the cluster has {gpus}; "
+                f"use --num-workers {gpus} or fewer"
+            )
         return WorkerPlan(wanted, True, max(1, min(loader_workers + 1, cpus // gpus)))
     wanted = default_cpu_workers if num_workers is None else num_workers
     if wanted < 1:
         raise ConfigError(f"--num-workers {wanted} must be at least 1")
     if wanted > cpus:
-        raise ConfigError(f"--num-workers {wanted} needs {wanted} CPUs but the cluster has {cpus}; use --num-workers {max(cpus, 1)} or add nodes")
+        raise ConfigError(
+            f"--num-workers {wanted} needs {wanted} CPUs but the cluster has {cpus}; "
+            f"use --num-workers {max(cpus, 1)} or add nodes"
+        )
     return WorkerPlan(wanted, False)
 
 
@@ -123,7 +131,9 @@ def worker_error(failed: Exception) -> RaywdsError | None:
             if isinstance(cause, RaywdsError):
                 return type(cause)(f"{one_line(cause)} (rank {rank})")
             seen.append(cause)
-            cause = getattr(cause, "cause", None) or cause.__cause__  # RAY: RayTaskError keeps the user's error in .cause
+            cause = (
+                getattr(cause, "cause", None) or cause.__cause__
+            )  # RAY: RayTaskError keeps the user's error in .cause
     return None
 
 
@@ -166,7 +176,9 @@ def run(
 ) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics."""
     plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=cfg.num_loader_workers_per_rank)  # RAY
-    manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)  # refuse a data plan that would hang before starting any worker
+    manifest = read_manifest(
+        cfg.data, shards_at=cfg.shards_at
+    )  # refuse a data plan that would hang before starting any worker
     check_plan(epoch_plan(manifest, cfg, plan.num_workers, epoch=0), manifest)
     if cfg.resume_from:
         resume_from = os.path.abspath(cfg.resume_from)
@@ -202,5 +214,7 @@ def run(
     if not result.metrics:
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    history = sorted((dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"])
+    history = sorted(
+        (dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"]
+    )
     return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)

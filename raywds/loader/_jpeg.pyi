@@ -1,4 +1,6 @@
-def decode_region(data: bytes, top: int, left: int, height: int, width: int, scale: int, /) -> tuple[bytearray, int, int, int, int]:
+def decode_region(
+    data: bytes, top: int, left: int, height: int, width: int, scale: int, /
+) -> tuple[bytearray, int, int, int, int]:
     """(pixels, top, left, height, width): RGB rows covering the box at 1/scale; see _jpeg.c."""
 
 def size(data: bytes, /) -> tuple[int, int] | None:

@@ -86,7 +86,9 @@ def _as_rgb_tensor(img: Image.Image) -> torch.Tensor:
 
 def jpeg_tensor(data: bytes) -> torch.Tensor:
     """A whole JPEG decoded to uint8 RGB CHW by torchvision.io.decode_jpeg."""
-    return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB)
+    return torchvision.io.decode_jpeg(
+        torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB
+    )
 
 
 def _plain_jpeg(img: Image.Image) -> bool:
@@ -100,7 +102,9 @@ def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tenso
     1.7x faster than on the strided view, copy included."""
     top, left, height, width = box
     crop = image[:, top : top + height, left : left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
-    out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+    out = torch.nn.functional.interpolate(
+        crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+    )[0]
     return out.flip(-1) if flip else out
 
 
@@ -137,7 +141,11 @@ def _resampled(img: Image.Image, box: Box, r: int, origin: tuple[int, int], flip
     """PIL resamples `box` from `img`, the image (or the part from `origin` on) at 1/r scale,
     where the box's corners fall between pixels, as the reference transform does at full scale."""
     (top, left, h, w), (y0, x0) = box, origin
-    out = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=(left / r - x0, top / r - y0, (left + w) / r - x0, (top + h) / r - y0))
+    out = img.convert("RGB").resize(
+        (size, size),
+        Image.Resampling.BILINEAR,
+        box=(left / r - x0, top / r - y0, (left + w) / r - x0, (top + h) / r - y0),
+    )
     tensor = F.pil_to_tensor(out)
     return tensor.flip(-1) if flip else tensor
 
@@ -152,12 +160,16 @@ def val_crop(data: bytes, size: int) -> torch.Tensor:
 
 def reference_train(size: int, scale: tuple[float, float]) -> Callable[[bytes], torch.Tensor]:
     """The `pil` decoder: torchvision's standard train transform, uint8 out."""
-    transform = transforms.Compose([transforms.RandomResizedCrop(size, scale=scale), transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
+    transform = transforms.Compose(
+        [transforms.RandomResizedCrop(size, scale=scale), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]
+    )
     return lambda data: transform(open_rgb(data))
 
 
 def reference_val(size: int) -> Callable[[bytes], torch.Tensor]:
-    transform = transforms.Compose([transforms.Resize(round(size / 0.875)), transforms.CenterCrop(size), transforms.PILToTensor()])
+    transform = transforms.Compose(
+        [transforms.Resize(round(size / 0.875)), transforms.CenterCrop(size), transforms.PILToTensor()]
+    )
     return lambda data: transform(open_rgb(data))
 
 
@@ -194,20 +206,27 @@ class Encoded:
 
     def __getitem__(self, i: int) -> EncodedImage:
         top, left, height, width = (int(v) for v in self.boxes[i])
-        return EncodedImage(self.data[self.offsets[i] : self.offsets[i + 1]], (top, left, height, width), bool(self.flips[i]), self.size)
+        return EncodedImage(
+            self.data[self.offsets[i] : self.offsets[i + 1]], (top, left, height, width), bool(self.flips[i]), self.size
+        )
 
     @classmethod
     def of(cls, images: list[EncodedImage]) -> Encoded:
         lengths = torch.tensor([0] + [len(im.data) for im in images], dtype=torch.long)
         return cls(
-            torch.cat([im.data for im in images]), torch.cumsum(lengths, 0), torch.tensor([im.box for im in images], dtype=torch.long).view(-1, 4),
-            torch.tensor([im.flip for im in images], dtype=torch.bool), images[0].size,
-        )  # fmt: skip
+            torch.cat([im.data for im in images]),
+            torch.cumsum(lengths, 0),
+            torch.tensor([im.box for im in images], dtype=torch.long).view(-1, 4),
+            torch.tensor([im.flip for im in images], dtype=torch.bool),
+            images[0].size,
+        )
 
     def decode(self, device: str) -> torch.Tensor:
         """uint8 NCHW on `device`: one batched decode_jpeg call, then crop, resize and flip there."""
         samples = [self[i] for i in range(len(self))]
-        images = torchvision.io.decode_jpeg([s.data for s in samples], mode=torchvision.io.ImageReadMode.RGB, device=device)
+        images = torchvision.io.decode_jpeg(
+            [s.data for s in samples], mode=torchvision.io.ImageReadMode.RGB, device=device
+        )
         return stack_crops([cropped(img, s.box, s.flip, s.size) for img, s in zip(images, samples)])
 
 

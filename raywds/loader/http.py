@@ -53,7 +53,9 @@ class ReadPolicy:
 
 def _status_error(url: str, status: int, reason: str) -> ShardError:
     if status == 404:
-        return ShardError(f"shard {url} is missing on the server (HTTP 404); is the server serving the folder the manifest describes?")
+        return ShardError(
+            f"shard {url} is missing on the server (HTTP 404); is the server serving the folder the manifest describes?"
+        )
     return ShardError(f"shard {url} answered HTTP {status} {reason}")
 
 
@@ -114,7 +116,9 @@ class HttpShard(io.RawIOBase):
             self.failures += 1
             if self.failures > self.policy.retries:
                 where = f"at byte {self.pos}" if self.pos else "when opening it"
-                raise ShardError(f"shard {self.url}: cannot read it {where}: {last} (after {self.policy.retries} retries)")
+                raise ShardError(
+                    f"shard {self.url}: cannot read it {where}: {last} (after {self.policy.retries} retries)"
+                )
             time.sleep(self.policy.backoff_s * 2 ** (self.failures - 1))
             self._drop()
             try:
@@ -178,12 +182,19 @@ class CachingReader(io.RawIOBase):
         assert self.out is not None
         self.out.close()
         self.out = None
-        intact = (self.size is None or self.written == self.size) and (not self.sha256 or self.hash.hexdigest() == self.sha256)
+        intact = (self.size is None or self.written == self.size) and (
+            not self.sha256 or self.hash.hexdigest() == self.sha256
+        )
         if intact:
             os.replace(self.tmp, self.path)
         else:
             self.tmp.unlink(missing_ok=True)
-            log.warning("not caching %s: %d bytes, sha256 %s… differ from the manifest", self.path.name, self.written, self.hash.hexdigest()[:12])
+            log.warning(
+                "not caching %s: %d bytes, sha256 %s… differ from the manifest",
+                self.path.name,
+                self.written,
+                self.hash.hexdigest()[:12],
+            )
 
     def close(self) -> None:
         if self.out is not None:
@@ -205,12 +216,14 @@ def open_shard(url: str, policy: ReadPolicy, *, size: int | None = None, sha256:
         if policy.cache_dir:
             cached = cache_path(policy.cache_dir, url)
             if cached.is_file() and (size is None or cached.stat().st_size == size):
-                return open(cached, "rb")  # noqa: SIM115 - the caller closes it
-            return io.BufferedReader(CachingReader(io.BufferedReader(HttpShard(url, policy, size)), cached, size, sha256), 1 << 20)  # type: ignore[arg-type]
+                return open(cached, "rb")
+            return io.BufferedReader(
+                CachingReader(io.BufferedReader(HttpShard(url, policy, size)), cached, size, sha256), 1 << 20
+            )  # type: ignore[arg-type]
         return io.BufferedReader(HttpShard(url, policy, size), 1 << 20)
     if url.startswith("pipe:"):
         return wds.gopen(url)  # type: ignore[no-any-return]
     try:
-        return open(url, "rb")  # noqa: SIM115 - the caller closes it
+        return open(url, "rb")
     except OSError as e:
         raise ShardError(f"shard {url}: cannot open it: {e.strerror}") from None

@@ -24,8 +24,18 @@ from raywds.data.manifest import Manifest, ShardInfo, deal
 from raywds.loader.blocks import Blocks, HandedOver
 from raywds.loader.readers import Expected, ReadPolicy, tar_samples
 from raywds.loader.stages import (
-    Batch, Skips, collate, decoded, rebatched, shard_urls, slot_urls, train_decoder, unconsumed, val_decoder, worker_shuffled,
-)  # fmt: skip
+    Batch,
+    Skips,
+    collate,
+    decoded,
+    rebatched,
+    shard_urls,
+    slot_urls,
+    train_decoder,
+    unconsumed,
+    val_decoder,
+    worker_shuffled,
+)
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.modes import loader_slots
@@ -35,21 +45,42 @@ from raywds.world import World
 
 def read_policy(cfg: TrainConfig, *, skip_unreadable: bool) -> ReadPolicy:
     """Exact passes (split, validation) raise on a shard that stays unreadable; resample skips it."""
-    return ReadPolicy(read_timeout_s=cfg.read_timeout_s, retries=cfg.read_retries, skip_unreadable=skip_unreadable, cache_dir=cfg.cache_dir)
+    return ReadPolicy(
+        read_timeout_s=cfg.read_timeout_s,
+        retries=cfg.read_retries,
+        skip_unreadable=skip_unreadable,
+        cache_dir=cfg.cache_dir,
+    )
 
 
 def expected(manifest: Manifest, split: str) -> dict[str, Expected]:
     """Each shard's URL -> what the manifest says reading it must give."""
     offsets = manifest.offsets(split)
-    return {manifest.url(s): Expected(num_samples=s.num_samples, num_bytes=s.num_bytes, sha256=s.sha256, first_id=offsets[s.name]) for s in manifest.shards(split)}
+    return {
+        manifest.url(s): Expected(
+            num_samples=s.num_samples, num_bytes=s.num_bytes, sha256=s.sha256, first_id=offsets[s.name]
+        )
+        for s in manifest.shards(split)
+    }
 
 
 def _read_stages(source: Any, manifest: Manifest, split: str, cfg: TrainConfig, skips: Skips) -> list[Any]:
     """Shard URLs -> samples with ids, each shard checked against the manifest."""
-    return [source, bind(tar_samples, policy=skips.shards.policy, expected=expected(manifest, split), verify_hashes=cfg.verify_hashes, failures=skips.shards)]
+    return [
+        source,
+        bind(
+            tar_samples,
+            policy=skips.shards.policy,
+            expected=expected(manifest, split),
+            verify_hashes=cfg.verify_hashes,
+            failures=skips.shards,
+        ),
+    ]
 
 
-def _loader(stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool, skips: Skips | None = None) -> Iterable[Batch]:
+def _loader(
+    stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool, skips: Skips | None = None
+) -> Iterable[Batch]:
     """A DataLoader over the stages then batching (`partial`: keep a short last batch), its
     batches handed over in reused shared-memory blocks (raywds.loader.blocks), each carrying what
     `skips` skipped before it."""
@@ -70,7 +101,6 @@ def _loader(stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool,
     return HandedOver(loader, blocks)
 
 
-
 class EpochLoader:
     """One epoch of batches for one rank; its length is the plan's batch count for the rank."""
 
@@ -86,13 +116,17 @@ class EpochLoader:
         return self.plan.batches_per_rank[self.rank]
 
 
-def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: EpochPlan, *, epoch: int, position: Position | None = None) -> EpochLoader:
+def train_loader(
+    manifest: Manifest, cfg: TrainConfig, world: World, plan: EpochPlan, *, epoch: int, position: Position | None = None
+) -> EpochLoader:
     """This rank's training batches for `epoch` as `plan` deals them; after `position`, only
     what the epoch has not yet delivered (exact mode) or a reseeded stream (resample)."""
     rank, exact = world.rank, plan.mode.exact
     resuming = position is not None and position.epoch == epoch
     reseed = position.samples_done if resuming and position else 0
-    source = bind(shard_urls, plan, manifest.shards("train"), manifest, rank=rank, seed=cfg.seed, epoch=epoch, reseed=reseed)
+    source = bind(
+        shard_urls, plan, manifest.shards("train"), manifest, rank=rank, seed=cfg.seed, epoch=epoch, reseed=reseed
+    )
     skips = Skips(read_policy(cfg, skip_unreadable=not exact))
     stages = [
         *_read_stages(source, manifest, "train", cfg, skips),
@@ -106,7 +140,9 @@ def train_loader(manifest: Manifest, cfg: TrainConfig, world: World, plan: Epoch
 
     def batches() -> Iterator[Batch]:
         rng = seeds.rng(seeds.CROSS_SHUFFLE, cfg.seed, epoch, rank)
-        return rebatched(loader, batch_size=cfg.batch_size_per_rank, buffer=cfg.cross_worker_shuffle_samples, rng=rng, partial=exact)
+        return rebatched(
+            loader, batch_size=cfg.batch_size_per_rank, buffer=cfg.cross_worker_shuffle_samples, rng=rng, partial=exact
+        )
 
     return EpochLoader(batches, plan, rank)
 

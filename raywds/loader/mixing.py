@@ -21,21 +21,34 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from raywds.data.manifest import ShardInfo, is_url
 from raywds.loader.stages import Batch, collate, rebatched, shuffled
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
-from raywds.data.manifest import ShardInfo, is_url
 
 Labels = Callable[[ShardInfo, int], list[int]]
 
 
-def _worker_stream(shards: Iterator[ShardInfo], offsets: dict[str, int], labels: Labels, *, buffer: int, rng: random.Random, batch_size: int) -> Iterator[Batch]:
+def _worker_stream(
+    shards: Iterator[ShardInfo],
+    offsets: dict[str, int],
+    labels: Labels,
+    *,
+    buffer: int,
+    rng: random.Random,
+    batch_size: int,
+) -> Iterator[Batch]:
     """One DataLoader worker: its shards' samples in order, shuffled, batched (ids and labels only)."""
 
     def samples() -> Iterator[tuple[torch.Tensor, int, int, str]]:
         for shard in shards:
             for i, label in enumerate(labels(shard, offsets[shard.name])):
-                yield torch.empty(0, 0, 0, dtype=torch.uint8), label, offsets[shard.name] + i, shard.name  # no pixels; the shard stands in for the key
+                yield (
+                    torch.empty(0, 0, 0, dtype=torch.uint8),
+                    label,
+                    offsets[shard.name] + i,
+                    shard.name,
+                )  # no pixels; the shard stands in for the key
 
     batch: list[tuple[torch.Tensor, int, int, str]] = []
     for sample in shuffled(samples(), buffer=buffer, rng=rng):
@@ -60,9 +73,17 @@ def _round_robin(streams: list[Iterator[Batch]]) -> Iterator[Batch]:
 
 
 def replay(
-    plan: EpochPlan, shards: list[ShardInfo], labels: Labels, *, seed: int, epoch: int, worker_buffer: int,
-    cross_buffer: int, num_batches: int | None, rank: int = 0,
-) -> list[Batch]:  # fmt: skip
+    plan: EpochPlan,
+    shards: list[ShardInfo],
+    labels: Labels,
+    *,
+    seed: int,
+    epoch: int,
+    worker_buffer: int,
+    cross_buffer: int,
+    num_batches: int | None,
+    rank: int = 0,
+) -> list[Batch]:
     """A rank's first `num_batches` batches (None: its whole epoch) as the loader delivers them:
     the same shard streams (the plan's mode) and the same seeds (raywds.plan.seeds)."""
     offsets, start = {}, 0
@@ -73,7 +94,9 @@ def replay(
     for worker in range(plan.num_workers):
         source = plan.mode.shards_for(plan, shards, rank=rank, worker=worker, seed=seed, epoch=epoch)
         rng = seeds.rng(seeds.WORKER_SHUFFLE, seed, epoch, rank, worker)
-        streams.append(_worker_stream(source, offsets, labels, buffer=worker_buffer, rng=rng, batch_size=plan.batch_size))
+        streams.append(
+            _worker_stream(source, offsets, labels, buffer=worker_buffer, rng=rng, batch_size=plan.batch_size)
+        )
     batches: Iterator[Batch] = _round_robin(streams)
     if plan.mode.exact or cross_buffer:
         rng = seeds.rng(seeds.CROSS_SHUFFLE, seed, epoch, rank)
@@ -116,7 +139,18 @@ def tar_labels(base: str) -> Labels:
     return read
 
 
-def report(plan: EpochPlan, shards: list[ShardInfo], *, data: str | None, num_classes: int, seed: int, epoch: int, worker_buffer: int, cross_buffer: int, num_batches: int) -> str:
+def report(
+    plan: EpochPlan,
+    shards: list[ShardInfo],
+    *,
+    data: str | None,
+    num_classes: int,
+    seed: int,
+    epoch: int,
+    worker_buffer: int,
+    cross_buffer: int,
+    num_batches: int,
+) -> str:
     """The table `raywds plan --shuffle-report` prints."""
     n = sum(s.num_samples for s in shards)
     cases: list[tuple[str, Labels, int]]
@@ -133,13 +167,26 @@ def report(plan: EpochPlan, shards: list[ShardInfo], *, data: str | None, num_cl
             ("shuffled before sharding (raywds convert)", shuffled_labels(n, num_classes, seed), num_classes),
         ]
     lines = [
-        f"shuffle quality: rank 0, first {num_batches} batches of {plan.batch_size}, {plan.num_workers} loader workers, "
-        f"worker buffer {worker_buffer}, cross-worker buffer {cross_buffer}",
+        f"shuffle quality: rank 0, first {num_batches} batches of {plan.batch_size}, "
+        f"{plan.num_workers} loader workers, worker buffer {worker_buffer}, cross-worker buffer {cross_buffer}",
         f"{'source':<44} {'classes/batch':>13} {'ideal':>7} {'top shard share':>15} {'order corr':>10}",
     ]
     for name, labels, classes in cases:
-        m = measure(replay(plan, shards, labels, seed=seed, epoch=epoch, worker_buffer=worker_buffer, cross_buffer=cross_buffer, num_batches=num_batches), classes)
+        m = measure(
+            replay(
+                plan,
+                shards,
+                labels,
+                seed=seed,
+                epoch=epoch,
+                worker_buffer=worker_buffer,
+                cross_buffer=cross_buffer,
+                num_batches=num_batches,
+            ),
+            classes,
+        )
         lines.append(
-            f"{name:<44} {m['classes_per_batch']:>13.1f} {m['ideal_classes_per_batch']:>7.1f} {m['top_shard_share']:>15.2f} {m['order_correlation']:>10.3f}"
+            f"{name:<44} {m['classes_per_batch']:>13.1f} {m['ideal_classes_per_batch']:>7.1f} "
+            f"{m['top_shard_share']:>15.2f} {m['order_correlation']:>10.3f}"
         )
     return "\n".join(lines)

@@ -35,6 +35,7 @@ from raywds.loader.http import ReadPolicy, open_shard
 
 log = logging.getLogger(__name__)
 
+
 class Failures:
     """The policy for unreadable shards: raise, or warn, count and skip (up to a run of them).
     A shard that reads cleanly but disagrees with the manifest (`ShardMismatch`) always raises."""
@@ -51,7 +52,9 @@ class Failures:
         self.skipped.append(str(exn))
         self.in_a_row += 1
         if self.in_a_row >= self.policy.max_failures_in_a_row:
-            raise ShardError(f"{self.in_a_row} shards in a row were unreadable, the last: {exn}; is the shard server down?") from exn
+            raise ShardError(
+                f"{self.in_a_row} shards in a row were unreadable, the last: {exn}; is the shard server down?"
+            ) from exn
         log.warning("skipped an unreadable shard (%s); %d skipped by this loader worker", exn, len(self.skipped))
 
     def succeeded(self) -> None:
@@ -94,7 +97,9 @@ class _Hashing(io.RawIOBase):
         return n
 
 
-def shard_samples(url: str, stream: BinaryIO, expected: Expected, *, verify_hash: bool = False) -> Iterator[dict[str, Any]]:
+def shard_samples(
+    url: str, stream: BinaryIO, expected: Expected, *, verify_hash: bool = False
+) -> Iterator[dict[str, Any]]:
     """One shard's samples, each with its `__id__`; raises ShardError naming the shard (and the
     last good key) when the tar cannot be read, and ShardMismatch when what it holds differs
     from `expected`: more or fewer samples, a key twice, or (`verify_hash`) another sha256."""
@@ -103,12 +108,17 @@ def shard_samples(url: str, stream: BinaryIO, expected: Expected, *, verify_hash
     seen: set[str] = set()
     key = ""
     try:
-        for sample in wds.tariterators.group_by_keys(tars.tar_files([{"url": url, "stream": source}], handler=_reraise)):
+        for sample in wds.tariterators.group_by_keys(
+            tars.tar_files([{"url": url, "stream": source}], handler=_reraise)
+        ):
             key = sample["__key__"]
             if key in seen:
                 raise ShardMismatch(f"shard {url}: key {key} appears twice; the shard is corrupt, reconvert it")
             if len(seen) >= expected.num_samples:
-                raise ShardMismatch(f"shard {url} holds more than the {expected.num_samples} samples its manifest entry lists; the shard or manifest.json changed, run `raywds verify`")
+                raise ShardMismatch(
+                    f"shard {url} holds more than the {expected.num_samples} samples its manifest entry lists; "
+                    "the shard or manifest.json changed, run `raywds verify`"
+                )
             sample["__id__"] = expected.first_id + len(seen)
             seen.add(key)
             yield sample
@@ -116,15 +126,19 @@ def shard_samples(url: str, stream: BinaryIO, expected: Expected, *, verify_hash
             source.read()  # the tar's closing blocks count in its sha256 too
     except ShardError:
         raise
-    except Exception as e:  # noqa: BLE001 - tarfile, webdataset and the stream raise many types
+    except Exception as e:
         after = f"after sample {key}" if key else "before its first sample"
         raise ShardError(f"shard {url}: cannot read it {after}: {_reason(e)}") from e
     if len(seen) != expected.num_samples:
-        raise ShardMismatch(f"shard {url} holds {len(seen)} samples, its manifest entry {expected.num_samples}; the shard was cut short or changed, run `raywds verify`")
+        raise ShardMismatch(
+            f"shard {url} holds {len(seen)} samples, its manifest entry {expected.num_samples}; "
+            "the shard was cut short or changed, run `raywds verify`"
+        )
     if hashing is not None and expected.sha256 and hashing.hash.hexdigest() != expected.sha256:
         raise ShardMismatch(
-            f"shard {url}: sha256 {hashing.hash.hexdigest()[:12]}… ({hashing.num_bytes} bytes) differs from the manifest's "
-            f"{expected.sha256[:12]}… ({expected.num_bytes} bytes); the shard is corrupt, run `raywds verify`"
+            f"shard {url}: sha256 {hashing.hash.hexdigest()[:12]}… ({hashing.num_bytes} bytes) "
+            f"differs from the manifest's {expected.sha256[:12]}… ({expected.num_bytes} bytes); "
+            "the shard is corrupt, run `raywds verify`"
         )
 
 
@@ -139,8 +153,13 @@ def _reason(e: BaseException) -> str:
 
 
 def tar_samples(
-    sources: Iterable[dict[str, Any]], policy: ReadPolicy, expected: dict[str, Expected], *, verify_hashes: bool = False, failures: Failures | None = None,
-) -> Iterator[dict[str, Any]]:  # fmt: skip
+    sources: Iterable[dict[str, Any]],
+    policy: ReadPolicy,
+    expected: dict[str, Expected],
+    *,
+    verify_hashes: bool = False,
+    failures: Failures | None = None,
+) -> Iterator[dict[str, Any]]:
     """{url} dicts -> samples with `__url__`, `__key__` and `__id__`, each shard checked against
     `expected` (by URL), read by `policy`: an unreadable shard raises or is skipped into `failures`."""
     failures = failures if failures is not None else Failures(policy)

@@ -60,7 +60,11 @@ def train_decoder(cfg: TrainConfig) -> Callable[[bytes], Any]:
 
 
 def val_decoder(cfg: TrainConfig) -> Callable[[bytes], torch.Tensor]:
-    return decode.reference_val(cfg.image_size_px) if cfg.decode == "pil" else bind(decode.val_crop, size=cfg.image_size_px)
+    return (
+        decode.reference_val(cfg.image_size_px)
+        if cfg.decode == "pil"
+        else bind(decode.val_crop, size=cfg.image_size_px)
+    )
 
 
 class SampleError(DataError):
@@ -115,7 +119,10 @@ def decoded(samples: Iterable[dict[str, Any]], decode: Callable[[bytes], Any], s
         try:
             if ext is None or "cls" not in sample:
                 member = f"{key}.*"
-                raise ValueError(f"has no {'image' if ext is None else '.cls'} member (found {', '.join(sorted(k for k in sample if not k.startswith('__')))})")
+                raise ValueError(
+                    f"has no {'image' if ext is None else '.cls'} member (found "
+                    f"{', '.join(sorted(k for k in sample if not k.startswith('__')))})"
+                )
             try:
                 label = int(sample["cls"])
             except ValueError:
@@ -133,8 +140,9 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-
-def shard_urls(plan: EpochPlan, shards: list[ShardInfo], manifest: Manifest, *, rank: int, seed: int, epoch: int, reseed: int = 0) -> Iterator[dict[str, str]]:
+def shard_urls(
+    plan: EpochPlan, shards: list[ShardInfo], manifest: Manifest, *, rank: int, seed: int, epoch: int, reseed: int = 0
+) -> Iterator[dict[str, str]]:
     """The shards this DataLoader worker of `rank` reads, as the plan's mode gives them."""
     worker, _ = _worker()
     for shard in plan.mode.shards_for(plan, shards, rank=rank, worker=worker, seed=seed, epoch=epoch, reseed=reseed):
@@ -146,7 +154,9 @@ def slot_urls(slots: list[list[ShardInfo]], rank: int, manifest: Manifest) -> It
     worker, num_workers = _worker()
     index = rank * num_workers + worker
     if index >= len(slots):
-        raise ConfigError(f"slot {index} (rank {rank}, worker {worker} of {num_workers}) is not among the {len(slots)} dealt")
+        raise ConfigError(
+            f"slot {index} (rank {rank}, worker {worker} of {num_workers}) is not among the {len(slots)} dealt"
+        )
     for shard in slots[index]:
         yield {"url": manifest.url(shard)}
 
@@ -165,20 +175,29 @@ def shuffled(src: Iterable[Any], *, buffer: int, rng: random.Random) -> Iterator
     return wds.shuffle(buffer, min(buffer, 100), rng=rng)(iter(src))
 
 
-
 def worker_shuffled(src: Iterable[Any], *, buffer: int, seed: int, epoch: int, rank: int) -> Iterator[Any]:
     """Sample shuffle inside a DataLoader worker, seeded per (seed, epoch, rank, worker)."""
     worker, _ = _worker()
     return shuffled(src, buffer=buffer, rng=seeds.rng(seeds.WORKER_SHUFFLE, seed, epoch, rank, worker))
 
 
-def collate(samples: list[Sample], out_of: decode.OutOf | None = None, *, bad_samples: tuple[str, ...] = (), bad_shards: tuple[str, ...] = ()) -> Batch:
+def collate(
+    samples: list[Sample],
+    out_of: decode.OutOf | None = None,
+    *,
+    bad_samples: tuple[str, ...] = (),
+    bad_shards: tuple[str, ...] = (),
+) -> Batch:
     """Samples -> a Batch; in a worker, the images go into shared memory (`out_of`: raywds.loader.blocks)."""
     images, labels, ids, keys = zip(*samples)
     return Batch(
-        decode.stack(list(images), out_of), torch.as_tensor(labels, dtype=torch.long), torch.as_tensor(ids, dtype=torch.long), list(keys),
-        bad_samples, bad_shards,
-    )  # fmt: skip
+        decode.stack(list(images), out_of),
+        torch.as_tensor(labels, dtype=torch.long),
+        torch.as_tensor(ids, dtype=torch.long),
+        list(keys),
+        bad_samples,
+        bad_shards,
+    )
 
 
 def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -191,7 +210,11 @@ def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
             yield held.pop(0)
     if len(held) == 2 and len(held[1].keys) == 1 and len(held[0].keys) > 1:
         a, b = held
-        yield collate([*_samples(a), *_samples(b)], bad_samples=a.bad_samples + b.bad_samples, bad_shards=a.bad_shards + b.bad_shards)
+        yield collate(
+            [*_samples(a), *_samples(b)],
+            bad_samples=a.bad_samples + b.bad_samples,
+            bad_shards=a.bad_shards + b.bad_shards,
+        )
     else:
         yield from held
 
@@ -200,7 +223,9 @@ def _samples(batch: Batch) -> list[Sample]:
     return [(batch.images[i], int(batch.labels[i]), int(batch.ids[i]), batch.keys[i]) for i in range(len(batch.keys))]
 
 
-def rebatched(batches: Iterable[Batch], *, batch_size: int, buffer: int, rng: random.Random, partial: bool) -> Iterator[Batch]:
+def rebatched(
+    batches: Iterable[Batch], *, batch_size: int, buffer: int, rng: random.Random, partial: bool
+) -> Iterator[Batch]:
     """Main process: unbatch the workers' batches, shuffle across workers, batch again; what the
     workers skipped travels on with the next batch out."""
     skipped: tuple[list[str], list[str]] = ([], [])
@@ -219,4 +244,3 @@ def rebatched(batches: Iterable[Batch], *, batch_size: int, buffer: int, rng: ra
 
     out = wds.batched(batch_size, collation_fn=collated, partial=partial)(shuffled(unbatched(), buffer=buffer, rng=rng))
     return fold_single_tail(out) if partial else out
-

@@ -20,12 +20,18 @@ def check(plan: EpochPlan, *, num_shards: int) -> list[Finding]:
     found: list[Finding] = []
     share = plan.num_samples / plan.num_ranks
     if plan.batch_size > share and not plan.resumed:
-        found.append(Finding("warn", (
-            f"batch {plan.batch_size} per rank is more than a rank's share of the data ({plan.num_samples} samples / "
-            f"{plan.num_ranks} ranks = {share:.0f}): every epoch is {plan.max_batches} step(s) per rank"
-            + (" of a partial batch" if plan.mode.exact else ", so samples repeat within each batch")
-            + f"; use --batch-size {max(int(share), 1)} or less"
-        )))  # fmt: skip
+        found.append(
+            Finding(
+                "warn",
+                (
+                    f"batch {plan.batch_size} per rank is more than a rank's share of the data "
+                    f"({plan.num_samples} samples / {plan.num_ranks} ranks = {share:.0f}): "
+                    f"every epoch is {plan.max_batches} step(s) per rank"
+                    + (" of a partial batch" if plan.mode.exact else ", so samples repeat within each batch")
+                    + f"; use --batch-size {max(int(share), 1)} or less"
+                ),
+            )
+        )
     return found + plan.mode.findings(plan, num_shards=num_shards)
 
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 from raywds.data.manifest import ShardInfo
 
 if TYPE_CHECKING:
-    from raywds.plan.modes import Mode
+    from raywds.plan.position import Position
 
+T = TypeVar("T")
 Level = Literal["refuse", "warn", "note"]
 
 
@@ -70,3 +72,59 @@ class EpochPlan:
 def remaining(shards: list[ShardInfo], consumed_per_shard: list[int]) -> list[ShardInfo]:
     """The shards with `num_samples` reduced to what an interrupted epoch has not yet delivered."""
     return [dataclasses.replace(s, num_samples=s.num_samples - done) for s, done in zip(shards, consumed_per_shard)]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What differs between modes; `Resample` and `Split` fill it in."""
+
+    name: ClassVar[str]
+    exact: ClassVar[bool]
+    """Every sample once per epoch: ranks may take different batch counts, a rank's last batch
+    may be partial, and a sample or shard that cannot be read is an error, never skipped."""
+
+    def plan(
+        self,
+        shards: list[ShardInfo],
+        *,
+        num_ranks: int,
+        num_workers: int,
+        batch_size: int,
+        seed: int = 0,
+        epoch: int = 0,
+        batches_per_epoch: int | None = None,
+        position: Position | None = None,
+    ) -> EpochPlan:
+        """The epoch's plan, or of what is left of it after `position` (inside this epoch)."""
+        raise NotImplementedError
+
+    def shards_for(
+        self,
+        plan: EpochPlan,
+        shards: list[ShardInfo],
+        *,
+        rank: int,
+        worker: int,
+        seed: int,
+        epoch: int,
+        reseed: int = 0,
+    ) -> Iterator[ShardInfo]:
+        """The shards loader `worker` of `rank` reads, in order; `reseed` (samples already
+        done, on resume) starts a fresh stream where the mode draws at random."""
+        raise NotImplementedError
+
+    def epoch_batches(self, batches: Iterable[T], plan: EpochPlan, rank: int) -> Iterator[T]:
+        """Where a rank's epoch ends in its loader's batches."""
+        raise NotImplementedError
+
+    def findings(self, plan: EpochPlan, *, num_shards: int) -> list[Finding]:
+        """What the verdict says of this mode's plan (raywds.plan.checks adds the common lines)."""
+        raise NotImplementedError
+
+    def rank_columns(self, plan: EpochPlan, rank: int) -> tuple[str, int]:
+        """`raywds plan`'s shards and last-batch columns for `rank`."""
+        raise NotImplementedError
+
+    def worker_lines(self, plan: EpochPlan, ranks: list[int]) -> list[str]:
+        """`raywds plan`'s lines on the shards each loader worker opens."""
+        raise NotImplementedError

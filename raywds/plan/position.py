@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from raywds.errors import ConfigError
 from raywds.data.manifest import Manifest, ShardInfo
+from raywds.errors import ConfigError
 from raywds.plan.modes import Mode, parse
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,14 @@ class Position:
         packed = None if self.consumed is None else np.packbits(self.consumed).tobytes()
         num = None if self.consumed is None else len(self.consumed)
         return {
-            "mode": self.mode.name, "epoch": self.epoch, "step": self.step, "samples_done": self.samples_done,
-            "consumed": packed, "num_samples": num, "dataset": self.dataset,
-        }  # fmt: skip
+            "mode": self.mode.name,
+            "epoch": self.epoch,
+            "step": self.step,
+            "samples_done": self.samples_done,
+            "consumed": packed,
+            "num_samples": num,
+            "dataset": self.dataset,
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Position:
@@ -61,9 +66,13 @@ class Position:
             bits = np.unpackbits(np.frombuffer(state["consumed"], dtype=np.uint8), count=state["num_samples"])
             consumed = bits.astype(bool)
         return cls(
-            mode=parse(state["mode"]), epoch=state["epoch"], step=state["step"], samples_done=state["samples_done"],
-            consumed=consumed, dataset=state["dataset"],
-        )  # fmt: skip
+            mode=parse(state["mode"]),
+            epoch=state["epoch"],
+            step=state["step"],
+            samples_done=state["samples_done"],
+            consumed=consumed,
+            dataset=state["dataset"],
+        )
 
     def check_compatible(self, manifest: Manifest, mode: Mode) -> None:
         if self.dataset != manifest.fingerprint("train"):

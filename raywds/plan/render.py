@@ -1,6 +1,6 @@
 """`raywds plan`'s report: one row per rank, the shards each worker opens, then the verdict.
 
-    raywds plan --num-shards 1282 --samples-per-shard 1000 --nodes 64 --gpus-per-node 8 --workers 6
+raywds plan --num-shards 1282 --samples-per-shard 1000 --nodes 64 --gpus-per-node 8 --workers 6
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ def shown_ranks(num_ranks: int, max_shown: int) -> list[int]:
 
 def render(plan: EpochPlan, findings: list[Finding], *, gpus_per_node: int, max_ranks_shown: int = 16) -> str:
     lines = [
-        f"{plan.mode.name} mode: {plan.num_ranks} ranks x {plan.num_workers} loader workers, batch {plan.batch_size} per rank, "
-        f"{plan.num_samples} samples",
+        f"{plan.mode.name} mode: {plan.num_ranks} ranks x {plan.num_workers} loader workers, "
+        f"batch {plan.batch_size} per rank, {plan.num_samples} samples",
         f"{'rank':>5} {'node':>5} {'shards':>7} {'samples':>8} {'batches':>8} {'last batch':>11}",
     ]
     shown = shown_ranks(plan.num_ranks, max_ranks_shown)

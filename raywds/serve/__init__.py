@@ -4,4 +4,14 @@ from raywds.serve.docker import LABEL, LABEL_VALUE, docker_client, stop_all, str
 from raywds.serve.net import advertised_host, free_port
 from raywds.serve.server import BACKENDS, ShardServer
 
-__all__ = ["BACKENDS", "LABEL", "LABEL_VALUE", "ShardServer", "advertised_host", "docker_client", "free_port", "stop_all", "stray_containers"]
+__all__ = [
+    "BACKENDS",
+    "LABEL",
+    "LABEL_VALUE",
+    "ShardServer",
+    "advertised_host",
+    "docker_client",
+    "free_port",
+    "stop_all",
+    "stray_containers",
+]

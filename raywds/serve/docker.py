@@ -78,7 +78,11 @@ def stray_containers(client: Any, *, everyone: bool) -> list[Any]:
     if everyone:
         return list(found)
     host = socket.gethostname()
-    return [c for c in found if c.labels.get("raywds.host") == host and not _pid_alive(int(c.labels.get("raywds.pid", "0") or 0))]
+    return [
+        c
+        for c in found
+        if c.labels.get("raywds.host") == host and not _pid_alive(int(c.labels.get("raywds.pid", "0") or 0))
+    ]
 
 
 def stop_all() -> int:
@@ -99,11 +103,16 @@ def _image_here(client: Any, image: str, pull: bool) -> None:
         return
     except docker.errors.ImageNotFound:
         if not pull:
-            raise ServerError(f"image {image} is not here and pulling is off; give a local nginx image with --image") from None
+            raise ServerError(
+                f"image {image} is not here and pulling is off; give a local nginx image with --image"
+            ) from None
     try:
         client.images.pull(image)
     except docker.errors.DockerException as e:
-        raise ServerError(f"image {image} is not here and cannot be pulled ({str(e).splitlines()[0][:200]}); give a local nginx image with --image") from None
+        raise ServerError(
+            f"image {image} is not here and cannot be pulled ({str(e).splitlines()[0][:200]}); "
+            "give a local nginx image with --image"
+        ) from None
 
 
 def _run(client: Any, spec: Spec, port: int, conf_dir: str) -> Any:
@@ -112,7 +121,9 @@ def _run(client: Any, spec: Spec, port: int, conf_dir: str) -> Any:
 
     name = f"raywds-shards-{os.getpid()}-{port}-{uuid.uuid4().hex[:6]}"
     host = spec.host or "0.0.0.0"
-    options: dict[str, Any] = {"network_mode": "host"} if spec.network == "host" else {"ports": {f"{port}/tcp": (host, port)}}
+    options: dict[str, Any] = (
+        {"network_mode": "host"} if spec.network == "host" else {"ports": {f"{port}/tcp": (host, port)}}
+    )
     try:
         return client.containers.run(
             spec.image,
@@ -121,7 +132,12 @@ def _run(client: Any, spec: Spec, port: int, conf_dir: str) -> Any:
             detach=True,
             auto_remove=True,
             volumes={str(spec.root): {"bind": INSIDE, "mode": "ro"}, conf_dir: {"bind": "/etc/raywds", "mode": "ro"}},
-            labels={LABEL: LABEL_VALUE, "raywds.pid": str(os.getpid()), "raywds.host": socket.gethostname(), "raywds.root": str(spec.root)},
+            labels={
+                LABEL: LABEL_VALUE,
+                "raywds.pid": str(os.getpid()),
+                "raywds.host": socket.gethostname(),
+                "raywds.root": str(spec.root),
+            },
             **options,
         )
     except docker.errors.DockerException as e:
@@ -134,13 +150,19 @@ def start(spec: Spec, cleanup: contextlib.ExitStack) -> Running:
 
     client = docker_client()
     for stray in stray_containers(client, everyone=False):  # left by a process that crashed
-        log.info("removing shard-server container %s, left by process %s that is gone", stray.name, stray.labels.get("raywds.pid"))
+        log.info(
+            "removing shard-server container %s, left by process %s that is gone",
+            stray.name,
+            stray.labels.get("raywds.pid"),
+        )
         stray.remove(force=True)
     _image_here(client, spec.image, spec.pull)
     port = spec.free_port()
     conf_dir = run_dir(cleanup)
     listen = hostport(spec.host or "0.0.0.0", port) if spec.network == "host" else f"0.0.0.0:{port}"
-    Path(conf_dir, "nginx.conf").write_text(nginx_conf(root=INSIDE, listen=listen, run_dir="/tmp", as_root=True, error_log="stderr"))
+    Path(conf_dir, "nginx.conf").write_text(
+        nginx_conf(root=INSIDE, listen=listen, run_dir="/tmp", as_root=True, error_log="stderr")
+    )
     container = _run(client, spec, port, conf_dir)
     logs = _Logs(container)
 

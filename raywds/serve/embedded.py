@@ -37,7 +37,7 @@ class ShardHandler(http.server.BaseHTTPRequestHandler):
     root: Path
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def resolve(self) -> Path | None:

@@ -21,7 +21,9 @@ def nginx_conf(*, root: str, listen: str, run_dir: str, as_root: bool, error_log
     """One config for the local binary and the Docker image: foreground, no directory listing,
     nothing whose path has a part starting with a dot (a converter's state, journal and
     half-written shards); nginx decodes `%2e` before it matches locations."""
-    temp = "\n".join(f"    {kind}_temp_path {run_dir}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    temp = "\n".join(
+        f"    {kind}_temp_path {run_dir}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
     # Workers read the shards as the user who started the server (root included): the shard
     # directory is often private to that user, e.g. under pytest's tmp_path.
     user = "user root root;\n" if as_root else ""
@@ -63,9 +65,13 @@ def start(spec: Spec, cleanup: contextlib.ExitStack) -> Running:
     conf = Path(folder) / "nginx.conf"
     log = Path(folder) / "error.log"
     listen = hostport(spec.host or "0.0.0.0", port)
-    conf.write_text(nginx_conf(root=str(spec.root), listen=listen, run_dir=folder, as_root=os.geteuid() == 0, error_log=str(log)))
+    conf.write_text(
+        nginx_conf(root=str(spec.root), listen=listen, run_dir=folder, as_root=os.geteuid() == 0, error_log=str(log))
+    )
     with log.open("ab") as stderr:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([binary, "-e", str(log), "-p", folder, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(
+            [binary, "-e", str(log), "-p", folder, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=stderr
+        )
 
     @cleanup.callback
     def stop() -> None:

@@ -32,10 +32,20 @@ class ShardServer:
     """Serves `root` read-only at `self.url` from `start()` (or entering `with`) until `stop()`."""
 
     def __init__(
-        self, root: str | Path, *, backend: str = "auto", host: str = "127.0.0.1", port: int = 0,
-        advertise: str | None = None, image: str = docker.DOCKER_IMAGE, network: str = "host", pull: bool = True,
-        ready_timeout_s: float = 30.0, idle_timeout_s: float = embedded.IDLE_TIMEOUT_S, num_threads: int = embedded.NUM_THREADS,
-    ):  # fmt: skip
+        self,
+        root: str | Path,
+        *,
+        backend: str = "auto",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise: str | None = None,
+        image: str = docker.DOCKER_IMAGE,
+        network: str = "host",
+        pull: bool = True,
+        ready_timeout_s: float = 30.0,
+        idle_timeout_s: float = embedded.IDLE_TIMEOUT_S,
+        num_threads: int = embedded.NUM_THREADS,
+    ):
         """`advertise` is the host put in `url` (say, the node IP Ray reports); without it, a
         server on every interface advertises this host's address.
 
@@ -47,7 +57,9 @@ class ShardServer:
         if backend not in BACKENDS:
             raise ServerError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if not idle_timeout_s > 0:
-            raise ServerError(f"idle_timeout_s={idle_timeout_s} must be above 0; the default is {embedded.IDLE_TIMEOUT_S:.0f} s")
+            raise ServerError(
+                f"idle_timeout_s={idle_timeout_s} must be above 0; the default is {embedded.IDLE_TIMEOUT_S:.0f} s"
+            )
         if num_threads < 1:
             raise ServerError(f"num_threads={num_threads} must be at least 1; the default is {embedded.NUM_THREADS}")
         if network not in ("host", "bridge"):
@@ -103,9 +115,15 @@ class ShardServer:
 
     def _start(self, backend: str) -> None:
         spec = Spec(
-            root=self.root, host=self.host, port=self._asked_port, image=self.image, network=self.network, pull=self.pull,
-            idle_timeout_s=self.idle_timeout_s, num_threads=self.num_threads,
-        )  # fmt: skip
+            root=self.root,
+            host=self.host,
+            port=self._asked_port,
+            image=self.image,
+            network=self.network,
+            pull=self.pull,
+            idle_timeout_s=self.idle_timeout_s,
+            num_threads=self.num_threads,
+        )
         with contextlib.ExitStack() as cleanup:  # undoes what started if it does not come up
             running = STARTS[backend](spec, cleanup)
             wait_ready(self._local_url(running.port), running.alive, self.ready_timeout_s, running.logs)
@@ -121,5 +139,7 @@ class ShardServer:
     def __enter__(self) -> ShardServer:
         return self.start()
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.stop()

@@ -10,7 +10,6 @@ import torch
 
 from raywds.errors import ConfigError
 
-
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
@@ -26,7 +25,6 @@ def checkpoint_file(path: str) -> Path:
 
 def load_checkpoint(path: str) -> dict[str, Any]:
     return torch.load(checkpoint_file(path), map_location="cpu", weights_only=False)
-
 
 
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:

@@ -36,7 +36,6 @@ class Ledger:
         return t.cpu().numpy()
 
 
-
 def sum_and_max(world: World, total: list[float], longest: float) -> tuple[list[float], float]:
     if not world.distributed:
         return total, longest
@@ -56,7 +55,6 @@ def per_rank(world: World, values: list[float]) -> list[list[float]]:
     return table.tolist()  # type: ignore[no-any-return]
 
 
-
 class Audit:
     """With `audit_dir`: one file per (epoch, rank, process) listing each trained sample's key."""
 
@@ -70,4 +68,3 @@ class Audit:
         if self.dir is not None:
             with (self.dir / f"epoch{epoch:04d}-rank{self.rank:05d}-pid{os.getpid()}.keys").open("a") as f:
                 f.write("".join(k + "\n" for k in keys))
-

@@ -40,7 +40,9 @@ class EpochResult:
 
 def _is_collective_failure(e: BaseException) -> bool:
     text = str(e).lower()
-    return isinstance(e, dist.DistError) or any(w in text for w in ("timed out", "timeout", "gloo", "nccl", "connection closed", "connection reset"))
+    return isinstance(e, dist.DistError) or any(
+        w in text for w in ("timed out", "timeout", "gloo", "nccl", "connection closed", "connection reset")
+    )
 
 
 def train_epoch(
@@ -125,4 +127,3 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], world: World, compute: 
     top1, top5, loss, count = totals.tolist()
     count = max(count, 1.0)
     return {"val_top1": top1 / count, "val_top5": top5 / count, "val_loss": loss / count, "val_samples": int(count)}
-

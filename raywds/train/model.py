@@ -37,6 +37,7 @@ def build_model(name: str, num_classes: int) -> nn.Module:
         return DemoNet(num_classes)
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
-        raise ConfigError(f"unknown model {name!r}; use `demo` or a torchvision model such as resnet50 ({len(available)} known)")
+        raise ConfigError(
+            f"unknown model {name!r}; use `demo` or a torchvision model such as resnet50 ({len(available)} known)"
+        )
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-

@@ -39,4 +39,3 @@ def lr_at(cfg: TrainConfig, world: World, progress_epochs: float) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-

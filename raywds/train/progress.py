@@ -28,19 +28,28 @@ class ProgressLog:
         self.cfg, self.world, self.epoch, self.num_steps, self.run_dir = cfg, world, epoch, num_steps, run_dir
         self.last = time.monotonic()
         on = world.is_main and sys.stderr.isatty()
-        self.bar = tqdm(total=num_steps, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", unit="step", disable=not on, leave=False)
+        self.bar = tqdm(
+            total=num_steps, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", unit="step", disable=not on, leave=False
+        )
 
-    def update(self, step: int, seconds: float, num_samples: int, loss_sum: float, data_wait_s: float, lr: float) -> None:
+    def update(
+        self, step: int, seconds: float, num_samples: int, loss_sum: float, data_wait_s: float, lr: float
+    ) -> None:
         self.bar.update(1)
         if not self.world.is_main or time.monotonic() - self.last < self.cfg.log_every_s:
             return
         self.last = time.monotonic()
         row: dict[str, Any] = {
-            "kind": "progress", "epoch": self.epoch + 1, "step_in_epoch": step, "steps_in_epoch": self.num_steps,
-            "loss": loss_sum / max(num_samples, 1), "lr": lr,
-            "images_per_s_rank0": num_samples / max(seconds, 1e-9), "data_wait_rank0": data_wait_s / max(seconds, 1e-9),
+            "kind": "progress",
+            "epoch": self.epoch + 1,
+            "step_in_epoch": step,
+            "steps_in_epoch": self.num_steps,
+            "loss": loss_sum / max(num_samples, 1),
+            "lr": lr,
+            "images_per_s_rank0": num_samples / max(seconds, 1e-9),
+            "data_wait_rank0": data_wait_s / max(seconds, 1e-9),
             "eta_epoch_s": (self.num_steps - step) * seconds / step,
-        }  # fmt: skip
+        }
         with tqdm.external_write_mode():
             log.info(
                 f"epoch {row['epoch']} step {step}/{self.num_steps}  loss {row['loss']:.3f}  lr {lr:.4g}  "
@@ -56,9 +65,16 @@ class ProgressLog:
 
 def too_many_bad(reasons: list[str], allowed: int, cfg: TrainConfig, *, job_total: int | None = None) -> DataError:
     """The error past --max-bad-samples: the last bad sample's own line, then the count."""
-    count = f"{job_total} bad samples this epoch across ranks" if job_total is not None else f"{len(reasons)} bad samples this epoch on this rank"
+    count = (
+        f"{job_total} bad samples this epoch across ranks"
+        if job_total is not None
+        else f"{len(reasons)} bad samples this epoch on this rank"
+    )
     last = f"{reasons[-1]} " if reasons else ""
-    return DataError(f"{last}({count}, more than the {allowed} that --max-bad-samples {cfg.max_bad_samples:g} allows); run `raywds verify` on the shards")
+    return DataError(
+        f"{last}({count}, more than the {allowed} that --max-bad-samples {cfg.max_bad_samples:g} allows); "
+        "run `raywds verify` on the shards"
+    )
 
 
 def _skipped(m: Metrics) -> str:
@@ -78,10 +94,12 @@ def epoch_line(m: Metrics, num_epochs: int) -> str:
 def summary_line(m: Metrics) -> str:
     """The one line a script can parse at the end of a run."""
     if m.get("inside_epoch"):
-        return f"stopped at step {m['step']} inside epoch {m['epoch'] + 1}  samples seen {m['samples_seen']}  (continue with --resume)"
+        return (
+            f"stopped at step {m['step']} inside epoch {m['epoch'] + 1}  samples seen {m['samples_seen']}  "
+            "(continue with --resume)"
+        )
     bad = f"  bad samples skipped {m['bad_samples_total']}" if m.get("bad_samples_total") else ""
     return (
         f"epochs {m['epoch']}  top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}"
         f"  samples seen {m['samples_seen']}  images/s {m['images_per_s']:.1f}{bad}"
     )
-

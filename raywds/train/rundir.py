@@ -1,9 +1,9 @@
 """A run's folder, written by rank 0 of local, torchrun and Ray runs alike:
 
-    RUN_DIR/metrics.jsonl   a row per finished epoch, per in-epoch checkpoint, and progress rows ("kind": "progress")
-    RUN_DIR/config.json     the resolved config (raywds-config.json beside a Ray run's own files)
-    RUN_DIR/checkpoint.pt   the latest checkpoint (local runs; Ray keeps its own checkpoint folders)
-    RUN_DIR/best/           the checkpoint with the best validation top-1, and its metrics.json
+RUN_DIR/metrics.jsonl   a row per finished epoch, per in-epoch checkpoint, and progress rows ("kind": "progress")
+RUN_DIR/config.json     the resolved config (raywds-config.json beside a Ray run's own files)
+RUN_DIR/checkpoint.pt   the latest checkpoint (local runs; Ray keeps its own checkpoint folders)
+RUN_DIR/best/           the checkpoint with the best validation top-1, and its metrics.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,13 +16,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
-from raywds.errors import ConfigError, DataError
+from raywds.errors import DataError
 from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.stages import Batch
 from raywds.plan.checks import check_plan
-from raywds.plan.epoch import EpochPlan
 from raywds.plan.modes import epoch_plan, parse
-from raywds.plan.position import Position, check_same_shards, shard_entries
+from raywds.plan.position import Position
 from raywds.train.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
 from raywds.train.ledger import Audit, Ledger, per_rank, sum_and_max
@@ -32,6 +30,7 @@ from raywds.train.model import build_model
 from raywds.train.optim import lr_at, make_optimizer
 from raywds.train.progress import ProgressLog, epoch_line, too_many_bad
 from raywds.train.rundir import Metrics, RunDir
+from raywds.train.state import Epoch, Progress, checkpoint_state, restore
 from raywds.world import World
 
 log = logging.getLogger(__name__)
@@ -40,49 +39,17 @@ log = logging.getLogger(__name__)
 Report = Callable[[Metrics, dict[str, Any] | None], None]
 
 
-@dataclass
-class Progress:
-    """Counters that survive a resume."""
-
-    epoch: int = 0
-    steps: int = 0
-    """Steps so far, counting each finished epoch as its longest rank's batches."""
-    samples_seen: int = 0
-    position: Position | None = None
-    """Inside an unfinished epoch: what it has delivered."""
-    bad_samples: int = 0
-    """Samples skipped as undecodable in the finished epochs (resample mode)."""
-
-
-@dataclass
-class Epoch:
-    """What one run of (part of) an epoch needs to know: its plan, where it started and what it has trained on."""
-
-    index: int
-    plan: EpochPlan
-    position: Position | None
-    """Where a resumed epoch starts; None from its beginning."""
-    start: Progress
-    """The run's progress when this part of the epoch began."""
-    ledger: Ledger
-    global_batch: int
-    size: int
-    """Samples in a whole epoch, for the schedule."""
-    bad_allowed: int
-
-    @property
-    def done_before(self) -> int:
-        return self.position.samples_done if self.position else 0
-
-    @property
-    def step_before(self) -> int:
-        return self.position.step if self.position else 0
-
-
 class Trainer:
     """One rank's run: model, optimizer, data and the counters; `fit()` is the epoch loop."""
 
-    def __init__(self, cfg: TrainConfig, world: World, report: Report | None, resume: dict[str, Any] | None, run_dir: RunDir | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        world: World,
+        report: Report | None,
+        resume: dict[str, Any] | None,
+        run_dir: RunDir | None = None,
+    ):
         torch.manual_seed(cfg.seed)
         self.cfg, self.world, self.run_dir = cfg, world, run_dir
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
@@ -104,20 +71,7 @@ class Trainer:
         self.metrics: Metrics = {}
 
     def restore(self, state: dict[str, Any]) -> None:
-        if state["classes"] != self.manifest.classes:
-            raise ConfigError(f"the checkpoint's {len(state['classes'])} classes differ from the data's {len(self.manifest.classes)}; resume with the same --data")
-        if "shards" in state:
-            check_same_shards(state["shards"], self.manifest)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        position = Position.from_state(state["position"]) if state.get("position") else None
-        if position is not None:
-            position.check_compatible(self.manifest, parse(self.cfg.mode))
-            if position.samples_done == 0:
-                position = None
-        self.progress = Progress(
-            epoch=state["epoch"], steps=state["steps"], samples_seen=state["samples_seen"], position=position, bad_samples=state.get("bad_samples", 0)
-        )  # fmt: skip
+        self.progress = restore(state, self.model, self.optimizer, self.manifest, parse(self.cfg.mode))
 
     def fit(self) -> Metrics:
         """Train until cfg.num_epochs or cfg.max_steps; returns the last metrics (the same on every rank)."""
@@ -146,7 +100,9 @@ class Trainer:
         def lr(step: int) -> float:
             """The rate for step `step` (0-based) of this run's part of the epoch: the schedule's
             value where the step ends, so the first step of a warm-up already learns."""
-            return lr_at(cfg, world, index + min((epoch.done_before + (step + 1) * epoch.global_batch) / epoch.size, 1.0))
+            return lr_at(
+                cfg, world, index + min((epoch.done_before + (step + 1) * epoch.global_batch) / epoch.size, 1.0)
+            )
 
         progress = ProgressLog(cfg, world, index, len(batches), run_dir=self.run_dir)
 
@@ -160,9 +116,18 @@ class Trainer:
 
         try:
             result = train_epoch(
-                self.wrapped, batches, self.optimizer, lr, world, self.compute, uneven=epoch.plan.mode.exact,
-                label_smoothing=cfg.label_smoothing, after_step=after_step, where=f"in epoch {index + 1}", pg_timeout_s=cfg.pg_timeout_s,
-            )  # fmt: skip
+                self.wrapped,
+                batches,
+                self.optimizer,
+                lr,
+                world,
+                self.compute,
+                uneven=epoch.plan.mode.exact,
+                label_smoothing=cfg.label_smoothing,
+                after_step=after_step,
+                where=f"in epoch {index + 1}",
+                pg_timeout_s=cfg.pg_timeout_s,
+            )
         finally:
             progress.close()
         if result.stopped:
@@ -202,27 +167,55 @@ class Trainer:
             consumed = self.consumed(epoch) > 0
             done = int(consumed.sum())
         here = Position(
-            mode=epoch.plan.mode, epoch=epoch.index, step=epoch.step_before + step, samples_done=done, consumed=consumed,
+            mode=epoch.plan.mode,
+            epoch=epoch.index,
+            step=epoch.step_before + step,
+            samples_done=done,
+            consumed=consumed,
             dataset=self.manifest.fingerprint("train"),
-        )  # fmt: skip
+        )
         steps = epoch.start.steps + step
         samples_seen = epoch.start.samples_seen + done - epoch.done_before
-        self.progress = Progress(epoch=epoch.index, steps=steps, samples_seen=samples_seen, position=here, bad_samples=epoch.start.bad_samples)
+        self.progress = Progress(
+            epoch=epoch.index,
+            steps=steps,
+            samples_seen=samples_seen,
+            position=here,
+            bad_samples=epoch.start.bad_samples,
+        )
         if self.world.is_main:
-            log.info(f"step {steps}: checkpoint inside epoch {epoch.index + 1} ({done}/{self.num_samples} samples done)")
-        self.emit({"epoch": epoch.index, "step": steps, "samples_seen": samples_seen, "epoch_samples_done": done, "inside_epoch": True})
+            log.info(
+                f"step {steps}: checkpoint inside epoch {epoch.index + 1} ({done}/{self.num_samples} samples done)"
+            )
+        self.emit(
+            {
+                "epoch": epoch.index,
+                "step": steps,
+                "samples_seen": samples_seen,
+                "epoch_samples_done": done,
+                "inside_epoch": True,
+            }
+        )
 
     def finish_epoch(self, epoch: Epoch, result: EpochResult) -> None:
         cfg, world = self.cfg, self.world
         metrics = self.epoch_metrics(epoch, result)
-        if epoch.plan.mode.exact and (metrics["epoch_duplicates"] or metrics["epoch_missing"] or metrics["epoch_samples"] != self.num_samples):
+        if epoch.plan.mode.exact and (
+            metrics["epoch_duplicates"] or metrics["epoch_missing"] or metrics["epoch_samples"] != self.num_samples
+        ):
             raise DataError(
-                f"split epoch {epoch.index + 1} was not exact: {metrics['epoch_samples']} samples trained, the manifest has "
-                f"{self.num_samples}; {metrics['epoch_duplicates']} repeated, {metrics['epoch_missing']} missing"
+                f"split epoch {epoch.index + 1} was not exact: {metrics['epoch_samples']} samples trained, "
+                f"the manifest has {self.num_samples}; "
+                f"{metrics['epoch_duplicates']} repeated, {metrics['epoch_missing']} missing"
             )
         if (epoch.index + 1) % cfg.val_every_epochs == 0 or epoch.index + 1 == cfg.num_epochs:
             metrics.update(evaluate(self.model, val_loader(self.manifest, cfg, world), world, self.compute))
-        self.progress = Progress(epoch=epoch.index + 1, steps=metrics["step"], samples_seen=metrics["samples_seen"], bad_samples=metrics["bad_samples_total"])
+        self.progress = Progress(
+            epoch=epoch.index + 1,
+            steps=metrics["step"],
+            samples_seen=metrics["samples_seen"],
+            bad_samples=metrics["bad_samples_total"],
+        )
         if world.is_main:
             log.info(epoch_line(metrics, cfg.num_epochs))
         self.emit(metrics)
@@ -232,10 +225,12 @@ class Trainer:
         world, start = self.world, epoch.start
         (num_samples, loss_sum, num_bad, bad_shards), seconds = sum_and_max(
             world, [result.num_samples, result.loss_sum, len(result.bad_samples), result.num_bad_shards], result.seconds
-        )  # fmt: skip
+        )
         if num_bad > epoch.bad_allowed:
             raise too_many_bad(result.bad_samples, epoch.bad_allowed, self.cfg, job_total=int(num_bad))
-        ranks = per_rank(world, [result.num_samples / max(result.seconds, 1e-9), result.data_wait_s / max(result.seconds, 1e-9)])
+        ranks = per_rank(
+            world, [result.num_samples / max(result.seconds, 1e-9), result.data_wait_s / max(result.seconds, 1e-9)]
+        )
         counts = self.consumed(epoch)
         return {
             "epoch": epoch.index + 1,
@@ -263,24 +258,16 @@ class Trainer:
             self.report(metrics, self.state() if self.world.is_main else None)
 
     def state(self) -> dict[str, Any]:
-        """Model, optimizer and position; the learning rate is a function of progress, so it needs no state."""
-        position = self.progress.position
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "epoch": self.progress.epoch,
-            "steps": self.progress.steps,
-            "samples_seen": self.progress.samples_seen,
-            "bad_samples": self.progress.bad_samples,
-            "position": position.to_state() if position else None,
-            "shards": shard_entries(self.manifest),
-            "config": self.cfg.to_dict(),
-            "classes": self.manifest.classes,
-        }
+        return checkpoint_state(self.model, self.optimizer, self.progress, self.manifest, self.cfg)
 
 
 def train(
-    cfg: TrainConfig, world: World, report: Report | None = None, resume: dict[str, Any] | None = None, *, run_dir: RunDir | None = None
+    cfg: TrainConfig,
+    world: World,
+    report: Report | None = None,
+    resume: dict[str, Any] | None = None,
+    *,
+    run_dir: RunDir | None = None,
 ) -> Metrics:
     """Train for cfg.num_epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or
     cfg.resume_from when given; returns the last metrics, the same on every rank. Rank 0's

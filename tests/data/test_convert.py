@@ -20,8 +20,8 @@ import webdataset as wds
 from PIL import Image
 
 from raywds.data.convert import ConvertOptions, convert
-from raywds.errors import ConfigError, DataError
 from raywds.data.manifest import read_manifest
+from raywds.errors import ConfigError, DataError
 
 
 def read_all(shard_dir: Path, split: str) -> list[dict]:
@@ -71,7 +71,9 @@ def test_manifest_matches_the_files(tree: Path, shards: Path) -> None:
 
 def test_tar_lists_three_members_per_sample(shards: Path) -> None:
     shard = read_manifest(str(shards)).shards("train")[0]
-    names = subprocess.run(["tar", "tf", str(shards / shard.name)], check=True, capture_output=True, text=True).stdout.split()
+    names = subprocess.run(
+        ["tar", "tf", str(shards / shard.name)], check=True, capture_output=True, text=True
+    ).stdout.split()
     keys = Counter(n.split(".", 1)[0] for n in names)
     assert len(keys) == shard.num_samples
     assert all(count == 3 for count in keys.values())
@@ -165,19 +167,24 @@ def test_empty_class_folder_is_kept_and_warned_about(tmp_path: Path, caplog: pyt
     assert manifest["empty_classes"] == {"train": ["bees", "emus"]}
     run = subprocess.run(
         [str(Path(sys.executable).parent / "raywds"), "convert", str(src), str(tmp_path / "cli")],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert "2 classes have no train images: bees (index 1), emus (index 3)" in run.stdout + run.stderr
 
 
-@pytest.mark.parametrize(("inside", "overwrite"), [("shards", False), ("shards", True), ("train/n90000001/out", False), (".", True)])
+@pytest.mark.parametrize(
+    ("inside", "overwrite"), [("shards", False), ("shards", True), ("train/n90000001/out", False), (".", True)]
+)
 def test_output_inside_the_source_is_refused(tree: Path, tmp_path: Path, inside: str, overwrite: bool) -> None:
     """Shards inside SRC are scanned on the next run: as a class of their own, or as images."""
     src = tmp_path / "src"
     shutil.copytree(tree, src)
     out = src / inside
-    with pytest.raises(ConfigError, match=r"is inside the source tree .*src; choose an output folder outside SRC, e\.g\. .*src-shards"):
+    with pytest.raises(
+        ConfigError, match=r"is inside the source tree .*src; choose an output folder outside SRC, e\.g\. .*src-shards"
+    ):
         convert(src, out, ConvertOptions(overwrite=overwrite))
     assert sorted(p.name for p in src.iterdir()) == ["train", "val"], "nothing may be written into SRC"
 

@@ -19,10 +19,10 @@ from PIL import Image
 import raywds.data.convert
 from raywds.config import TrainConfig
 from raywds.data.convert import JOURNAL, TIMM_INFO, ConvertOptions, convert
-from raywds.errors import DataError
-from raywds.loader.loader import val_loader
 from raywds.data.manifest import read_manifest, shardsum
 from raywds.data.verify import verify
+from raywds.errors import DataError
+from raywds.loader.loader import val_loader
 from raywds.world import World
 
 RAYWDS = Path(sys.executable).parent / "raywds"
@@ -92,7 +92,9 @@ def test_flat_val_without_labels_says_what_to_pass(tree: Path, tmp_path: Path) -
 
 def encoded(mode: str, fmt: str, size: tuple[int, int] = (20, 16)) -> bytes:
     buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).convert(mode).save(buf, format=fmt)
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).convert(
+        mode
+    ).save(buf, format=fmt)
     return buf.getvalue()
 
 
@@ -129,7 +131,11 @@ def test_odd_images_are_kept_and_broken_ones_skipped_and_listed(odd_tree: Path, 
         ("train/n02/truncated.JPEG", "not a readable image"),
     ]
     assert manifest["ignored"]["count"] == 3
-    samples = list(wds.WebDataset([str(tmp_path / "out" / s["name"]) for s in manifest["splits"]["train"]["shards"]], shardshuffle=False))
+    samples = list(
+        wds.WebDataset(
+            [str(tmp_path / "out" / s["name"]) for s in manifest["splits"]["train"]["shards"]], shardshuffle=False
+        )
+    )
     meta = {json.loads(s["json"])["source"]: json.loads(s["json"]) for s in samples}
     assert (meta["train/n01/png_named.JPEG"]["format"], meta["train/n01/cmyk.JPEG"]["mode"]) == ("PNG", "CMYK")
     assert meta["train/n01/gray.JPEG"]["mode"] == "L" and meta["train/n02/sub/deep.jpeg"]["class"] == "n02"
@@ -201,15 +207,25 @@ def test_dotted_class_and_shared_stems_give_whole_samples(tmp_path: Path) -> Non
     """webdataset cuts a key at the first dot of the member name: keys once took a dotted class
     name for two files of one stem, so convert wrote samples that verify (and loaders) split."""
     src = tmp_path / "src" / "train"
-    for relpath, fmt in [("n0144.v2/a.jpg", "JPEG"), ("n0144.v2/a.png", "PNG"), ("n0144.v2/b.c.jpg", "JPEG"),
-                         ("n0144.v2/b_c.jpg", "JPEG"), ("n0145/a.jpg", "JPEG"), ("n0145/x y+z.JPEG", "JPEG")]:  # fmt: skip
+    for relpath, fmt in [
+        ("n0144.v2/a.jpg", "JPEG"),
+        ("n0144.v2/a.png", "PNG"),
+        ("n0144.v2/b.c.jpg", "JPEG"),
+        ("n0144.v2/b_c.jpg", "JPEG"),
+        ("n0145/a.jpg", "JPEG"),
+        ("n0145/x y+z.JPEG", "JPEG"),
+    ]:
         (src / relpath).parent.mkdir(parents=True, exist_ok=True)
         (src / relpath).write_bytes(encoded("RGB", fmt))
     manifest = convert(tmp_path / "src", tmp_path / "out", ConvertOptions(maxcount=4))
     assert verify(tmp_path / "out") == (2, [])
     assert manifest["classes"] == ["n0144.v2", "n0145"], "class names are kept as they are"
     assert json.loads((tmp_path / "out" / TIMM_INFO).read_text())["num_classes"] == 2
-    samples = list(wds.WebDataset([str(tmp_path / "out" / s["name"]) for s in manifest["splits"]["train"]["shards"]], shardshuffle=False))
+    samples = list(
+        wds.WebDataset(
+            [str(tmp_path / "out" / s["name"]) for s in manifest["splits"]["train"]["shards"]], shardshuffle=False
+        )
+    )
     sources = {json.loads(s["json"])["source"]: s for s in samples}
     assert sorted(sources) == sorted(f"train/{p.relative_to(src)}" for p in src.rglob("*") if p.is_file())
     for relpath, sample in sources.items():
@@ -219,7 +235,9 @@ def test_dotted_class_and_shared_stems_give_whole_samples(tmp_path: Path) -> Non
     assert len({s["__key__"] for s in samples}) == 6
 
 
-def test_convert_checks_its_shards_and_names_a_broken_one(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_convert_checks_its_shards_and_names_a_broken_one(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Should a key ever hold a dot again, convert stops before the manifest instead of exiting 0."""
     scan = raywds.data.convert.scan
 
@@ -229,7 +247,12 @@ def test_convert_checks_its_shards_and_names_a_broken_one(tree: Path, tmp_path: 
         return found
 
     monkeypatch.setattr(raywds.data.convert, "scan", scan_with_a_dotted_key)
-    with pytest.raises(DataError, match=r"imagenet-train-0000\d\d\.tar as written does not match its manifest entry: .*sample broken has no image"):
+    with pytest.raises(
+        DataError,
+        match=(
+            r"imagenet-train-0000\d\d\.tar as written does not match its manifest entry: .*sample broken has no image"
+        ),
+    ):
         convert(tree, tmp_path / "out", ConvertOptions(maxcount=16, num_workers=2))
     assert not (tmp_path / "out" / "manifest.json").exists()
 
@@ -270,7 +293,9 @@ def test_timm_reads_the_same_shards(shards: Path) -> None:
 
     val = timm.data.create_dataset("wds/imagenet", root=str(shards), split="val", is_training=False, batch_size=8)
     targets = sorted(int(target) for _, target in val)
-    assert targets == sorted(int(c) for s in read_manifest(str(shards)).shards("val") for c in _classes(shards / s.name))
+    assert targets == sorted(
+        int(c) for s in read_manifest(str(shards)).shards("val") for c in _classes(shards / s.name)
+    )
 
 
 def _classes(path: Path) -> list[bytes]:

@@ -16,7 +16,8 @@ IMPORT_ALL = """
 import importlib, json, pkgutil, sys
 heavy, imported, culprits = json.loads(sys.argv[1]), [], {}
 for package in sys.argv[2:]:
-    names = [package] + [m.name for m in pkgutil.walk_packages(importlib.import_module(package).__path__, package + ".")]
+    path = importlib.import_module(package).__path__
+    names = [package] + [m.name for m in pkgutil.walk_packages(path, package + ".")]
     for name in names:
         importlib.import_module(name)
         imported.append(name)
@@ -29,7 +30,9 @@ print(json.dumps({"imported": imported, "culprits": culprits}))
 
 def import_in_fresh_interpreter(packages: list[str]) -> tuple[list[str], dict[str, str]]:
     """(modules imported, heavy module -> the first module whose import brought it in)."""
-    run = subprocess.run([sys.executable, "-c", IMPORT_ALL, json.dumps(HEAVY), *packages], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, json.dumps(HEAVY), *packages], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     return result["imported"], result["culprits"]

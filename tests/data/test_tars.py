@@ -12,7 +12,9 @@ import webdataset as wds
 from raywds.data.tars import BLOCK, members, tar_files
 
 
-def tar_bytes(entries: list[tuple[str, bytes | None]], fmt: int = tarfile.PAX_FORMAT, mtime: float = 1_700_000_000) -> bytes:
+def tar_bytes(
+    entries: list[tuple[str, bytes | None]], fmt: int = tarfile.PAX_FORMAT, mtime: float = 1_700_000_000
+) -> bytes:
     """A tar of `entries`: (name, data) files, (name, None) directories, `name -> target` links."""
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
@@ -36,7 +38,13 @@ def webdataset_members(data: bytes) -> list[tuple[str, bytes]]:
     return [(m["fname"], m["data"]) for m in wds.tariterators.tar_file_iterator(io.BytesIO(data))]
 
 
-SAMPLES = [("a/000.jpg", b"\xff\xd8" + bytes(range(256)) * 3), ("a/000.cls", b"7"), ("a/000.json", b"{}"), ("a/001.jpg", b""), ("a/001.cls", b"x" * 512)]
+SAMPLES = [
+    ("a/000.jpg", b"\xff\xd8" + bytes(range(256)) * 3),
+    ("a/000.cls", b"7"),
+    ("a/000.json", b"{}"),
+    ("a/001.jpg", b""),
+    ("a/001.cls", b"x" * 512),
+]
 LONG = "d" * 90 + "/" + "e" * 60 + "/sample.jpg"  # over 100 bytes: ustar's prefix field, or a pax/GNU long name
 
 
@@ -47,9 +55,17 @@ LONG = "d" * 90 + "/" + "e" * 60 + "/sample.jpg"  # over 100 bytes: ustar's pref
         (SAMPLES, tarfile.GNU_FORMAT, 1_700_000_000),
         ([(LONG, b"long"), *SAMPLES], tarfile.USTAR_FORMAT, 1_700_000_000),  # the ustar prefix
         ([(LONG, b"long"), *SAMPLES], tarfile.GNU_FORMAT, 1_700_000_000),  # a GNU long-name member: tarfile takes over
-        ([*SAMPLES, ("b/ünï.jpg", b"non-ascii"), (LONG, b"long")], tarfile.PAX_FORMAT, 1_700_000_000),  # pax headers midway
+        (
+            [*SAMPLES, ("b/ünï.jpg", b"non-ascii"), (LONG, b"long")],
+            tarfile.PAX_FORMAT,
+            1_700_000_000,
+        ),  # pax headers midway
         (SAMPLES, tarfile.PAX_FORMAT, 1_700_000_000.5),  # a fractional mtime: a pax header on every member
-        ([("a/", None), *SAMPLES[:2], ("a/link.jpg -> 000.jpg", None), *SAMPLES[2:]], tarfile.PAX_FORMAT, 1_700_000_000),
+        (
+            [("a/", None), *SAMPLES[:2], ("a/link.jpg -> 000.jpg", None), *SAMPLES[2:]],
+            tarfile.PAX_FORMAT,
+            1_700_000_000,
+        ),
         ([("__meta__", b"skipped"), *SAMPLES], tarfile.PAX_FORMAT, 1_700_000_000),
     ],
     ids=["pax", "gnu", "ustar-prefix", "gnu-longname", "pax-midway", "pax-every-member", "dirs-and-links", "meta"],
@@ -104,7 +120,11 @@ def test_tar_files_marks_shard_ends_and_hands_failures_to_the_handler() -> None:
         failures.append(exn)
         return True
 
-    sources = [{"url": "one", "stream": io.BytesIO(good)}, {"url": "bad", "stream": io.BytesIO(bad)}, {"url": "two", "stream": io.BytesIO(good)}]
+    sources = [
+        {"url": "one", "stream": io.BytesIO(good)},
+        {"url": "bad", "stream": io.BytesIO(bad)},
+        {"url": "two", "stream": io.BytesIO(good)},
+    ]
     out = list(tar_files(sources, go_on))
     assert [m.get("__url__") for m in out] == ["one"] * 5 + [None] + ["two"] * 5 + [None]
     assert out[5] == {} and out[0]["fname"] == "a/000.jpg"

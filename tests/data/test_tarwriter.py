@@ -40,14 +40,27 @@ def our_tar(path: Path, samples: Samples) -> bytes:
 
 
 def sample(key: str, image: bytes, ext: str = "jpg") -> tuple[str, dict[str, bytes]]:
-    meta = {"class": "n01440764", "format": "JPEG", "height": 375, "width": 500, "source": f"train/n01440764/{key}.JPEG"}
+    meta = {
+        "class": "n01440764",
+        "format": "JPEG",
+        "height": 375,
+        "width": 500,
+        "source": f"train/n01440764/{key}.JPEG",
+    }
     return key, {ext: image, "cls": b"417", "json": json.dumps(meta, sort_keys=True).encode()}
 
 
 CASES: dict[str, Samples] = {
     "empty": [],
-    "block-edges": [sample(f"k{n}", bytes(range(256)) * (n // 256) + b"\xff" * (n % 256)) for n in (0, 1, 511, 512, 513, 10240, 70001)],
-    "png-and-webp": [sample("a", b"\x89PNG", "png"), sample("b", b"RIFF", "webp"), sample("c", b"\xff\xd8")],  # cls, json, png: sorted
+    "block-edges": [
+        sample(f"k{n}", bytes(range(256)) * (n // 256) + b"\xff" * (n % 256))
+        for n in (0, 1, 511, 512, 513, 10240, 70001)
+    ],
+    "png-and-webp": [
+        sample("a", b"\x89PNG", "png"),
+        sample("b", b"RIFF", "webp"),
+        sample("c", b"\xff\xd8"),
+    ],  # cls, json, png: sorted
     "long-key": [sample("n" * 150, b"\xff\xd8")],  # over ustar's 100-byte name: a pax header
 }
 
@@ -83,9 +96,16 @@ def test_converted_shards_are_what_webdataset_writes(shards: Path, tmp_path: Pat
 
 def test_mixed_formats_and_downscaled_images_are_what_webdataset_writes(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    for name, fmt, size in [("a.jpg", "JPEG", (40, 30)), ("b.png", "PNG", (20, 20)), ("c.webp", "WEBP", (20, 16)), ("big.jpg", "JPEG", (300, 200))]:
+    for name, fmt, size in [
+        ("a.jpg", "JPEG", (40, 30)),
+        ("b.png", "PNG", (20, 20)),
+        ("c.webp", "WEBP", (20, 16)),
+        ("big.jpg", "JPEG", (300, 200)),
+    ]:
         (src / fmt.lower()).mkdir(parents=True, exist_ok=True)
-        image = Image.fromarray(np.random.default_rng(len(name)).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+        image = Image.fromarray(
+            np.random.default_rng(len(name)).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+        )
         buf = io.BytesIO()
         image.save(buf, format=fmt)
         (src / fmt.lower() / name).write_bytes(buf.getvalue())
@@ -96,17 +116,22 @@ def test_mixed_formats_and_downscaled_images_are_what_webdataset_writes(tmp_path
         assert rewritten_by_webdataset(tmp_path / "out" / shard["name"], tmp_path / shard["name"]) == shard["sha256"]
 
 
-def test_cli_convert_with_two_workers_writes_the_shards_one_worker_writes(tree: Path, shards: Path, tmp_path: Path) -> None:
+def test_cli_convert_with_two_workers_writes_the_shards_one_worker_writes(
+    tree: Path, shards: Path, tmp_path: Path
+) -> None:
     """Fresh processes, as users run it: the workers fork from a process that never imported torch."""
     splits = {}
     for workers in (1, 2):
         out = tmp_path / f"workers{workers}"
         run = subprocess.run(
             [str(RAYWDS), "convert", str(tree), str(out), "--maxcount", "16", "--seed", "3", "--workers", str(workers)],
-            capture_output=True, text=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+        )
         assert run.returncode == 0, run.stderr
         splits[workers] = json.loads((out / "manifest.json").read_text())["splits"]
     assert splits[1] == splits[2]
-    assert splits[1] == json.loads((shards / "manifest.json").read_text())["splits"], "the CLI writes what convert() writes"
+    assert splits[1] == json.loads((shards / "manifest.json").read_text())["splits"], (
+        "the CLI writes what convert() writes"
+    )
     assert len(splits[1]["train"]["shards"]) == 8

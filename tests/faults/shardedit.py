@@ -91,7 +91,7 @@ def keep_samples(count: int) -> Callable[[Members], Members]:
 def extra_sample(files: Members) -> Members:
     """One more sample than the manifest lists: the first one again, under a new key."""
     key = files[0][0].split(".", 1)[0]
-    return files + [(f"extra{name[len(key):]}", blob) for name, blob in files if name.startswith(key + ".")]
+    return files + [(f"extra{name[len(key) :]}", blob) for name, blob in files if name.startswith(key + ".")]
 
 
 def duplicate_key(files: Members) -> Members:

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import shardedit as edit
 import torch
 
-import shardedit as edit
 from raywds.cli import main
-from raywds.plan.modes import Resample
 from raywds.data.manifest import Manifest, ShardInfo, read_manifest
+from raywds.plan.modes import Resample
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
@@ -58,7 +58,9 @@ def bad_member(ext: str, data: bytes | Callable[[bytes], bytes], nth: int = 3) -
         files = edit.members(d / shard)
         keys = list(dict.fromkeys(n.split(".", 1)[0] for n, _ in files))
         old = dict(files)[f"{keys[nth]}.{ext}"]
-        edit.rewrite(d, "train", i, edit.replace_member(ext, data(old) if callable(data) else data, nth=nth), in_manifest=True)
+        edit.rewrite(
+            d, "train", i, edit.replace_member(ext, data(old) if callable(data) else data, nth=nth), in_manifest=True
+        )
         return Broken(shard, keys[nth], bad_samples={shard: {nth}})
 
     return make
@@ -142,20 +144,83 @@ SKIP = "skip"  # exit 0, the replayed number of skips
 FAULTS: list[tuple[str, Callable[[Path, int], Broken], str, str, str, list[str]]] = [
     ("non-image member", bad_member("jpg", NOT_AN_IMAGE), SAMPLE_ERROR, SKIP, r"cannot identify image file", []),
     ("zero-byte JPEG", bad_member("jpg", b""), SAMPLE_ERROR, SKIP, r"cannot identify image file|empty", []),
-    ("JPEG without its pixel data", bad_member("jpg", edit.jpeg_cut_after_scan_header), SAMPLE_ERROR, SKIP, r"corrupt JPEG data: Premature end of JPEG file", []),
-    ("class that is not a number", bad_member("cls", b"n01440764"), SAMPLE_ERROR, SKIP, r"class b'n01440764' is not a number", []),
-    ("train shard cut short", short_shard("train"), SHARD_ERROR, SHARD_ERROR, r"holds 10 samples, its manifest entry 16", []),
-    ("validation shard cut short", short_shard("val"), SHARD_ERROR, SHARD_ERROR, r"holds 10 samples, its manifest entry 1[0-9]", []),
-    ("more samples than the manifest", changed_shard(edit.extra_sample), SHARD_ERROR, SHARD_ERROR, r"holds more than the 16 samples its manifest entry lists", []),
+    (
+        "JPEG without its pixel data",
+        bad_member("jpg", edit.jpeg_cut_after_scan_header),
+        SAMPLE_ERROR,
+        SKIP,
+        r"corrupt JPEG data: Premature end of JPEG file",
+        [],
+    ),
+    (
+        "class that is not a number",
+        bad_member("cls", b"n01440764"),
+        SAMPLE_ERROR,
+        SKIP,
+        r"class b'n01440764' is not a number",
+        [],
+    ),
+    (
+        "train shard cut short",
+        short_shard("train"),
+        SHARD_ERROR,
+        SHARD_ERROR,
+        r"holds 10 samples, its manifest entry 16",
+        [],
+    ),
+    (
+        "validation shard cut short",
+        short_shard("val"),
+        SHARD_ERROR,
+        SHARD_ERROR,
+        r"holds 10 samples, its manifest entry 1[0-9]",
+        [],
+    ),
+    (
+        "more samples than the manifest",
+        changed_shard(edit.extra_sample),
+        SHARD_ERROR,
+        SHARD_ERROR,
+        r"holds more than the 16 samples its manifest entry lists",
+        [],
+    ),
     ("a key twice", changed_shard(edit.duplicate_key), SHARD_ERROR, SHARD_ERROR, r"key \S+ appears twice", []),
-    ("member truncated mid-file", truncated_mid_member, SHARD_ERROR, SKIP, r"cannot read it after sample \S+: unexpected end of data", []),
-    ("not a tar", not_a_tar, SHARD_ERROR, SKIP, r"cannot read it before its first sample: (bad checksum in a tar header|invalid header)", []),
+    (
+        "member truncated mid-file",
+        truncated_mid_member,
+        SHARD_ERROR,
+        SKIP,
+        r"cannot read it after sample \S+: unexpected end of data",
+        [],
+    ),
+    (
+        "not a tar",
+        not_a_tar,
+        SHARD_ERROR,
+        SKIP,
+        r"cannot read it before its first sample: (bad checksum in a tar header|invalid header)",
+        [],
+    ),
     ("empty file", empty_file, SHARD_ERROR, SHARD_ERROR, r"holds 0 samples, its manifest entry 16", []),
     ("missing shard", missing, SHARD_ERROR, SKIP, r"cannot open it: No such file or directory", []),
     ("HTTP 404", http_status(404), SHARD_ERROR, SKIP, r"is missing on the server \(HTTP 404\)", []),
     ("HTTP 500", http_status(500), SHARD_ERROR, SKIP, r"HTTP 500", []),
-    ("server killed mid-epoch", server_dies, SHARD_ERROR, SHARD_ERROR, r"shard http://127\.0\.0\.1:\d+/\S+: cannot read it|shards in a row were unreadable", []),
-    ("flipped class digit, --verify-hashes", flipped_class, SHARD_ERROR, SHARD_ERROR, r"sha256 \w+… \(\d+ bytes\) differs from the manifest's", ["--verify-hashes"]),
+    (
+        "server killed mid-epoch",
+        server_dies,
+        SHARD_ERROR,
+        SHARD_ERROR,
+        r"shard http://127\.0\.0\.1:\d+/\S+: cannot read it|shards in a row were unreadable",
+        [],
+    ),
+    (
+        "flipped class digit, --verify-hashes",
+        flipped_class,
+        SHARD_ERROR,
+        SHARD_ERROR,
+        r"sha256 \w+… \(\d+ bytes\) differs from the manifest's",
+        ["--verify-hashes"],
+    ),
 ]
 
 
@@ -165,7 +230,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
     served: list[str] = []
     server_ref: list[http.server.ThreadingHTTPServer] = []
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         name = self.path.lstrip("/")
         if name.endswith(".tar"):
             self.served.append(name)
@@ -192,7 +257,11 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 @contextmanager
 def faulty_server(root: Path, broken: Broken) -> Iterator[str]:
     """Serves `root` on loopback, answering `broken.server`'s statuses and dying on cue."""
-    handler = type("H", (_Handler,), {"faults": broken.server, "dies_after": broken.server_dies_after, "served": [], "server_ref": []})
+    handler = type(
+        "H",
+        (_Handler,),
+        {"faults": broken.server, "dies_after": broken.server_dies_after, "served": [], "server_ref": []},
+    )
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a, directory=str(root)))
     server.daemon_threads, server.block_on_close = True, False
     handler.server_ref.append(server)
@@ -252,19 +321,52 @@ def draws(manifest: Manifest) -> Iterator[ShardInfo]:
 
 def train_flags(data: str, out: Path, mode: str) -> list[str]:
     return [
-        "train", "--data", data, "--model", "demo", "--epochs", "1", "--batch-size", str(BATCH), "--image-size", "28",
-        "--loader-workers", "1", "--worker-shuffle-buffer", "0", "--mode", mode, "--out", str(out / "run"),
-        "--read-retries", "1", "--read-timeout", "2", "--max-bad-samples", "50", "--checkpoint-every-steps", "2",
-        "--audit-dir", str(out / "audit"),
-    ]  # fmt: skip
+        "train",
+        "--data",
+        data,
+        "--model",
+        "demo",
+        "--epochs",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        "--image-size",
+        "28",
+        "--loader-workers",
+        "1",
+        "--worker-shuffle-buffer",
+        "0",
+        "--mode",
+        mode,
+        "--out",
+        str(out / "run"),
+        "--read-retries",
+        "1",
+        "--read-timeout",
+        "2",
+        "--max-bad-samples",
+        "50",
+        "--checkpoint-every-steps",
+        "2",
+        "--audit-dir",
+        str(out / "audit"),
+    ]
 
 
 @pytest.mark.parametrize("mode", ["split", "resample"])
 @pytest.mark.parametrize(("fault", "make", "split", "resample", "words", "flags"), FAULTS, ids=[f[0] for f in FAULTS])
 def test_fault(
-    shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str], mode: str,
-    fault: str, make: Callable[[Path, int], Broken], split: str, resample: str, words: str, flags: list[str],
-) -> None:  # fmt: skip
+    shards: Path,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    mode: str,
+    fault: str,
+    make: Callable[[Path, int], Broken],
+    split: str,
+    resample: str,
+    words: str,
+    flags: list[str],
+) -> None:
     data = edit.copy(shards, tmp_path / "shards")
     broken = make(data, first_drawn(data))
     outcome = split if mode == "split" else resample
@@ -294,7 +396,9 @@ def test_fault(
             assert re.search(rf"skipped {bad_samples} bad samples", out), out
             assert f"bad samples skipped {bad_samples}" in out
             logged = [line for line in err.splitlines() if line.startswith("raywds: warning: skipped a bad sample: ")]
-            assert len(logged) == min(bad_samples, 5) and all(broken.shard in line and str(broken.key) in line for line in logged)
+            assert len(logged) == min(bad_samples, 5) and all(
+                broken.shard in line and str(broken.key) in line for line in logged
+            )
         if bad_shards:
             assert re.search(rf"skipped (\d+ bad samples and )?{bad_shards} bad shards", out), out
         return
@@ -306,7 +410,13 @@ def test_fault(
     assert line.startswith("raywds: error: shard ") or "shards in a row were unreadable" in line, line
     assert broken.shard in line, line
     if outcome == SAMPLE_ERROR:
-        assert re.search(rf"raywds: error: shard \S+/{re.escape(broken.shard)}: sample {re.escape(str(broken.key))} \({re.escape(str(broken.key))}\.\w+\): ", line), line
+        assert re.search(
+            (
+                rf"raywds: error: shard \S+/{re.escape(broken.shard)}: sample {re.escape(str(broken.key))} "
+                rf"\({re.escape(str(broken.key))}\.\w+\): "
+            ),
+            line,
+        ), line
     checkpoints = [int(m) for m in re.findall(r"^step (\d+): checkpoint inside epoch 1", out, re.M)]
     if checkpoints:  # the last good step's checkpoint is kept
         state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
@@ -321,14 +431,23 @@ def test_debug_shows_the_traceback(shards: Path, tmp_path: Path, capfd: pytest.C
     assert "Traceback (most recent call last)" in err and re.search(r"raywds: error: shard .* holds 10 samples", err)
 
 
-def test_too_many_bad_samples_stop_a_resample_run(shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_too_many_bad_samples_stop_a_resample_run(
+    shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     data = edit.copy(shards, tmp_path / "shards")
     for nth in range(6):
         bad_member("jpg", NOT_AN_IMAGE, nth=nth)(data, first_drawn(data))
     code = main([*train_flags(str(data), tmp_path, "resample"), "--max-bad-samples", "2"])
     err = capfd.readouterr().err
     assert code == 1 and "Traceback" not in err
-    match = re.search(r"^raywds: error: shard \S+: sample \S+ \(\S+\.jpg\): cannot identify image file \((\d+) bad samples this epoch on this rank, more than the 2 that --max-bad-samples 2 allows\)", err, re.M)
+    match = re.search(
+        (
+            r"^raywds: error: shard \S+: sample \S+ \(\S+\.jpg\): cannot identify image file \((\d+) bad samples this "
+            r"epoch on this rank, more than the 2 that --max-bad-samples 2 allows\)"
+        ),
+        err,
+        re.M,
+    )
     assert match and int(match.group(1)) > 2, err[-2000:]
 
 

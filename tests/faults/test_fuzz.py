@@ -11,15 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
-
 import shardedit as edit
+
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
+from raywds.data.manifest import read_manifest
 from raywds.errors import RaywdsError
 from raywds.loader.loader import train_loader
 from raywds.loader.stages import SampleError
 from raywds.plan.modes import epoch_plan
-from raywds.data.manifest import read_manifest
 from raywds.world import World
 
 pytestmark = pytest.mark.faults
@@ -70,7 +70,14 @@ def corrupt(shards: Path, seed: int) -> tuple[str, str]:
 
 
 def read_epoch(shards: Path) -> int:
-    cfg = TrainConfig(data=str(shards), mode="split", batch_size_per_rank=8, image_size_px=16, num_loader_workers_per_rank=0, verify_hashes=True)
+    cfg = TrainConfig(
+        data=str(shards),
+        mode="split",
+        batch_size_per_rank=8,
+        image_size_px=16,
+        num_loader_workers_per_rank=0,
+        verify_hashes=True,
+    )
     manifest = read_manifest(str(shards))
     loader = train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
     return sum(len(batch.keys) for batch in loader)

@@ -7,13 +7,14 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-
 from raycluster import write_token
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_ray_notebook_runs_and_draws_its_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_temp: Path) -> None:
+def test_the_ray_notebook_runs_and_draws_its_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_temp: Path
+) -> None:
     monkeypatch.setenv("RAYWDS_NOTEBOOK_EPOCHS", "1")
     monkeypatch.setenv("RAYWDS_NOTEBOOK_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
@@ -23,7 +24,9 @@ def test_the_ray_notebook_runs_and_draws_its_plot(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(write_token(ray_temp)))
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)  # it would win over the file
     nb = nbformat.read(ROOT / "notebooks" / "ray-demo.ipynb", as_version=4)
-    NotebookClient(nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    NotebookClient(
+        nb, timeout=400, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}
+    ).execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")

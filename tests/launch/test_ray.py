@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import ray
-
-from conftest import tar_keys, small_config
+from conftest import small_config, tar_keys
 from raycluster import HeadNode, ray_temp_dir, ray_token_env, write_token
-from raywds.launch import ray_train
+
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
+from raywds.launch import ray_train
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,12 @@ def local_cluster(user_cluster: HeadNode) -> Iterator[None]:
     # ray.shutdown leaves any.
     with ray_temp_dir("rwt-") as temp_dir, ray_token_env(write_token(temp_dir)):
         ray.init(
-            address="local", num_cpus=2, include_dashboard=False, _temp_dir=str(temp_dir),
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            _temp_dir=str(temp_dir),
             runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
-        )  # fmt: skip
+        )
         try:
             yield
         finally:
@@ -37,7 +40,9 @@ def local_cluster(user_cluster: HeadNode) -> Iterator[None]:
 
 def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_cluster: None) -> None:
     cfg = small_config(shards, num_epochs=3)
-    run = ray_train.run(cfg, storage_path=str(tmp_path), name=f"test-{uuid.uuid4().hex[:8]}", num_checkpoints_to_keep=None)
+    run = ray_train.run(
+        cfg, storage_path=str(tmp_path), name=f"test-{uuid.uuid4().hex[:8]}", num_checkpoints_to_keep=None
+    )
     assert run.plan == ray_train.WorkerPlan(2, use_gpu=False)
     assert [m["epoch"] for m in run.history] == [1, 2, 3]
     losses = [m["train_loss"] for m in run.history]
@@ -46,7 +51,9 @@ def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path,
     assert run.metrics["val_samples"] == 50
     assert run.checkpoint is not None and (Path(run.checkpoint) / ray_train.CHECKPOINT_FILE).is_file()
     best = json.loads((Path(run.path) / "best" / "metrics.json").read_text())
-    assert best["val_top1"] == max(m["val_top1"] for m in run.history), "best/ holds the best top-1, beside Ray's last K"
+    assert best["val_top1"] == max(m["val_top1"] for m in run.history), (
+        "best/ holds the best top-1, beside Ray's last K"
+    )
     assert (Path(run.path) / "best" / ray_train.CHECKPOINT_FILE).is_file()
     assert Path(run.path).is_relative_to(tmp_path)
 
@@ -55,7 +62,9 @@ def test_worker_plan_follows_the_cluster() -> None:
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None) == ray_train.WorkerPlan(8, True)
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, 4) == ray_train.WorkerPlan(4, True)
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None, loader_workers=6).cpus_per_worker == 7
-    assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None, loader_workers=12).cpus_per_worker == 8, "no more than the cluster has per GPU"
+    assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None, loader_workers=12).cpus_per_worker == 8, (
+        "no more than the cluster has per GPU"
+    )
     assert ray_train.plan_workers({"CPU": 2}, None) == ray_train.WorkerPlan(2, False)
     assert ray_train.plan_workers({"CPU": 16}, 6) == ray_train.WorkerPlan(6, False)
     with pytest.raises(ConfigError, match="--num-workers 3 needs 3 CPUs but the cluster has 2; use --num-workers 2"):
@@ -65,23 +74,39 @@ def test_worker_plan_follows_the_cluster() -> None:
 
 
 def split_config(data: Path, audit: Path, **overrides: object) -> TrainConfig:
-    return small_config(data, **{"batch_size_per_rank": 8, "num_epochs": 1, "mode": "split", "audit_dir": str(audit), "pg_timeout_s": 60, **overrides})
+    return small_config(
+        data,
+        **{
+            "batch_size_per_rank": 8,
+            "num_epochs": 1,
+            "mode": "split",
+            "audit_dir": str(audit),
+            "pg_timeout_s": 60,
+            **overrides,
+        },
+    )
 
 
 def audited(audit: Path, epoch: int) -> Counter:
     return Counter(k for f in sorted(audit.glob(f"epoch{epoch:04d}-*.keys")) for k in f.read_text().split())
 
 
-def test_split_mode_on_uneven_shards_finishes_with_every_sample_once(uneven: Path, tmp_path: Path, local_cluster: None) -> None:
+def test_split_mode_on_uneven_shards_finishes_with_every_sample_once(
+    uneven: Path, tmp_path: Path, local_cluster: None
+) -> None:
     # 9 shards of 1..30 samples dealt to 2 ranks: different batch counts per rank, finished under Join.
-    run = ray_train.run(split_config(uneven, tmp_path / "audit"), storage_path=str(tmp_path), name=f"split-{uuid.uuid4().hex[:8]}")
+    run = ray_train.run(
+        split_config(uneven, tmp_path / "audit"), storage_path=str(tmp_path), name=f"split-{uuid.uuid4().hex[:8]}"
+    )
     assert run.metrics["epoch_samples"] == run.metrics["train_samples"] == 120
     assert run.metrics["epoch_duplicates"] == run.metrics["epoch_missing"] == 0
     assert audited(tmp_path / "audit", 0) == Counter(tar_keys(uneven))
     assert len(list((tmp_path / "audit").glob("*.keys"))) == 2, "both ranks trained"
 
 
-def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(shards: Path, tmp_path: Path, local_cluster: None) -> None:
+def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(
+    shards: Path, tmp_path: Path, local_cluster: None
+) -> None:
     """A non-image member in split mode: the failing rank's own line, not Ray's snippets."""
     import re
     import shutil
@@ -99,10 +124,18 @@ def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(shards: Path
     (data / shard).write_bytes(bytes(raw))
     key = member.name.rsplit(".", 1)[0]
     with pytest.raises(SampleError) as caught:
-        ray_train.run(split_config(data, tmp_path / "audit"), storage_path=str(tmp_path), name=f"bad-{uuid.uuid4().hex[:8]}")
+        ray_train.run(
+            split_config(data, tmp_path / "audit"), storage_path=str(tmp_path), name=f"bad-{uuid.uuid4().hex[:8]}"
+        )
     line = str(caught.value)
     assert "\n" not in line and "Traceback" not in line, line
-    assert re.fullmatch(rf"shard \S+/{re.escape(shard)}: sample {re.escape(key)} \({re.escape(member.name)}\): cannot identify image file \(rank [01]\)", line), line
+    assert re.fullmatch(
+        (
+            rf"shard \S+/{re.escape(shard)}: sample {re.escape(key)} \({re.escape(member.name)}\): cannot identify "
+            r"image file \(rank [01]\)"
+        ),
+        line,
+    ), line
 
 
 def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_path: Path, local_cluster: None) -> None:
@@ -112,7 +145,11 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_p
     assert first.metrics["inside_epoch"] and first.metrics["step"] == 3 and first.checkpoint is not None
     assert sum(audited(audit, 0).values()) == 2 * 3 * 8
 
-    second = ray_train.run(dataclasses.replace(cfg, max_steps=None, resume_from=first.checkpoint), storage_path=str(tmp_path), name=f"resume-{uuid.uuid4().hex[:8]}")
+    second = ray_train.run(
+        dataclasses.replace(cfg, max_steps=None, resume_from=first.checkpoint),
+        storage_path=str(tmp_path),
+        name=f"resume-{uuid.uuid4().hex[:8]}",
+    )
     everything = Counter(tar_keys(uneven))
     assert audited(audit, 0) == everything, "epoch 1 over both runs: every key once"
     assert audited(audit, 1) == everything
@@ -121,7 +158,9 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_p
     assert second.history[0]["train_samples"] == 120 - 48, "the resumed run trained only on the rest of epoch 1"
 
 
-def test_a_killed_worker_is_restarted_from_the_last_checkpoint(shards: Path, tmp_path: Path, local_cluster: None) -> None:
+def test_a_killed_worker_is_restarted_from_the_last_checkpoint(
+    shards: Path, tmp_path: Path, local_cluster: None
+) -> None:
     import os
     import signal
     import threading
@@ -144,7 +183,13 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(shards: Path, tmp
 
     killer = threading.Thread(target=kill_rank1_in_epoch_3, daemon=True)
     killer.start()
-    run = ray_train.run(cfg, storage_path=str(tmp_path), name=f"kill-{uuid.uuid4().hex[:8]}", max_failures=1, num_checkpoints_to_keep=None)
+    run = ray_train.run(
+        cfg,
+        storage_path=str(tmp_path),
+        name=f"kill-{uuid.uuid4().hex[:8]}",
+        max_failures=1,
+        num_checkpoints_to_keep=None,
+    )
     killer.join(timeout=5)
     assert killed, "the test never saw epoch 3 start"
     replacement = {f.name.split("pid")[1] for f in audit.glob("*-rank00001-*.keys")} - {f"{killed[0]}.keys"}

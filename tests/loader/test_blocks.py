@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from raywds.loader.blocks import SLOTS, Blocks
 from raywds.config import TrainConfig
+from raywds.data.manifest import read_manifest
+from raywds.loader.blocks import SLOTS, Blocks
 from raywds.loader.loader import _loader, train_loader
 from raywds.plan.modes import epoch_plan
-from raywds.data.manifest import read_manifest
 from raywds.world import World
 
 BATCH = 4
@@ -69,7 +69,15 @@ def test_cross_worker_shuffle_keeps_its_samples_intact(shards: Path) -> None:
     """The shuffle splits batches into per-sample views that outlive the batch: the same
     seeded epoch, consumed while holding everything and while dropping every batch, gives the
     same pixels for every sample."""
-    cfg = TrainConfig(data=str(shards), model="demo", batch_size_per_rank=8, image_size_px=24, num_loader_workers_per_rank=2, cross_worker_shuffle_samples=24, batches_per_epoch=12)
+    cfg = TrainConfig(
+        data=str(shards),
+        model="demo",
+        batch_size_per_rank=8,
+        image_size_px=24,
+        num_loader_workers_per_rank=2,
+        cross_worker_shuffle_samples=24,
+        batches_per_epoch=12,
+    )
     manifest = read_manifest(str(shards))
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
 

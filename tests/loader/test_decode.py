@@ -9,14 +9,14 @@ import io
 import numpy as np
 import pytest
 import torch
+from conftest import need_jpeg_extension
 from PIL import Image, ImageFilter, JpegImagePlugin
 from scipy.stats import ks_2samp
 from torchvision import transforms
 
-from conftest import need_jpeg_extension
 from raywds.loader import decode
-from raywds.train.compute import Compute
 from raywds.loader.decode import Encoded, encoded_crop, reduction, reference_train, reference_val, train_crop, val_crop
+from raywds.train.compute import Compute
 
 SCALE = (0.08, 1.0)
 
@@ -67,7 +67,9 @@ def mean_abs(a: torch.Tensor, b: torch.Tensor) -> float:
         (500, 375, "PNG", "RGB", 224, 0.5),  # not a JPEG: through PIL
     ],
 )
-def test_cpu_crop_matches_the_reference_for_the_same_seed(width: int, height: int, fmt: str, mode: str, size: int, tolerance: float, jpeg_path: str) -> None:
+def test_cpu_crop_matches_the_reference_for_the_same_seed(
+    width: int, height: int, fmt: str, mode: str, size: int, tolerance: float, jpeg_path: str
+) -> None:
     data = encoded(photo(width, height), fmt, mode)
     fast, ref = train_crop, reference_train(size, SCALE)
     for seed in range(12):
@@ -79,7 +81,17 @@ def test_cpu_crop_matches_the_reference_for_the_same_seed(width: int, height: in
         assert mean_abs(a, other) > 20, "the test image must tell different crops apart"
 
 
-@pytest.mark.parametrize("height,width,scale", [(375, 500, SCALE), (1200, 1600, SCALE), (500, 333, (0.35, 1.0)), (20, 900, SCALE), (900, 20, SCALE), (1, 1, SCALE)])
+@pytest.mark.parametrize(
+    "height,width,scale",
+    [
+        (375, 500, SCALE),
+        (1200, 1600, SCALE),
+        (500, 333, (0.35, 1.0)),
+        (20, 900, SCALE),
+        (900, 20, SCALE),
+        (1, 1, SCALE),
+    ],
+)
 def test_draw_crop_is_torchvisions_draw(height: int, width: int, scale: tuple[float, float]) -> None:
     """The same box and flip as RandomResizedCrop.get_params then RandomHorizontalFlip, seed for
     seed, and the generator left in the same state; very narrow images take get_params's
@@ -117,7 +129,11 @@ def test_large_crops_decode_at_reduced_scale(monkeypatch: pytest.MonkeyPatch, jp
     for seed in range(20):
         seeded(lambda d: train_crop(d, 224, SCALE), data, seed)
     assert any(s > 1 for s in scales), "crops at least twice the output size must be decoded at reduced scale"
-    assert reduction((0, 0, 1200, 1600), 224) == 4 and reduction((0, 0, 447, 900), 224) == 1 and reduction((0, 0, 448, 448), 224) == 2
+    assert (
+        reduction((0, 0, 1200, 1600), 224) == 4
+        and reduction((0, 0, 447, 900), 224) == 1
+        and reduction((0, 0, 448, 448), 224) == 2
+    )
     assert reduction((0, 0, 2000, 2000), 224) == 8
 
 
@@ -155,7 +171,9 @@ def test_crop_distribution_matches_the_reference(decoder: str) -> None:
     b = np.array([recovered(seeded(ref, data, 10_000 + s), width, height) for s in range(n)])
     for stats in (a, b):
         assert stats[:, 0].min() > 0.08 * 0.9 and stats[:, 0].max() < 1.05, "area scale within (0.08, 1)"
-        assert np.exp(stats[:, 1]).min() > 0.75 * 0.95 and np.exp(stats[:, 1]).max() < 4 / 3 * 1.05, "ratio within (3/4, 4/3)"
+        assert np.exp(stats[:, 1]).min() > 0.75 * 0.95 and np.exp(stats[:, 1]).max() < 4 / 3 * 1.05, (
+            "ratio within (3/4, 4/3)"
+        )
         assert 0.4 < stats[:, 4].mean() < 0.6, "half the crops flipped"
     for column, name in enumerate(["scale", "log ratio", "centre x", "centre y"]):
         p = ks_2samp(a[:, column], b[:, column]).pvalue

@@ -9,9 +9,9 @@ import io
 import numpy as np
 import pytest
 import torch
+from conftest import need_jpeg_extension
 from PIL import Image
 
-from conftest import need_jpeg_extension
 from raywds.loader import decode
 
 need_jpeg_extension()
@@ -40,7 +40,14 @@ def whole(data: bytes, scale: int = 1) -> np.ndarray:
 def boxes(width: int, height: int, n: int, seed: int) -> list[tuple[int, int, int, int]]:
     """Random boxes plus the awkward ones: corners, edges, the whole image, one pixel, iMCU-aligned."""
     rng = np.random.default_rng(seed)
-    out = [(0, 0, height, width), (0, 0, 1, 1), (height - 1, width - 1, 1, 1), (16, 16, 16, 16), (0, width - 17, height, 17), (height - 9, 0, 9, width)]
+    out = [
+        (0, 0, height, width),
+        (0, 0, 1, 1),
+        (height - 1, width - 1, 1, 1),
+        (16, 16, 16, 16),
+        (0, width - 17, height, 17),
+        (height - 9, 0, 9, width),
+    ]
     for _ in range(n):
         h, w = int(rng.integers(1, height + 1)), int(rng.integers(1, width + 1))
         out.append((int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w))
@@ -68,7 +75,12 @@ def test_region_pixels_equal_the_whole_decode(layout: str, scale: int) -> None:
         assert y0 <= top // scale and x0 <= left // scale, "the region starts at or before the box"
         assert y0 + rows >= -(-(top + h) // scale) and x0 + cols >= -(-(left + w) // scale), "and ends at or after it"
         assert y0 + rows <= full.shape[0] and x0 + cols <= full.shape[1]
-        y, x, y1, x1 = top // scale, left // scale, -(-(top + h) // scale), -(-(left + w) // scale)  # the box at 1/scale
+        y, x, y1, x1 = (
+            top // scale,
+            left // scale,
+            -(-(top + h) // scale),
+            -(-(left + w) // scale),
+        )  # the box at 1/scale
         got = region[y - y0 : y1 - y0, x - x0 : x1 - x0]
         np.testing.assert_array_equal(got, full[y:y1, x:x1], err_msg=f"box {(top, left, h, w)}")
 
@@ -80,7 +92,9 @@ def test_region_crop_equals_decode_jpeg() -> None:
     for box in boxes(500, 375, 20, seed=9):
         image, y0, x0 = decode.region(data, box)
         top, left, h, w = box
-        assert torch.equal(image[:, top - y0 : top - y0 + h, left - x0 : left - x0 + w], full[:, top : top + h, left : left + w])
+        assert torch.equal(
+            image[:, top - y0 : top - y0 + h, left - x0 : left - x0 + w], full[:, top : top + h, left : left + w]
+        )
 
 
 def test_grayscale_comes_out_rgb() -> None:

@@ -11,27 +11,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import UNEVEN_SIZES, small_config, tar_keys
 
-from conftest import UNEVEN_SIZES, tar_keys, small_config
 from raywds.config import TrainConfig
-from raywds.loader.decode import Encoded
+from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError
+from raywds.loader.decode import Encoded
 from raywds.loader.loader import expected, train_loader, val_loader
+from raywds.loader.readers import ReadPolicy, tar_samples
 from raywds.loader.stages import Batch, fold_single_tail, rebatched
 from raywds.plan.checks import check_plan
-from raywds.plan.modes import epoch_plan
-from raywds.loader.readers import ReadPolicy, tar_samples
-from raywds.plan.modes import Resample, Split
+from raywds.plan.modes import Resample, Split, epoch_plan
 from raywds.plan.position import Position
-from raywds.data.manifest import read_manifest
 from raywds.world import World
 
 
 def config(shards: Path, **overrides: object) -> TrainConfig:
-    return small_config(shards, **{"batch_size_per_rank": 8, "image_size_px": 24, "num_loader_workers_per_rank": 2, **overrides})
+    return small_config(
+        shards, **{"batch_size_per_rank": 8, "image_size_px": 24, "num_loader_workers_per_rank": 2, **overrides}
+    )
 
 
-def epoch(shards: Path, cfg: TrainConfig, world_size: int, n: int = 0, position: Position | None = None) -> list[list[Batch]]:
+def epoch(
+    shards: Path, cfg: TrainConfig, world_size: int, n: int = 0, position: Position | None = None
+) -> list[list[Batch]]:
     """Every rank's batches for epoch `n`, each rank built as training builds it."""
     manifest = read_manifest(str(shards))
     plan = epoch_plan(manifest, cfg, world_size, epoch=n, position=position)
@@ -40,7 +43,9 @@ def epoch(shards: Path, cfg: TrainConfig, world_size: int, n: int = 0, position:
     for rank in range(world_size):
         loader = train_loader(manifest, cfg, World(rank=rank, world_size=world_size), plan, epoch=n, position=position)
         batches = list(loader)
-        assert len(batches) == len(loader) == plan.batches_per_rank[rank], f"rank {rank}: the plan must predict the batch count"
+        assert len(batches) == len(loader) == plan.batches_per_rank[rank], (
+            f"rank {rank}: the plan must predict the batch count"
+        )
         ranks.append(batches)
     return ranks
 
@@ -83,7 +88,9 @@ def test_resample_is_seeded_per_epoch_and_reseeded_on_resume(shards: Path) -> No
     assert stream(0) == stream(0)
     assert stream(0) != stream(1)
     manifest = read_manifest(str(shards))
-    resumed = Position(mode=Resample(), epoch=0, step=3, samples_done=48, consumed=None, dataset=manifest.fingerprint("train"))
+    resumed = Position(
+        mode=Resample(), epoch=0, step=3, samples_done=48, consumed=None, dataset=manifest.fingerprint("train")
+    )
     after = stream(0, resumed)
     assert len(after) == 8 * math.ceil((120 - 48) / 16), "a resumed epoch takes only the batches that were left"
     assert after != stream(0)[: len(after)], "and draws a fresh stream"
@@ -93,16 +100,37 @@ def test_resample_is_seeded_per_epoch_and_reseeded_on_resume(shards: Path) -> No
 def test_validation_sees_every_sample_once_across_ranks(shards: Path, world_size: int, workers: int) -> None:
     manifest = read_manifest(str(shards))
     cfg = config(shards, num_loader_workers_per_rank=workers)
-    seen = Counter(k for rank in range(world_size) for b in val_loader(manifest, cfg, World(rank=rank, world_size=world_size)) for k in b.keys)
+    seen = Counter(
+        k
+        for rank in range(world_size)
+        for b in val_loader(manifest, cfg, World(rank=rank, world_size=world_size))
+        for k in b.keys
+    )
     assert seen == Counter(tar_keys(shards, "val"))
 
 
 @pytest.mark.parametrize(
     "world_size,workers,batch,cross,decode",
-    [(1, 0, 7, 0, "cpu"), (2, 2, 8, 0, "cpu"), (3, 1, 5, 0, "pil"), (2, 2, 16, 50, "cpu"), (4, 2, 3, 10, "cpu"), (2, 2, 5, 10, "device")],
+    [
+        (1, 0, 7, 0, "cpu"),
+        (2, 2, 8, 0, "cpu"),
+        (3, 1, 5, 0, "pil"),
+        (2, 2, 16, 50, "cpu"),
+        (4, 2, 3, 10, "cpu"),
+        (2, 2, 5, 10, "device"),
+    ],
 )
-def test_split_sees_every_key_once_on_uneven_shards(uneven: Path, world_size: int, workers: int, batch: int, cross: int, decode: str) -> None:
-    cfg = config(uneven, mode="split", num_loader_workers_per_rank=workers, batch_size_per_rank=batch, cross_worker_shuffle_samples=cross, decode=decode)
+def test_split_sees_every_key_once_on_uneven_shards(
+    uneven: Path, world_size: int, workers: int, batch: int, cross: int, decode: str
+) -> None:
+    cfg = config(
+        uneven,
+        mode="split",
+        num_loader_workers_per_rank=workers,
+        batch_size_per_rank=batch,
+        cross_worker_shuffle_samples=cross,
+        decode=decode,
+    )
     ranks = epoch(uneven, cfg, world_size)
     assert keys(ranks) == Counter(tar_keys(uneven)), "each key exactly once across ranks and workers"
     for batches in ranks:
@@ -111,7 +139,9 @@ def test_split_sees_every_key_once_on_uneven_shards(uneven: Path, world_size: in
         assert all(s == batch for s in sizes[:-2]), "rebatched in the main process: only the tail is partial"
         for b in batches:
             assert len(b.images) == b.labels.shape[0] == b.ids.shape[0] == len(b.keys)
-            assert isinstance(b.images, Encoded) == (decode == "device"), "device decoding: workers send JPEG bytes and crops"
+            assert isinstance(b.images, Encoded) == (decode == "device"), (
+                "device decoding: workers send JPEG bytes and crops"
+            )
             images = b.images.decode("cpu") if isinstance(b.images, Encoded) else b.images
             assert images.shape == (len(b.keys), 3, 24, 24) and images.dtype == torch.uint8
 
@@ -137,7 +167,9 @@ def test_split_resume_trains_on_exactly_the_rest(uneven: Path, new_world_size: i
     cfg = config(uneven, mode="split", num_loader_workers_per_rank=2)
     done = np.zeros(120, dtype=bool)
     done[random.Random(1).sample(range(120), 47)] = True  # what an interrupted epoch delivered
-    position = Position(mode=Split(), epoch=0, step=3, samples_done=47, consumed=done, dataset=manifest.fingerprint("train"))
+    position = Position(
+        mode=Split(), epoch=0, step=3, samples_done=47, consumed=done, dataset=manifest.fingerprint("train")
+    )
     rest = keys(epoch(uneven, cfg, new_world_size, 0, position))
     all_keys = tar_keys(uneven)
     assert rest == Counter(k for i, k in enumerate(all_keys) if not done[i])
@@ -146,7 +178,10 @@ def test_split_resume_trains_on_exactly_the_rest(uneven: Path, new_world_size: i
 def test_split_refuses_fewer_shards_than_slots(shards: Path) -> None:
     cfg = config(shards, mode="split", num_loader_workers_per_rank=4)
     manifest = read_manifest(str(shards))
-    with pytest.raises(ConfigError, match=r"8 shards < 3 ranks x 4 workers, so 4 workers would read nothing; reconvert with a smaller --maxcount"):
+    with pytest.raises(
+        ConfigError,
+        match=r"8 shards < 3 ranks x 4 workers, so 4 workers would read nothing; reconvert with a smaller --maxcount",
+    ):
         check_plan(epoch_plan(manifest, cfg, 3, epoch=0), manifest)
 
 
@@ -183,3 +218,29 @@ def test_sample_ids_restart_per_shard_even_when_a_shard_is_drawn_twice(uneven: P
 
 def test_uneven_fixture_is_really_uneven(uneven: Path) -> None:
     assert [s.num_samples for s in read_manifest(str(uneven)).shards("train")] == UNEVEN_SIZES
+
+
+@pytest.mark.parametrize(
+    ("mode", "cross"), [("resample", 0), ("resample", 24), ("split", 0), ("split", 24)], ids=lambda v: str(v)
+)
+def test_the_shuffle_replay_draws_what_the_loader_draws(shards: Path, mode: str, cross: int) -> None:
+    """`raywds plan --shuffle-report` replays the loader without reading a shard: rank 1 of 2, two
+    loader workers, each with its own shard draws and shuffle, sample for sample."""
+    from raywds.loader.mixing import replay, sorted_labels
+
+    cfg = config(shards, mode=mode, shuffle_buffer_samples=10, cross_worker_shuffle_samples=cross, seed=5)
+    manifest = read_manifest(str(shards))
+    plan = epoch_plan(manifest, cfg, 2, epoch=1)
+    loaded = list(train_loader(manifest, cfg, World(rank=1, world_size=2), plan, epoch=1))
+    replayed = replay(
+        plan,
+        manifest.shards("train"),
+        sorted_labels(120, 10),
+        seed=5,
+        epoch=1,
+        worker_buffer=10,
+        cross_buffer=cross,
+        num_batches=None,
+        rank=1,
+    )
+    assert [b.ids.tolist() for b in replayed] == [b.ids.tolist() for b in loaded]

@@ -18,15 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import small_config, tar_keys
 
-from conftest import tar_keys, small_config
 from raywds.config import TrainConfig
-from raywds.loader.loader import train_loader, val_loader
-from raywds.plan.modes import epoch_plan
+from raywds.data.manifest import read_manifest
 from raywds.errors import ShardError
 from raywds.loader.http import ReadPolicy, cache_path, open_shard
+from raywds.loader.loader import train_loader, val_loader
+from raywds.plan.modes import epoch_plan
 from raywds.serve import ShardServer, free_port
-from raywds.data.manifest import read_manifest
 from raywds.world import World
 
 FAST = ReadPolicy(read_timeout_s=2.0, retries=2, backoff_s=0.1)
@@ -73,7 +73,9 @@ def test_a_missing_shard_in_resample_mode_is_skipped_and_counted(holed: Path, ca
     assert warnings and f"{missing} is missing on the server" in warnings[0]
     assert warnings[-1].endswith(f"; {len(warnings)} skipped by this loader worker")
     skipped = [reason for b in batches for reason in b.bad_shards]
-    assert len(skipped) == len(warnings) and all(missing in reason for reason in skipped), "the batches carry each skip to the training loop"
+    assert len(skipped) == len(warnings) and all(missing in reason for reason in skipped), (
+        "the batches carry each skip to the training loop"
+    )
 
 
 def test_resample_gives_up_when_the_server_is_gone(shards: Path) -> None:
@@ -81,7 +83,13 @@ def test_resample_gives_up_when_the_server_is_gone(shards: Path) -> None:
         manifest = read_manifest(server.url)
     c = cfg(server.url, num_loader_workers_per_rank=0, read_retries=1)
     start = time.monotonic()
-    with pytest.raises(ShardError, match=r"5 shards in a row were unreadable, the last: shard http://127\.0\.0\.1:\d+/.*: cannot read it .*; is the shard server down\?"):
+    with pytest.raises(
+        ShardError,
+        match=(
+            r"5 shards in a row were unreadable, the last: shard http://127\.0\.0\.1:\d+/.*: cannot read it .*; is the "
+            r"shard server down\?"
+        ),
+    ):
         list(train_loader(manifest, c, World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0))
     assert time.monotonic() - start < 30
 
@@ -89,8 +97,9 @@ def test_resample_gives_up_when_the_server_is_gone(shards: Path) -> None:
 def _serve_directory(root: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(root)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(100):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -161,7 +170,9 @@ def test_a_dropped_connection_resumes_with_a_range_request(odd_server: tuple[str
     base, requests, body = odd_server
     with open_shard(f"{base}/drop.tar", FAST, size=len(body)) as stream:
         assert stream.read() == body
-    assert requests[0]["range"] == "" and requests[1]["range"].startswith("bytes=") and requests[1]["range"] != "bytes=0-"
+    assert (
+        requests[0]["range"] == "" and requests[1]["range"].startswith("bytes=") and requests[1]["range"] != "bytes=0-"
+    )
 
 
 def test_a_stalled_server_times_out(odd_server: tuple[str, list[dict[str, str]], bytes]) -> None:
@@ -213,7 +224,9 @@ def test_shards_elsewhere_through_a_pipe_template(shards: Path, tmp_path: Path) 
     c = cfg(str(tmp_path), shards_at=template, mode="split")
     seen = Counter(k for b in val_loader(manifest, c, World()) for k in b.keys)
     assert seen == Counter(tar_keys(shards, "val"))
-    trained = Counter(k for b in train_loader(manifest, c, World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0) for k in b.keys)
+    trained = Counter(
+        k for b in train_loader(manifest, c, World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0) for k in b.keys
+    )
     hashed = dataclasses.replace(c, verify_hashes=True)  # a pipe: stream has no readinto
     assert Counter(k for b in val_loader(manifest, hashed, World()) for k in b.keys) == Counter(tar_keys(shards, "val"))
     assert trained == Counter(tar_keys(shards))

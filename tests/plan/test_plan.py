@@ -7,18 +7,17 @@ import math
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
-import numpy as np
-
+from raywds.data.manifest import ShardInfo
+from raywds.loader.mixing import replay, report, shuffled_labels, sorted_labels
 from raywds.plan.checks import check, refusals, verdict
 from raywds.plan.epoch import split_batches
 from raywds.plan.modes import Resample, Split
 from raywds.plan.position import Position
 from raywds.plan.render import render
-from raywds.loader.mixing import replay, report, shuffled_labels, sorted_labels
-from raywds.data.manifest import ShardInfo
 
 
 def shards_of(sizes: list[int]) -> list[ShardInfo]:
@@ -49,7 +48,17 @@ def test_split_plans_deliver_every_sample_exactly_once(chunk: int) -> None:
         assert refusals(check(plan, num_shards=len(shards))) == []
         ids: Counter = Counter()
         for rank in range(ranks):
-            batches = replay(plan, shards, sorted_labels(sum(sizes), 10), seed=1, epoch=epoch, worker_buffer=7, cross_buffer=0, num_batches=None, rank=rank)
+            batches = replay(
+                plan,
+                shards,
+                sorted_labels(sum(sizes), 10),
+                seed=1,
+                epoch=epoch,
+                worker_buffer=7,
+                cross_buffer=0,
+                num_batches=None,
+                rank=rank,
+            )
             what = f"ranks={ranks} workers={workers} batch={batch} sizes={sizes} rank={rank}"
             assert len(batches) == plan.batches_per_rank[rank], what
             assert sum(len(b.keys) for b in batches) == plan.samples_per_rank[rank], what
@@ -68,7 +77,17 @@ def test_resample_plans_give_every_rank_equal_full_batches() -> None:
         expected = math.ceil(sum(sizes) / (ranks * batch))
         assert plan.batches_per_rank == [expected] * ranks
         for rank in range(min(ranks, 3)):
-            batches = replay(plan, shards, sorted_labels(sum(sizes), 10), seed=2, epoch=epoch, worker_buffer=5, cross_buffer=batch, num_batches=None, rank=rank)
+            batches = replay(
+                plan,
+                shards,
+                sorted_labels(sum(sizes), 10),
+                seed=2,
+                epoch=epoch,
+                worker_buffer=5,
+                cross_buffer=batch,
+                num_batches=None,
+                rank=rank,
+            )
             assert [len(b.keys) for b in batches] == [batch] * expected
 
 
@@ -87,7 +106,9 @@ def test_verdicts_say_what_would_hang_and_the_fix() -> None:
     few = shards_of([16] * 8)
     plan = Split().plan(few, num_ranks=3, num_workers=4, batch_size=8, seed=0, epoch=0)
     findings = check(plan, num_shards=8)
-    assert verdict(findings).startswith("REFUSED: split mode needs at least one shard per (rank, loader worker): 8 shards < 3 ranks x 4 workers")
+    assert verdict(findings).startswith(
+        "REFUSED: split mode needs at least one shard per (rank, loader worker): 8 shards < 3 ranks x 4 workers"
+    )
     assert "reconvert with a smaller --maxcount (about 10)" in refusals(findings)[0]
 
     uneven = Split().plan(shards_of([40, 8, 8]), num_ranks=2, num_workers=1, batch_size=8, seed=0, epoch=0)
@@ -109,7 +130,10 @@ def test_a_batch_larger_than_a_ranks_share_is_warned_in_both_modes() -> None:
         "1 step(s) per rank, so samples repeat within each batch; use --batch-size 60 or less"
     ]
     split = Split().plan(shards_of([16] * 8), num_ranks=2, num_workers=1, batch_size=100, seed=0, epoch=0)
-    assert any(f.level == "warn" and f.text.endswith("1 step(s) per rank of a partial batch; use --batch-size 64 or less") for f in check(split, num_shards=8))
+    assert any(
+        f.level == "warn" and f.text.endswith("1 step(s) per rank of a partial batch; use --batch-size 64 or less")
+        for f in check(split, num_shards=8)
+    )
     fits = Resample().plan(shards_of([120]), num_ranks=2, num_workers=1, batch_size=60)
     assert not [f for f in check(fits, num_shards=8) if f.level == "warn"]
 
@@ -143,7 +167,15 @@ def test_shuffle_report_tells_sorted_shards_from_shuffled_ones() -> None:
     ideal = 100 * (1 - (1 - 1 / 100) ** 64)
     assert classes(shuffled_labels(20000, 100, 0), 0) > 0.9 * ideal
     assert classes(sorted_labels(20000, 100), 0) < 0.2 * ideal, "class-sorted shards stay sorted inside a worker"
-    assert classes(sorted_labels(20000, 100), 256) > 2 * classes(sorted_labels(20000, 100), 0), "the cross-worker buffer mixes workers"
-    text = report(plan, shards, data=None, num_classes=100, seed=0, epoch=0, worker_buffer=200, cross_buffer=0, num_batches=10)
+    assert classes(sorted_labels(20000, 100), 256) > 2 * classes(sorted_labels(20000, 100), 0), (
+        "the cross-worker buffer mixes workers"
+    )
+    text = report(
+        plan, shards, data=None, num_classes=100, seed=0, epoch=0, worker_buffer=200, cross_buffer=0, num_batches=10
+    )
     assert "class-sorted shards (worst case)" in text and f"{ideal:.1f}" in text
-    assert torch.is_tensor(replay(plan, shards, sorted_labels(20000, 100), seed=0, epoch=0, worker_buffer=1, cross_buffer=0, num_batches=1)[0].ids)
+    assert torch.is_tensor(
+        replay(
+            plan, shards, sorted_labels(20000, 100), seed=0, epoch=0, worker_buffer=1, cross_buffer=0, num_batches=1
+        )[0].ids
+    )

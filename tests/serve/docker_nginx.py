@@ -21,7 +21,9 @@ def nginx_binary() -> Path | None:
 
 def rootfs(binary: Path) -> bytes:
     """A tar of the root filesystem: the binary, its libraries, and the few files nginx opens."""
-    libs = re.findall(r"(/\S+\.so[\S]*)", subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True).stdout)
+    libs = re.findall(
+        r"(/\S+\.so[\S]*)", subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True).stdout
+    )
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add(str(binary), arcname="usr/sbin/nginx")

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import docker_nginx
 import pytest
 import webdataset as wds
 
-import docker_nginx
 from raywds.data.manifest import read_manifest
 from raywds.errors import ServerError
 from raywds.serve import LABEL, LABEL_VALUE, ShardServer, advertised_host, docker_client, free_port, stray_containers
@@ -39,7 +39,9 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     if not where:
         if IN_CI:
             pytest.fail("CI must run the Docker tests: .ci/run starts a dockerd and sets RAYWDS_TEST_DOCKER_HOST")
-        pytest.skip("no test Docker engine: .ci/run starts a private dockerd; or set RAYWDS_TEST_DOCKER_HOST=unix:///path/docker.sock")
+        pytest.skip(
+            "no test Docker engine: .ci/run starts a private dockerd; or set RAYWDS_TEST_DOCKER_HOST=unix:///path/docker.sock"
+        )
     monkeypatch.setenv("DOCKER_HOST", where)
     try:
         client = docker_client()
@@ -160,7 +162,10 @@ def test_the_url_names_the_advertised_host(shards: Path) -> None:
 def test_importing_the_servers_loads_neither_ray_nor_docker() -> None:
     """Ray stays with the launcher and the Docker SDK with the docker backend: importing
     raywds.serve, or finding the host to advertise, loads neither."""
-    code = "import sys, raywds.serve; raywds.serve.advertised_host('0.0.0.0'); print(sorted({'ray', 'docker'} & set(sys.modules)))"
+    code = (
+        "import sys, raywds.serve; raywds.serve.advertised_host('0.0.0.0'); "
+        "print(sorted({'ray', 'docker'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -213,7 +218,17 @@ def raw_get(url: str, path: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "path", ["/../secret.txt", "/%2e%2e/secret.txt", "/sub/%2E%2E/%2e%2e/secret.txt", "//etc/passwd", "/%2Fetc%2Fpasswd", "/escape.txt", "/sub/", "/"]
+    "path",
+    [
+        "/../secret.txt",
+        "/%2e%2e/secret.txt",
+        "/sub/%2E%2E/%2e%2e/secret.txt",
+        "//etc/passwd",
+        "/%2Fetc%2Fpasswd",
+        "/escape.txt",
+        "/sub/",
+        "/",
+    ],
 )
 def test_embedded_server_never_leaves_its_folder(confined: Path, path: str) -> None:
     with ShardServer(confined, backend="embedded") as server:
@@ -266,7 +281,9 @@ def test_embedded_server_hangs_up_on_idle_clients_and_bounds_its_threads(shards:
                 time.sleep(0.05)
             assert 0 < peak <= 64, f"{peak} threads for 100 idle connections"
             started = time.monotonic()
-            assert fetch(f"{server.url}/{name}")[2] == (shards / name).read_bytes(), "a shard is served while 100 clients idle"
+            assert fetch(f"{server.url}/{name}")[2] == (shards / name).read_bytes(), (
+                "a shard is served while 100 clients idle"
+            )
             for i, sock in enumerate(idle):
                 answer = read_to_eof(sock)  # b"" once the server hangs up; TimeoutError after 10 s if it never does
                 if i < 10:
@@ -317,7 +334,9 @@ def test_embedded_server_does_not_cut_a_slow_but_steady_download(tmp_path: Path,
                 time.sleep(max(0.0, started + len(got) / (16 << 20) - time.monotonic()))  # 16 MB/s
             elapsed = time.monotonic() - started
     head, _, body = bytes(got).partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200") and len(body) == len(data), f"{head[:100]!r}: {len(body)} of {len(data)} bytes"
+    assert head.startswith(b"HTTP/1.1 200") and len(body) == len(data), (
+        f"{head[:100]!r}: {len(body)} of {len(data)} bytes"
+    )
     assert body == data
     assert elapsed > 2.0, f"the download took {elapsed:.1f} s, not longer than twice the timeout"
 
@@ -348,7 +367,9 @@ def test_auto_prefers_docker_when_an_engine_answers(engine: Any, shards: Path) -
         (container,) = engine.containers.list(filters={"label": f"{LABEL}={LABEL_VALUE}"})
         assert container.labels["raywds.pid"] == str(os.getpid()) and container.attrs["HostConfig"]["AutoRemove"]
         mounts = {m["Destination"]: m for m in container.attrs["Mounts"]}
-        assert mounts["/usr/share/nginx/html"]["Source"] == str(shards) and mounts["/usr/share/nginx/html"]["RW"] is False
+        assert (
+            mounts["/usr/share/nginx/html"]["Source"] == str(shards) and mounts["/usr/share/nginx/html"]["RW"] is False
+        )
     assert engine.containers.list(all=True, filters={"label": f"{LABEL}={LABEL_VALUE}"}) == []
 
 
@@ -363,14 +384,20 @@ def test_docker_failure_shows_the_container_log(engine: Any, shards: Path) -> No
 
 
 def test_docker_without_the_image_says_to_give_one(engine: Any, shards: Path) -> None:
-    with pytest.raises(ServerError, match=r"image raywds-no-such-image:1 is not here and pulling is off; give a local nginx image with --image"):
+    with pytest.raises(
+        ServerError,
+        match=r"image raywds-no-such-image:1 is not here and pulling is off; give a local nginx image with --image",
+    ):
         with ShardServer(shards, backend="docker", image="raywds-no-such-image:1", pull=False):
             pass
 
 
 def test_many_servers_on_one_machine_do_not_collide(engine: Any, shards: Path) -> None:
     image = docker_nginx.build(engine)
-    with ShardServer(shards, backend="docker", image=image) as a, ShardServer(shards, backend="docker", image=image) as b:
+    with (
+        ShardServer(shards, backend="docker", image=image) as a,
+        ShardServer(shards, backend="docker", image=image) as b,
+    ):
         with ShardServer(shards, backend="embedded") as c:
             assert len({a.port, b.port, c.port}) == 3
             for s in (a, b, c):
@@ -379,7 +406,9 @@ def test_many_servers_on_one_machine_do_not_collide(engine: Any, shards: Path) -
 
 def test_strays_of_a_crashed_process_are_removed_and_stop_all_removes_the_rest(engine: Any, shards: Path) -> None:
     image = docker_nginx.build(engine)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     labels = {LABEL: LABEL_VALUE, "raywds.pid": dead, "raywds.host": socket.gethostname()}
     stray = engine.containers.create(image, command=["/usr/sbin/nginx", "-v"], labels=labels)  # as a crash leaves it
     assert [c.id for c in stray_containers(engine, everyone=False)] == [stray.id]
@@ -400,15 +429,23 @@ def test_the_advertised_url_names_the_node_unless_loopback() -> None:
 def test_serve_prints_the_url_and_brace_patterns(shards: Path) -> None:
     proc = subprocess.Popen(
         [str(RAYWDS), "serve", str(shards), "--local", "--port", "0", "--backend", "embedded"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()
-        assert first.startswith(f"raywds: serving {shards} at http://127.0.0.1:") and "(embedded, listening on 127.0.0.1:" in first
+        assert (
+            first.startswith(f"raywds: serving {shards} at http://127.0.0.1:")
+            and "(embedded, listening on 127.0.0.1:" in first
+        )
         url = first.split(" at ")[1].split(" ")[0]
         lines = [proc.stdout.readline().strip() for _ in range(2)]
-        assert lines == [f"train: {url}/imagenet-train-{{000000..000007}}.tar", f"val: {url}/imagenet-val-{{000000..000003}}.tar"]
+        assert lines == [
+            f"train: {url}/imagenet-train-{{000000..000007}}.tar",
+            f"val: {url}/imagenet-val-{{000000..000003}}.tar",
+        ]
         assert fetch(f"{url}/manifest.json")[0] == 200
     finally:
         proc.terminate()
@@ -429,7 +466,9 @@ def test_embedded_limits_out_of_range_are_refused(shards: Path) -> None:
         ShardServer(shards, num_threads=0)
 
 
-def test_embedded_server_takes_a_client_hanging_up_mid_shard_quietly(tmp_path: Path, shards: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_embedded_server_takes_a_client_hanging_up_mid_shard_quietly(
+    tmp_path: Path, shards: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """A loader that stops mid-shard (the end of a resample epoch) hangs up while the server is
     still sending: no traceback on stderr, and the server goes on serving."""
     shutil.copytree(shards, tmp_path / "s")
@@ -437,7 +476,9 @@ def test_embedded_server_takes_a_client_hanging_up_mid_shard_quietly(tmp_path: P
     with ShardServer(tmp_path / "s", backend="embedded") as server:
         for _ in range(3):
             with socket.create_connection(("127.0.0.1", server.port)) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset on close
+                sock.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                )  # reset on close
                 sock.sendall(b"GET /big.tar HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         with urllib.request.urlopen(server.url + "/big.tar") as response:

@@ -16,21 +16,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
+from conftest import UNEVEN_SIZES, small_config, tar_keys
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import UNEVEN_SIZES, tar_keys
-from conftest import small_config
-
-from raywds.train.compute import Compute
 from raywds.config import TrainConfig
-from raywds.errors import ConfigError
-from raywds.loader.loader import val_loader
 from raywds.data.manifest import read_manifest
+from raywds.errors import CollectiveError, ConfigError
+from raywds.loader.loader import val_loader
 from raywds.loader.stages import Batch
-from raywds.plan.modes import Resample, Split
+from raywds.plan.modes import Split
 from raywds.plan.position import Position
-from raywds.errors import CollectiveError
+from raywds.train.compute import Compute
 from raywds.train.loop import evaluate, train_epoch
 from raywds.train.model import DemoNet, build_model
 from raywds.train.optim import lr_at
@@ -38,7 +34,6 @@ from raywds.train.progress import summary_line
 from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
-
 
 tiny = small_config
 
@@ -70,7 +65,9 @@ def test_device_decoding_trains_on_the_cpu(shards: Path, tmp_path: Path) -> None
 
 def _split_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
     torch.set_num_threads(1)  # one core per rank, as Ray gives each CPU worker
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         metrics = train(cfg, World(rank=rank, world_size=2))
         Path(out, f"rank{rank}.json").write_text(json.dumps(metrics))
@@ -118,7 +115,9 @@ def audited(audit: Path, epoch: int) -> Counter:
 
 def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(uneven: Path, tmp_path: Path) -> None:
     audit, out = tmp_path / "audit", tmp_path / "run"
-    cfg = tiny(uneven, mode="split", batch_size_per_rank=8, num_epochs=2, max_steps=5, audit_dir=str(audit), out_dir=str(out))
+    cfg = tiny(
+        uneven, mode="split", batch_size_per_rank=8, num_epochs=2, max_steps=5, audit_dir=str(audit), out_dir=str(out)
+    )
     report = RunDir(out)
     stopped = train(cfg, World(), run_dir=report)
     assert stopped["inside_epoch"] and stopped["step"] == 5 and stopped["epoch_samples_done"] == 40
@@ -142,12 +141,18 @@ def test_resample_resume_continues_the_counters(shards: Path, tmp_path: Path) ->
     train(cfg, World(), run_dir=RunDir(tmp_path))
     final = train(dataclasses.replace(cfg, max_steps=None, resume_from=str(tmp_path / "checkpoint.pt")), World())
     whole = train(dataclasses.replace(cfg, max_steps=None), World())
-    assert (final["epoch"], final["step"], final["samples_seen"]) == (whole["epoch"], whole["step"], whole["samples_seen"]) == (2, 16, 256)
+    assert (
+        (final["epoch"], final["step"], final["samples_seen"])
+        == (whole["epoch"], whole["step"], whole["samples_seen"])
+        == (2, 16, 256)
+    )
 
 
 def test_resume_refuses_other_data(shards: Path, uneven: Path, tmp_path: Path) -> None:
     train(tiny(shards, num_epochs=1, max_steps=2), World(), run_dir=RunDir(tmp_path))
-    with pytest.raises(ConfigError, match="the train shards changed since the checkpoint: .* resume with the data the run started on"):
+    with pytest.raises(
+        ConfigError, match="the train shards changed since the checkpoint: .* resume with the data the run started on"
+    ):
         train(tiny(uneven, num_epochs=1, resume_from=str(tmp_path)), World())
 
 
@@ -160,7 +165,10 @@ def test_resume_names_the_shard_whose_manifest_entry_changed(shards: Path, tmp_p
     edited = manifest["splits"]["train"]["shards"][3]
     edited["sha256"] = "0" * 64
     (data / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ConfigError, match=rf"the train shards changed since the checkpoint: {edited['name']} had sha256 \w+…, now 000000000000…"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"the train shards changed since the checkpoint: {edited['name']} had sha256 \w+…, now 000000000000…",
+    ):
         train(tiny(data, num_epochs=2, resume_from=str(tmp_path / "run")), World())
 
 
@@ -176,7 +184,9 @@ def test_the_first_warmup_step_already_learns(shards: Path, tmp_path: Path) -> N
 
 def _checkpointing_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         report = RunDir(Path(out), append=cfg.resume_from is not None) if rank == 0 else None
         Path(out, f"rank{rank}.json").write_text(json.dumps(train(cfg, World(rank=rank, world_size=2), run_dir=report)))
@@ -185,17 +195,32 @@ def _checkpointing_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> No
 
 
 @pytest.mark.parametrize("mode", ["split", "resample"])
-def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(uneven: Path, tmp_path: Path, mode: str) -> None:
+def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(
+    uneven: Path, tmp_path: Path, mode: str
+) -> None:
     """Several in-epoch checkpoints per epoch on 2 gloo ranks, stopped, then resumed on 2 ranks:
     the counts are right and (split) the audit files hold every key of each epoch exactly once.
     Before the fix, split mode failed its first epoch ('was not exact': every checkpoint summed
     the ranks' counts into the ledger again) and samples_seen grew with every checkpoint."""
     audit, out = tmp_path / "audit", tmp_path / "run"
-    cfg = tiny(uneven, mode=mode, batch_size_per_rank=8, num_epochs=2, checkpoint_every_steps=2, max_steps=5, audit_dir=str(audit), out_dir=str(out))
-    mp.start_processes(_checkpointing_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    cfg = tiny(
+        uneven,
+        mode=mode,
+        batch_size_per_rank=8,
+        num_epochs=2,
+        checkpoint_every_steps=2,
+        max_steps=5,
+        audit_dir=str(audit),
+        out_dir=str(out),
+    )
+    mp.start_processes(
+        _checkpointing_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn"
+    )
     stopped = json.loads((out / "rank0.json").read_text())
     resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
-    mp.start_processes(_checkpointing_rank, args=(resumed, str(tmp_path / "store2"), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _checkpointing_rank, args=(resumed, str(tmp_path / "store2"), str(out)), nprocs=2, start_method="spawn"
+    )
     final = json.loads((out / "rank0.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     epochs = [m for m in rows if not m.get("inside_epoch")]
@@ -216,7 +241,9 @@ def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(uneven:
 
 def _stop_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         report = RunDir(Path(out)) if rank == 0 else None
         Path(out, f"rank{rank}.json").write_text(json.dumps(train(cfg, World(rank=rank, world_size=2), run_dir=report)))
@@ -227,7 +254,9 @@ def _stop_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
 def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_path: Path) -> None:
     """Two gloo ranks stop inside epoch 1; one process finishes it: every key once, none repeated."""
     audit, out = tmp_path / "audit", tmp_path / "run"
-    cfg = tiny(uneven, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=3, audit_dir=str(audit), out_dir=str(out))
+    cfg = tiny(
+        uneven, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=3, audit_dir=str(audit), out_dir=str(out)
+    )
     mp.start_processes(_stop_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
     first = audited(audit, 0)
     assert sum(first.values()) == 2 * 3 * 8 and max(first.values()) == 1
@@ -238,7 +267,9 @@ def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_p
 
 def _stall_rank(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=4))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=4)
+    )
     model = DistributedDataParallel(DemoNet(10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     # Rank 0 has 3 batches, rank 1 only 2 and no Join: rank 0's third all-reduce has no partner.
@@ -246,7 +277,17 @@ def _stall_rank(rank: int, store: str, out: str) -> None:
     start = time.monotonic()
     try:
         world = World(rank=rank, world_size=2)
-        train_epoch(model, batches, optimizer, lambda step: 0.01, world, Compute("cpu", None, False), uneven=False, where="in epoch 1", pg_timeout_s=4)
+        train_epoch(
+            model,
+            batches,
+            optimizer,
+            lambda step: 0.01,
+            world,
+            Compute("cpu", None, False),
+            uneven=False,
+            where="in epoch 1",
+            pg_timeout_s=4,
+        )
         if rank == 1:
             time.sleep(10)  # stalled, not dead: rank 0 must give up on its own
         Path(out, f"rank{rank}.txt").write_text("finished")
@@ -257,7 +298,9 @@ def _stall_rank(rank: int, store: str, out: str) -> None:
 def test_a_stalled_collective_is_an_error_naming_rank_and_step(tmp_path: Path) -> None:
     mp.start_processes(_stall_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
     seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
-    assert re.match(r"rank 0 of 2: a collective failed in epoch 1 step 3 after \d+ s \(process-group timeout 4 s\)", message), message
+    assert re.match(
+        r"rank 0 of 2: a collective failed in epoch 1 step 3 after \d+ s \(process-group timeout 4 s\)", message
+    ), message
     assert float(seconds) < 15
     assert (tmp_path / "rank1.txt").read_text() == "finished"
 
@@ -274,8 +317,12 @@ def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: P
         mode=Split(), epoch=0, step=13, samples_done=104, consumed=consumed, dataset=state["position"]["dataset"]
     ).to_state()
     torch.save(state, tmp_path / "nearly.pt")
-    resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(tmp_path / "nearly.pt"), out_dir=str(tmp_path / "two"))
-    mp.start_processes(_split_rank, args=(resumed, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    resumed = dataclasses.replace(
+        cfg, max_steps=None, resume_from=str(tmp_path / "nearly.pt"), out_dir=str(tmp_path / "two")
+    )
+    mp.start_processes(
+        _split_rank, args=(resumed, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
     result = json.loads((tmp_path / "rank1.json").read_text())
     assert result["train_samples"] == 16 and result["epoch_samples"] == 120 and result["epoch_missing"] == 0
 
@@ -287,7 +334,11 @@ def test_progress_rows_and_per_rank_metrics(shards: Path, tmp_path: Path, capsys
     rows = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
     progress = [r for r in rows if r.get("kind") == "progress"]
     assert [r["step_in_epoch"] for r in progress] == list(range(1, 9)) and progress[-1]["eta_epoch_s"] == 0
-    assert re.search(r"^epoch 1 step 8/8  loss [\d.]+  lr [\d.e-]+  images/s \d+ \(~1 ranks\)  data wait \d+%  epoch ends in 0 s$", capsys.readouterr().out, re.M)
+    assert re.search(
+        r"^epoch 1 step 8/8  loss [\d.]+  lr [\d.e-]+  images/s \d+ \(~1 ranks\)  data wait \d+%  epoch ends in 0 s$",
+        capsys.readouterr().out,
+        re.M,
+    )
     assert len(final["images_per_s_per_rank"]) == 1 and 0 <= final["data_wait_max"] <= 1
 
 
@@ -316,6 +367,10 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(shards: Path, tmp_pa
     whole = train(cfg, World())
     train(dataclasses.replace(cfg, max_steps=20), World(), run_dir=RunDir(tmp_path / "b"))
     resumed = train(dataclasses.replace(cfg, resume_from=str(tmp_path / "b")), World())
-    assert (resumed["epoch"], resumed["step"], resumed["samples_seen"]) == (whole["epoch"], whole["step"], whole["samples_seen"])
+    assert (resumed["epoch"], resumed["step"], resumed["samples_seen"]) == (
+        whole["epoch"],
+        whole["step"],
+        whole["samples_seen"],
+    )
     assert abs(resumed["val_top1"] - whole["val_top1"]) <= 0.1
     assert abs(resumed["val_loss"] - whole["val_loss"]) <= 0.3 * whole["val_loss"]

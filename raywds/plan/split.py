@@ -1,0 +1,158 @@
+"""split: the shards, shuffled by (seed, epoch), are dealt by sample count to the ranks, then
+each rank's to its loader workers; every sample is seen once per epoch. Ranks may take
+different batch counts: the loop wraps the epoch in Join.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+from raywds.data.manifest import ShardInfo, deal, shardsum
+from raywds.errors import ConfigError
+from raywds.plan import seeds
+from raywds.plan.epoch import EpochPlan, Finding, Mode, remaining, split_batches
+
+if TYPE_CHECKING:
+    from raywds.plan.position import Position
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Split(Mode):
+    name: ClassVar[str] = "split"
+    exact: ClassVar[bool] = True
+
+    def plan(
+        self,
+        shards: list[ShardInfo],
+        *,
+        num_ranks: int,
+        num_workers: int,
+        batch_size: int,
+        seed: int = 0,
+        epoch: int = 0,
+        batches_per_epoch: int | None = None,
+        position: Position | None = None,
+    ) -> EpochPlan:
+        """Deal the shards (what is left of them after `position`) to the slots, shuffled by (seed, epoch)."""
+        num_samples = sum(s.num_samples for s in shards)
+        if position is not None:
+            shards = remaining(shards, position.consumed_per_shard(shards))
+        order = [s for s in shards if s.num_samples > 0]
+        seeds.rng(seeds.SHARD_ORDER, seed, epoch).shuffle(order)
+        # Ranks first, then each rank's shards to its workers: ranks wait on each other at every
+        # step, so their balance matters most; workers of one rank only share its queue.
+        slots = [slot for rank_shards in deal(order, num_ranks) for slot in deal(rank_shards, num_workers)]
+        per_rank = [
+            sum(s.num_samples for slot in slots[r * num_workers : (r + 1) * num_workers] for s in slot)
+            for r in range(num_ranks)
+        ]
+        return EpochPlan(
+            mode=self,
+            num_ranks=num_ranks,
+            num_workers=num_workers,
+            batch_size=batch_size,
+            num_samples=num_samples,
+            samples_per_rank=per_rank,
+            batches_per_rank=[split_batches(n, batch_size) for n in per_rank],
+            slots=slots,
+            resumed=position is not None,
+        )
+
+    def shards_for(
+        self,
+        plan: EpochPlan,
+        shards: list[ShardInfo],
+        *,
+        rank: int,
+        worker: int,
+        seed: int,
+        epoch: int,
+        reseed: int = 0,
+    ) -> Iterator[ShardInfo]:
+        """The shards dealt to slot rank x workers + worker."""
+        if worker >= plan.num_workers or rank >= plan.num_ranks:
+            raise ConfigError(
+                f"rank {rank}, worker {worker} is not among the {plan.num_ranks} x {plan.num_workers} slots dealt"
+            )
+        return iter(plan.slot(rank, worker))
+
+    def epoch_batches(self, batches: Iterable[T], plan: EpochPlan, rank: int) -> Iterator[T]:
+        return iter(batches)  # the epoch's own end; the loop checks the count against the manifest
+
+    def findings(self, plan: EpochPlan, *, num_shards: int) -> list[Finding]:
+        found: list[Finding] = []
+        slots = plan.num_ranks * plan.num_workers
+        if not plan.resumed and num_shards < slots:
+            found.append(
+                Finding(
+                    "refuse",
+                    (
+                        f"split mode needs at least one shard per (rank, loader worker): {num_shards} shards < "
+                        f"{plan.num_ranks} ranks x {plan.num_workers} workers, so {slots - num_shards} workers would "
+                        "read nothing; reconvert with a smaller --maxcount "
+                        f"(about {max(plan.num_samples // slots, 1)}) or use fewer --loader-workers"
+                    ),
+                )
+            )
+        idle = sum(1 for slot in plan.slots if not slot)
+        if idle and not plan.resumed and num_shards >= slots:
+            found.append(
+                Finding(
+                    "warn",
+                    f"{idle} loader workers get no shard (a few shards are much larger than the rest); "
+                    "smaller shards (--maxcount) keep every worker busy",
+                )
+            )
+        if plan.min_batches != plan.max_batches:
+            late = plan.batches_per_rank.index(plan.max_batches)
+            found.append(
+                Finding(
+                    "note",
+                    (
+                        f"ranks take {plan.min_batches}..{plan.max_batches} batches: "
+                        f"a DDP loop without Join would hang at step {plan.min_batches + 1} "
+                        f"(rank {late} waits for ranks that are done); raywds wraps the epoch in Join"
+                    ),
+                )
+            )
+        busiest, idlest = max(plan.samples_per_rank), min(plan.samples_per_rank)
+        if busiest and (busiest - idlest) / busiest > 0.1 and not plan.resumed:
+            found.append(
+                Finding(
+                    "warn",
+                    (
+                        f"ranks are uneven: {idlest}..{busiest} samples, so the least loaded rank idles "
+                        f"{100 * (busiest - idlest) / busiest:.0f}% of each epoch; "
+                        "more, smaller shards (--maxcount) even it out"
+                    ),
+                )
+            )
+        folded = sum(1 for n in plan.samples_per_rank if n > 1 and n % plan.batch_size == 1)
+        if folded:
+            found.append(
+                Finding(
+                    "note",
+                    f"{folded} rank(s) end with one spare sample; "
+                    "it joins their previous batch (BatchNorm cannot train on one)",
+                )
+            )
+        found.append(Finding("note", f"every sample once: {sum(plan.samples_per_rank)} samples this epoch"))
+        return found
+
+    def rank_columns(self, plan: EpochPlan, rank: int) -> tuple[str, int]:
+        samples, batches = plan.samples_per_rank[rank], plan.batches_per_rank[rank]
+        num_shards = sum(len(plan.slot(rank, w)) for w in range(plan.num_workers))
+        return str(num_shards), samples - (batches - 1) * plan.batch_size if batches else 0
+
+    def worker_lines(self, plan: EpochPlan, ranks: list[int]) -> list[str]:
+        lines = ["shards each worker opens:"]
+        for rank in ranks[:2]:
+            for worker in range(plan.num_workers):
+                names = shardsum(sorted(s.name for s in plan.slot(rank, worker)))
+                more = f" ... ({len(plan.slot(rank, worker))} shards)" if len(names) > 6 else ""
+                lines.append(f"  rank {rank} worker {worker}: " + (" ".join(names[:6]) + more if names else "(none)"))
+        return lines
