@@ -18,7 +18,7 @@ as in progressive-resizing schedules), where DCT scaling applies to most crops; 
 in the training process itself (0 workers: no batches cross processes), and with 1 worker
 handing every batch over in a fresh shared-memory block (as before raywds.loader.blocks). Also the
 shards' tar members read by webdataset (tarfile) and by raywds.data.tars, and the crop draw by
-torchvision's get_params and by raywds.decode.draw_crop.
+torchvision's get_params and by raywds.loader.decode.draw_crop.
 
 Loader passes are timed after their first batch (worker start-up excluded) over `copies` x
 the photos. This machine is shared and noisy, so the measurements are interleaved over

@@ -6,7 +6,7 @@ On `copies` x the photos in DIR (by default ../shared/data/imagenet-sample-100; 
 photo-like JPEGs without it) converted to shards of 100 samples, two pairs of rows, each pair
 interleaved over `rounds` rounds (medians; this machine is shared, so compare ratios within a run):
 
-1. reading alone: the shards' samples through `raywds.readers.tar_samples` (tar members,
+1. reading alone: the shards' samples through `raywds.loader.readers.tar_samples` (tar members,
    key grouping, the manifest checks), no decoding: the upper bound of the cost;
 2. the training loader, split mode, 1 DataLoader worker, 224 px crops (`--decode cpu`): what
    a training run sees.

@@ -67,7 +67,7 @@ class TrainConfig:
     decode: Decoder = "cpu"
     """Where training JPEGs are decoded: `cpu` (loader workers, DCT-scaled when the crop allows),
     `device` (workers send bytes; the training device decodes, with nvJPEG on a GPU) or `pil`
-    (torchvision's reference PIL transform). See raywds.decode."""
+    (torchvision's reference PIL transform). See raywds.loader.decode."""
     num_loader_workers_per_rank: int = field(default=2, metadata=flag("--loader-workers"))
     """DataLoader worker processes on each rank."""
     shuffle_buffer_samples: int = field(default=1000, metadata=flag("--worker-shuffle-buffer"))

@@ -1,7 +1,7 @@
 """Manifests, shard URLs and the dealing of shards to (rank, worker) slots.
 
 A shard location is a local directory, a path to its manifest.json, or an http(s) URL of
-the directory a shard server serves. Shards are read by webdataset (curl for http).
+the directory a shard server serves. The loader reads the shards (raywds.loader.http).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ samples for the cross-worker shuffle keeps it alive, sample by sample). So:
 - the worker takes a block whose flag in `busy` (a small array in shared memory, made before
   the workers start) is clear, sets the flag, and hands the batch over with its lease
   (worker, slot); with every block busy it gets none, and stacks the batch into a fresh
-  block (raywds.decode.stack_crops), which is not reused;
+  block (raywds.loader.decode.stack_crops), which is not reused;
 - the training process keeps a weak reference to the storage each leased batch arrived in
   (torch's StorageWeakRef, which outlives every tensor and view of it) and clears the flag
   once the reference has expired, checked at each batch it receives.
@@ -110,8 +110,17 @@ class HandedOver:
         self.blocks = blocks
 
     def __iter__(self) -> Iterator[Any]:
-        for batch, lease in self.loader:
-            self.blocks.release()
-            if lease is not None:
-                self.blocks.watch(lease, batch.images)
-            yield batch
+        batches = iter(self.loader)
+        try:
+            for batch, lease in batches:
+                self.blocks.release()
+                if lease is not None:
+                    self.blocks.watch(lease, batch.images)
+                yield batch
+        finally:
+            # Stop the workers now: after a worker's error the DataLoader's iterator is caught in
+            # the traceback's reference cycle, and when the garbage collector frees it at some later
+            # point its workers never see the stop signal and are waited for 5 s each.
+            shutdown = getattr(batches, "_shutdown_workers", None)  # torch's own clean-up, private
+            if shutdown is not None:
+                shutdown()

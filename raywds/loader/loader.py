@@ -110,7 +110,13 @@ class EpochLoader:
         self.rank = rank
 
     def __iter__(self) -> Iterator[Batch]:
-        return self.plan.mode.epoch_batches(self.batches(), self.plan, self.rank)
+        batches = self.batches()
+        try:
+            yield from self.plan.mode.epoch_batches(batches, self.plan, self.rank)
+        finally:  # the epoch may end before the loader's stream does (resample): stop its workers now
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
 
     def __len__(self) -> int:
         return self.plan.batches_per_rank[self.rank]

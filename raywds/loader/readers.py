@@ -1,11 +1,4 @@
-"""Opening shards so that networks cannot hang or silently corrupt an epoch.
-
-http(s): connect and read timeouts; a transient failure (refused, reset, timeout, 5xx, a
-short body) is retried with backoff, resuming where it stopped with a Range request; a 404
-or a shard that stays unreadable is an error naming the URL. Local paths open directly;
-`pipe:` URLs (e.g. `pipe:aws s3 cp s3://bucket/x.tar -`) go to webdataset, which checks the
-command's exit status. With a cache dir, each http shard is kept on local disk after its
-first full, size-checked read.
+"""Reading shards into samples, each shard opened by raywds.loader.http.
 
 Every shard is checked against its manifest entry as it is read: as many samples, no key
 twice, and with `verify_hashes` the same sha256 (hashed while streaming, checked at the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +45,19 @@ def _is_collective_failure(e: BaseException) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _iterating(batches: Iterable[Batch]) -> Iterator[Iterator[Batch]]:
+    """An iterator over `batches`, closed on the way out, errors included: its loader stops its
+    workers then, not whenever the garbage collector gets to it."""
+    it = iter(batches)
+    try:
+        yield it
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
 def train_epoch(
     model: nn.Module,
     batches: Iterable[Batch],
@@ -68,8 +81,7 @@ def train_epoch(
     start = time.perf_counter()
     joinable = uneven and isinstance(model, DistributedDataParallel)
     try:
-        with Join([model]) if joinable else contextlib.nullcontext():  # type: ignore[list-item]
-            it = iter(batches)
+        with Join([model]) if joinable else contextlib.nullcontext(), _iterating(batches) as it:  # type: ignore[list-item]
             while True:
                 asked = time.perf_counter()
                 batch = next(it, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import time
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -429,6 +430,19 @@ def test_debug_shows_the_traceback(shards: Path, tmp_path: Path, capfd: pytest.C
     assert main(["--debug", *train_flags(str(data), tmp_path, "split")]) == 1
     err = capfd.readouterr().err
     assert "Traceback (most recent call last)" in err and re.search(r"raywds: error: shard .* holds 10 samples", err)
+
+
+def test_a_failed_run_stops_its_loader_workers_at_once(shards: Path, tmp_path: Path) -> None:
+    """The error leaves no loader worker behind: they are stopped as the error passes, not when
+    the garbage collector frees the loader (which then waited 5 s for each worker)."""
+    import multiprocessing
+
+    data = edit.copy(shards, tmp_path / "shards")
+    short_shard("train")(data, 1)
+    started = time.perf_counter()
+    assert main([*train_flags(str(data), tmp_path, "split"), "--loader-workers", "2"]) == 1
+    assert multiprocessing.active_children() == [], "the loader's workers still run after the error"
+    assert time.perf_counter() - started < 4.5
 
 
 def test_too_many_bad_samples_stop_a_resample_run(

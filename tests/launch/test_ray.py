@@ -39,7 +39,7 @@ def local_cluster(user_cluster: HeadNode) -> Iterator[None]:
 
 
 def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_cluster: None) -> None:
-    cfg = small_config(shards, num_epochs=3)
+    cfg = small_config(shards, num_epochs=3, log_every_s=0.0)
     run = ray_train.run(
         cfg, storage_path=str(tmp_path), name=f"test-{uuid.uuid4().hex[:8]}", num_checkpoints_to_keep=None
     )
@@ -56,6 +56,11 @@ def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path,
     )
     assert (Path(run.path) / "best" / ray_train.CHECKPOINT_FILE).is_file()
     assert Path(run.path).is_relative_to(tmp_path)
+    rows = [json.loads(line) for line in (Path(run.path) / "metrics.jsonl").read_text().splitlines()]
+    progress = [r for r in rows if r.get("kind") == "progress"]
+    assert [r["step_in_epoch"] for r in progress] == [1, 2, 3, 4] * 3, (
+        "rank 0 writes a progress row per step, as locally"
+    )
 
 
 def test_worker_plan_follows_the_cluster() -> None:
