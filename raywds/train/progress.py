@@ -6,6 +6,7 @@ after each epoch and the summary line at the end. Lines are logged (INFO); the c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -27,15 +28,17 @@ class ProgressLog:
     def __init__(self, cfg: TrainConfig, world: World, epoch: int, num_steps: int, run_dir: RunDir | None):
         self.cfg, self.world, self.epoch, self.num_steps, self.run_dir = cfg, world, epoch, num_steps, run_dir
         self.last = time.monotonic()
+        # Only a bar that is drawn is made: even a disabled tqdm starts tqdm's monitor thread, and
+        # every thread alive when the DataLoader forks its workers is a lock a worker may inherit held.
         on = world.is_main and sys.stderr.isatty()
-        self.bar = tqdm(
-            total=num_steps, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", unit="step", disable=not on, leave=False
-        )
+        desc = f"epoch {epoch + 1}/{cfg.num_epochs}"
+        self.bar = tqdm(total=num_steps, desc=desc, unit="step", leave=False) if on else None
 
     def update(
         self, step: int, seconds: float, num_samples: int, loss_sum: float, data_wait_s: float, lr: float
     ) -> None:
-        self.bar.update(1)
+        if self.bar is not None:
+            self.bar.update(1)
         if not self.world.is_main or time.monotonic() - self.last < self.cfg.log_every_s:
             return
         self.last = time.monotonic()
@@ -50,7 +53,7 @@ class ProgressLog:
             "data_wait_rank0": data_wait_s / max(seconds, 1e-9),
             "eta_epoch_s": (self.num_steps - step) * seconds / step,
         }
-        with tqdm.external_write_mode():
+        with tqdm.external_write_mode() if self.bar is not None else contextlib.nullcontext():
             log.info(
                 f"epoch {row['epoch']} step {step}/{self.num_steps}  loss {row['loss']:.3f}  lr {lr:.4g}  "
                 f"images/s {row['images_per_s_rank0'] * self.world.world_size:.0f} (~{self.world.world_size} ranks)  "
@@ -60,7 +63,8 @@ class ProgressLog:
             self.run_dir.append(row)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def too_many_bad(reasons: list[str], allowed: int, cfg: TrainConfig, *, job_total: int | None = None) -> DataError:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import http.server
 import json
 import re
-import time
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field

@@ -37,6 +37,14 @@ from raywds.world import World
 
 tiny = small_config
 
+# Ranks start from a fork server: a clean, single-threaded process that has imported torch and
+# raywds once, so each rank starts in well under a second (spawn re-imports them, ~3 s a rank)
+# and never inherits another thread's lock (a plain fork of this multi-threaded test process can).
+RANKS_START = "forkserver"
+torch.multiprocessing.set_forkserver_preload(
+    ["torch", "torch.distributed", "raywds.train.trainer", "raywds.loader.loader"]
+)
+
 
 def test_local_training_learns_and_checkpoints(shards: Path, tmp_path: Path) -> None:
     cfg = tiny(shards)
@@ -79,7 +87,9 @@ def test_split_mode_with_uneven_ranks_finishes_under_join(shards: Path, tmp_path
     # 2 ranks x 1 worker: 64 and 56 samples, so 8 and 7 batches of 8; without Join rank 0 would
     # wait in its 8th all-reduce until the 60 s timeout and fail.
     cfg = tiny(shards, mode="split", batch_size_per_rank=8, num_epochs=2, num_loader_workers_per_rank=1)
-    mp.start_processes(_split_rank, args=(cfg, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _split_rank, args=(cfg, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method=RANKS_START
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0] == results[1], "metrics are all-reduced, so every rank reports the same"
     assert results[0]["train_samples"] == 120, "split mode trains on every sample exactly once"
@@ -214,12 +224,12 @@ def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(
         out_dir=str(out),
     )
     mp.start_processes(
-        _checkpointing_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn"
+        _checkpointing_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method=RANKS_START
     )
     stopped = json.loads((out / "rank0.json").read_text())
     resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
     mp.start_processes(
-        _checkpointing_rank, args=(resumed, str(tmp_path / "store2"), str(out)), nprocs=2, start_method="spawn"
+        _checkpointing_rank, args=(resumed, str(tmp_path / "store2"), str(out)), nprocs=2, start_method=RANKS_START
     )
     final = json.loads((out / "rank0.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -257,7 +267,7 @@ def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_p
     cfg = tiny(
         uneven, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=3, audit_dir=str(audit), out_dir=str(out)
     )
-    mp.start_processes(_stop_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_stop_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method=RANKS_START)
     first = audited(audit, 0)
     assert sum(first.values()) == 2 * 3 * 8 and max(first.values()) == 1
     final = train(dataclasses.replace(cfg, max_steps=None, resume_from=str(out)), World())
@@ -296,7 +306,7 @@ def _stall_rank(rank: int, store: str, out: str) -> None:
 
 
 def test_a_stalled_collective_is_an_error_naming_rank_and_step(tmp_path: Path) -> None:
-    mp.start_processes(_stall_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_stall_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method=RANKS_START)
     seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert re.match(
         r"rank 0 of 2: a collective failed in epoch 1 step 3 after \d+ s \(process-group timeout 4 s\)", message
@@ -321,7 +331,7 @@ def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: P
         cfg, max_steps=None, resume_from=str(tmp_path / "nearly.pt"), out_dir=str(tmp_path / "two")
     )
     mp.start_processes(
-        _split_rank, args=(resumed, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn"
+        _split_rank, args=(resumed, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method=RANKS_START
     )
     result = json.loads((tmp_path / "rank1.json").read_text())
     assert result["train_samples"] == 16 and result["epoch_samples"] == 120 and result["epoch_missing"] == 0
@@ -374,3 +384,22 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(shards: Path, tmp_pa
     )
     assert abs(resumed["val_top1"] - whole["val_top1"]) <= 0.1
     assert abs(resumed["val_loss"] - whole["val_loss"]) <= 0.3 * whole["val_loss"]
+
+
+def test_progress_without_a_terminal_starts_no_thread() -> None:
+    """No bar is drawn off a terminal, and none is made: a disabled tqdm still starts tqdm's monitor
+    thread, one more thread alive when the DataLoader forks its workers."""
+    import threading
+
+    from tqdm import tqdm
+
+    from raywds.train.progress import ProgressLog
+
+    if tqdm.monitor is not None:  # an earlier test's bar started it: stop it, so that a new one shows
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+    before = {t.ident for t in threading.enumerate()}
+    progress = ProgressLog(TrainConfig(data="x", log_every_s=0.0), World(), 0, 10, None)
+    progress.update(1, 1.0, 8, 1.0, 0.1, 0.1)
+    progress.close()
+    assert [t.name for t in threading.enumerate() if t.ident not in before] == []
