@@ -298,8 +298,10 @@ def _stall_rank(rank: int, store: str, out: str) -> None:
             where="in epoch 1",
             pg_timeout_s=4,
         )
-        if rank == 1:
-            time.sleep(10)  # stalled, not dead: rank 0 must give up on its own
+        if rank == 1:  # stalled, not dead: rank 0 must give up on its own (within 30 s at most)
+            deadline = time.monotonic() + 30
+            while not Path(out, "rank0.txt").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
         Path(out, f"rank{rank}.txt").write_text("finished")
     except CollectiveError as e:
         Path(out, f"rank{rank}.txt").write_text(f"{time.monotonic() - start:.1f}\n{e}")
