@@ -47,13 +47,14 @@ from PIL import Image, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from raywds.config import TrainConfig
+from raywds.config import Decoder, TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.data.tars import members
 from raywds.loader import decode
 from raywds.loader.blocks import Blocks
-from raywds.loader.loader import epoch_plan, train_loader
+from raywds.loader.loader import train_loader
+from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
 BATCH = 64
@@ -152,7 +153,9 @@ def imagefolder_rate(root: Path, workers: int, num_images: int, size: int) -> fl
     return timed(loader, num_images)
 
 
-def raywds_rate(shards: Path, workers: int, num_images: int, size: int, how: str, reuse_blocks: bool = True) -> float:
+def raywds_rate(
+    shards: Path, workers: int, num_images: int, size: int, how: Decoder, reuse_blocks: bool = True
+) -> float:
     if not reuse_blocks:  # no block to reuse, so every batch goes into a fresh one (the workers fork from here)
         saved, Blocks.take = Blocks.take, lambda self, shape: None  # type: ignore[method-assign]
         try:

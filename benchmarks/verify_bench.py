@@ -25,8 +25,9 @@ from loader_bench import BATCH, build_tree, photos, timed
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
-from raywds.loader.loader import epoch_plan, expected, train_loader
+from raywds.loader.loader import expected, train_loader
 from raywds.loader.readers import ReadPolicy, tar_samples
+from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
 
