@@ -78,17 +78,31 @@ def _read_stages(source: Any, manifest: Manifest, split: str, cfg: TrainConfig, 
     ]
 
 
+def start_method(workers: int, world: World) -> str | None:
+    """How a rank starts its loader workers, afresh each epoch (the pipeline is seeded by epoch).
+    By fork where the OS has it: a process that was itself spawned would otherwise spawn its
+    workers too and re-import torch in each, seconds per epoch. But a distributed rank runs
+    torch.distributed's threads, and a fork copies any lock one of them holds into the worker,
+    which can then hang before its first line, leaving its rank waiting for data for ever. So a
+    distributed rank starts its workers from a fork server: one clean process per rank that
+    imports the loader once, from which each worker is forked."""
+    methods = multiprocessing.get_all_start_methods()
+    if not workers:
+        return None
+    if world.distributed and "forkserver" in methods:
+        multiprocessing.set_forkserver_preload(["raywds.loader.loader"])
+        return "forkserver"
+    return "fork" if "fork" in methods else None
+
+
 def _loader(
     stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool, skips: Skips | None = None
 ) -> Iterable[Batch]:
     """A DataLoader over the stages then batching (`partial`: keep a short last batch), its
     batches handed over in reused shared-memory blocks (raywds.loader.blocks), each carrying what
     `skips` skipped before it."""
-    # Workers start afresh each epoch (the pipeline is seeded by epoch), so start them by fork
-    # where the OS has it: a process that was itself spawned would otherwise spawn its workers
-    # too and re-import torch in each, seconds per epoch. Workers only decode on the CPU.
     workers = cfg.num_loader_workers_per_rank
-    context = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
+    context = start_method(workers, world)
     blocks = Blocks(workers)
     batched = wds.batched(cfg.batch_size_per_rank, collation_fn=bind(collate, out_of=blocks.take), partial=partial)
     loader = DataLoader(
