@@ -19,11 +19,12 @@ Every way gives uint8 CHW; normalising happens on the device (raywds.train.compu
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torchvision
@@ -163,14 +164,19 @@ def reference_train(size: int, scale: tuple[float, float]) -> Callable[[bytes], 
     transform = transforms.Compose(
         [transforms.RandomResizedCrop(size, scale=scale), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]
     )
-    return lambda data: transform(open_rgb(data))
+    return functools.partial(_transformed, transform)
+
+
+def _transformed(transform: Callable[[Any], torch.Tensor], data: bytes) -> torch.Tensor:
+    """A torchvision transform of the image in `data` (a partial of this pickles, a lambda would not)."""
+    return transform(open_rgb(data))
 
 
 def reference_val(size: int) -> Callable[[bytes], torch.Tensor]:
     transform = transforms.Compose(
         [transforms.Resize(round(size / 0.875)), transforms.CenterCrop(size), transforms.PILToTensor()]
     )
-    return lambda data: transform(open_rgb(data))
+    return functools.partial(_transformed, transform)
 
 
 def open_rgb(data: bytes) -> Image.Image:
