@@ -165,7 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the --data folder from this driver, so workers on every node read it over HTTP",
     )
     p.add_argument(
-        "--num-workers", type=int, help="Ray Train workers (default: one per cluster GPU, else 2 CPU workers)"
+        "--num-workers",
+        type=worker_count,
+        metavar="N|MIN..MAX",
+        help="Ray Train workers (default: one per cluster GPU, else 2 CPU workers); MIN..MAX is elastic: "
+        "start with what the cluster holds, shrink when a node is lost, grow when nodes come",
     )
     p.add_argument(
         "--address", help="Ray cluster address (default: RAY_ADDRESS, a running `ray start`, else a new local cluster)"
@@ -176,14 +180,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-failures",
         type=int,
-        default=0,
-        help="restarts after a worker dies, each resuming from the latest checkpoint (default %(default)s)",
+        default=3,
+        help="restarts after a worker or its node is lost, each resuming from the latest checkpoint; "
+        "as many waits for a fixed worker count to fit again (default %(default)s)",
+    )
+    p.add_argument(
+        "--resize-check-s",
+        type=float,
+        default=60.0,
+        help="elastic runs: how often Ray checks whether more workers fit (default %(default)s)",
     )
     p.add_argument(
         "--keep-checkpoints", type=int, default=2, help="checkpoints kept in the run folder (default %(default)s)"
     )
     p.add_argument("--name", help="Ray Train run name (default raywds-DATE-TIME; reusing a name resumes that run)")
     return parser
+
+
+def worker_count(text: str) -> int | tuple[int, int]:
+    """`--num-workers`: N, or MIN..MAX for an elastic run."""
+    try:
+        if ".." in text:
+            low, high = (int(part) for part in text.split("..", 1))
+            return (low, high)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither N nor MIN..MAX") from None
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

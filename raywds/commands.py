@@ -252,6 +252,7 @@ def cmd_ray(args: argparse.Namespace) -> None:
             name=args.name,
             num_checkpoints_to_keep=args.keep_checkpoints,
             max_failures=args.max_failures,
+            resize_check_s=args.resize_check_s,
         )
     print(
         f"raywds: {run.plan.describe()}  checkpoint {run.checkpoint}  results {run.path}  "

@@ -128,11 +128,13 @@ def tar_keys(shards: Path, split: str = "train") -> list[str]:
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
     """Tests that start Ray (they ask for `user_cluster`) get the `ray` mark, so `-m "not ray"` leaves
-    them out. RAYWDS_TEST_REVERSE=1 runs the tests in reverse order: none may lean on what an earlier
+    them out; those on the two-node cluster also get `multinode`. RAYWDS_TEST_REVERSE=1 runs the tests in reverse order: none may lean on what an earlier
     one left behind (a token in ~/.ray, a running cluster)."""
     for item in items:
         if "user_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)  # before `-m` selects
+        if "two_node_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multinode)
     yield
     if os.environ.get("RAYWDS_TEST_REVERSE") == "1":
         items.reverse()  # after everything else has ordered and selected
@@ -186,3 +188,44 @@ def ray_temp(user_cluster: raycluster.HeadNode) -> Iterator[Path]:
     ray.init): afterwards any process still using it is stopped by PID, and it is removed."""
     with raycluster.ray_temp_dir("rwn-") as temp:
         yield temp
+
+
+# --- In-process runs of the CLI and the loader ---------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def sigterm_handler_restored() -> Iterator[None]:
+    """raywds.cli.main installs a SIGTERM handler (exit 143) in the process that calls it; a test
+    that calls main in this one must not leave it to the tests after it."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture
+def short_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loaders built in this test wait 0.05, 0.1, 0.2 s ... before each retry of an unreadable
+    shard, not 1, 2, 4 s: as many retries, as many skips, less waiting (the config has no
+    setting for the backoff; forked loader workers inherit the patch)."""
+    import dataclasses
+
+    from raywds.loader import loader
+
+    policy = loader.read_policy
+    monkeypatch.setattr(loader, "read_policy", lambda cfg, **kw: dataclasses.replace(policy(cfg, **kw), backoff_s=0.05))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Training in this process uses one intra-op thread, as each gloo rank of the tests does. Two
+    threads on a 2-core machine share it with the loader worker (and whatever else runs there):
+    a step waits for a descheduled thread at every op, and the same run takes 4-5 times as long,
+    more the busier the machine. (The README run in tests/test_cli.py keeps torch's default.)"""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

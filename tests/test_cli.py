@@ -1,50 +1,102 @@
-"""The command line as a user meets it: help, a real end-to-end run, and one-line errors."""
+"""The command line as a user meets it: help, a real end-to-end run, and one-line errors.
+
+The installed `raywds` script runs as a subprocess twice (its --help, and the README's first
+command end to end); the other tests call raywds.cli.main in this process, each subprocess would
+spend ~3 s importing torch again."""
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from raywds.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYWDS = Path(sys.executable).parent / "raywds"
 SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
 
 
-def raywds(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(RAYWDS), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+@dataclass
+class Ran:
+    returncode: int | str | None
+    stdout: str
+    stderr: str
 
 
-def test_help_lists_every_command() -> None:
-    out = raywds("--help")
+def _like_a_fresh_interpreter() -> None:
+    """Python's own warning filters and printing, not pytest's: a warning reaches stderr as it
+    would in a `raywds` process (and in its forked loader workers, through the captured fds)."""
+    warnings.resetwarnings()
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__", append=True)
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.filterwarnings("ignore", category=category, append=True)
+    warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+        warnings.formatwarning(message, category, filename, lineno, line)
+    )
+
+
+@pytest.fixture
+def raywds(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[..., Ran]:
+    """`raywds ARGS` run in this process by raywds.cli.main: its exit code (argparse's SystemExit
+    included) and everything written to fds 1 and 2, its loader workers' output too; other
+    libraries' log warnings reach stderr as Python's last-resort handler prints them. The working
+    folder is the test's own; conftest puts main's SIGTERM handler back after the test."""
+    monkeypatch.chdir(tmp_path)
+    root, last_resort = logging.getLogger(), logging.lastResort or logging.StreamHandler()
+
+    def run(*args: str) -> Ran:
+        capfd.readouterr()
+        root.addHandler(last_resort)  # pytest's own handlers there keep Python from using it
+        try:
+            with warnings.catch_warnings():
+                _like_a_fresh_interpreter()
+                try:
+                    code: int | str | None = main(list(args))
+                except SystemExit as e:
+                    code = e.code
+        finally:
+            root.removeHandler(last_resort)
+        out, err = capfd.readouterr()
+        return Ran(code, out, err)
+
+    return run
+
+
+def test_the_installed_script_lists_every_command() -> None:
+    out = subprocess.run([str(RAYWDS), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0
     for command in ("demo", "convert", "serve", "plan", "report", "train", "ray"):
         assert re.search(rf"^\s+{command}\s", out.stdout, re.M), command
 
 
 @pytest.mark.parametrize("command", ["demo", "convert", "serve", "plan", "report", "train", "ray"])
-def test_each_command_has_help(command: str) -> None:
+def test_each_command_has_help(raywds: Callable[..., Ran], command: str) -> None:
     out = raywds(command, "--help")
     assert out.returncode == 0 and out.stdout.startswith(f"usage: raywds {command}")
 
 
-def test_missing_input_directory_is_one_line_exit_1(tmp_path: Path) -> None:
+def test_missing_input_directory_is_one_line_exit_1(raywds: Callable[..., Ran], tmp_path: Path) -> None:
     out = raywds("convert", str(tmp_path / "no-such-tree"), str(tmp_path / "out"))
     assert out.returncode == 1
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
     assert f"{tmp_path / 'no-such-tree'} does not exist" in out.stderr
 
 
-def test_train_without_manifest_says_what_to_run(tmp_path: Path) -> None:
+def test_train_without_manifest_says_what_to_run(raywds: Callable[..., Ran], tmp_path: Path) -> None:
     out = raywds("train", "--data", str(tmp_path))
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert f"no manifest at {tmp_path}/manifest.json: run `raywds convert" in out.stderr
 
 
-def test_convert_then_train_from_the_command_line(tree: Path, tmp_path: Path) -> None:
+def test_convert_then_train_from_the_command_line(raywds: Callable[..., Ran], tree: Path, tmp_path: Path) -> None:
     out = raywds("convert", str(tree), str(tmp_path / "shards"), "--maxcount", "30", "--workers", "2")
     assert out.returncode == 0, out.stderr
     assert "train: 120 samples in 4 shards" in out.stdout and "val: 50 samples in 2 shards" in out.stdout
@@ -72,12 +124,17 @@ def test_convert_then_train_from_the_command_line(tree: Path, tmp_path: Path) ->
 
 
 def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
-    """The README's first command, shortened to one epoch: generate, convert, serve, train, summary."""
+    """The README's first command, shortened to 12 batches of 32 at 32 px (the flags any run takes):
+    generate, convert, serve, train, summary."""
     out = subprocess.run(
         [
             str(ROOT / "run-local"),
             "--epochs",
             "1",
+            "--batches-per-epoch",
+            "12",
+            "--image-size",
+            "32",
             "--demo-dir",
             str(tmp_path / "demo"),
             "--out",
@@ -90,10 +147,11 @@ def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"serving .* at http://127\.0\.0\.1:\d+ \((nginx|embedded|docker)\)", out.stdout)
     match = SUMMARY.search(out.stdout)
-    assert match and float(match.group(2)) > 0.3, out.stdout  # one epoch, 10 classes: chance is 0.1
+    assert match and match.group(4) == str(12 * 32), out.stdout
+    assert float(match.group(2)) > 0.3, out.stdout  # 10 classes: chance is 0.1 (seeds 0-4 reach 0.8-0.9)
 
 
-def test_plan_prints_ranks_and_a_verdict(shards: Path) -> None:
+def test_plan_prints_ranks_and_a_verdict(raywds: Callable[..., Ran], shards: Path) -> None:
     out = raywds(
         "plan", "--data", str(shards), "--gpus-per-node", "2", "--workers", "2", "--batch-size", "8", "--mode", "split"
     )
@@ -120,7 +178,7 @@ def test_plan_prints_ranks_and_a_verdict(shards: Path) -> None:
     assert out.stderr.startswith("raywds: error: split mode needs at least one shard")
 
 
-def test_plan_shuffle_report_on_real_shards(shards: Path) -> None:
+def test_plan_shuffle_report_on_real_shards(raywds: Callable[..., Ran], shards: Path) -> None:
     out = raywds(
         "plan",
         "--data",
@@ -140,7 +198,9 @@ def test_plan_shuffle_report_on_real_shards(shards: Path) -> None:
     assert 1 <= float(row.group(1)) <= 8
 
 
-def test_training_refuses_a_plan_that_would_leave_workers_idle(shards: Path, tmp_path: Path) -> None:
+def test_training_refuses_a_plan_that_would_leave_workers_idle(
+    raywds: Callable[..., Ran], shards: Path, tmp_path: Path
+) -> None:
     out = raywds(
         "train",
         "--data",
@@ -161,7 +221,9 @@ def test_training_refuses_a_plan_that_would_leave_workers_idle(shards: Path, tmp
     )
 
 
-def test_stop_with_max_steps_then_resume_from_the_command_line(shards: Path, tmp_path: Path) -> None:
+def test_stop_with_max_steps_then_resume_from_the_command_line(
+    raywds: Callable[..., Ran], shards: Path, tmp_path: Path
+) -> None:
     common = [
         "train",
         "--data",
@@ -190,7 +252,9 @@ def test_stop_with_max_steps_then_resume_from_the_command_line(shards: Path, tmp
     assert match and match.group(1) == "1" and match.group(4) == "120", out.stdout
 
 
-def test_a_missing_shard_read_in_a_loader_worker_is_one_clear_line(shards: Path, tmp_path: Path) -> None:
+def test_a_missing_shard_read_in_a_loader_worker_is_one_clear_line(
+    raywds: Callable[..., Ran], shards: Path, tmp_path: Path
+) -> None:
     import shutil
 
     shutil.copytree(shards, tmp_path / "holed")
@@ -219,7 +283,7 @@ def test_a_missing_shard_read_in_a_loader_worker_is_one_clear_line(shards: Path,
     assert out.stderr == f"raywds: error: shard {missing}: cannot open it: No such file or directory\n"
 
 
-def test_report_draws_a_png_from_a_run(shards: Path, tmp_path: Path) -> None:
+def test_report_draws_a_png_from_a_run(raywds: Callable[..., Ran], shards: Path, tmp_path: Path) -> None:
     out = raywds(
         "train",
         "--data",

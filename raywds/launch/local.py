@@ -7,6 +7,7 @@ from RANK, WORLD_SIZE and LOCAL_RANK).
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from raywds.config import TrainConfig
+from raywds.launch import gloo
 from raywds.train.checkpoint import CHECKPOINT_FILE
 from raywds.train.rundir import Metrics, RunDir
 from raywds.train.trainer import train
@@ -35,6 +37,8 @@ def run_local(cfg: TrainConfig) -> tuple[Metrics, RunDir | None]:
         backend = "nccl" if world.device.startswith("cuda") else "gloo"
         if world.device.startswith("cuda"):
             torch.cuda.set_device(world.local_rank)
+        else:  # listen where the other machines' ranks reach this one: the way to torchrun's rendezvous host
+            gloo.listen_on(gloo.address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")))
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.pg_timeout_s))
     run_dir = RunDir(cfg.out_dir, append=resuming_in_place(cfg)) if world.is_main else None
     if run_dir is not None:

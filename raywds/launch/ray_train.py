@@ -24,7 +24,18 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raywds import console
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
-from raywds.errors import ConfigError, RaywdsError, one_line
+from raywds.errors import RaywdsError, one_line
+from raywds.launch.cluster import (
+    WorkerPlan,
+    alive_nodes,
+    check_every_node_sees,
+    connect,
+    lost_since,
+    node_count,
+    node_ip,
+    plan_workers,
+    split_storage,
+)
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
 from raywds.train.checkpoint import CHECKPOINT_FILE, checkpoint_file, load_checkpoint
@@ -32,46 +43,7 @@ from raywds.train.rundir import Metrics, RunDir
 from raywds.train.trainer import train
 from raywds.world import World
 
-
-@dataclass(frozen=True)
-class WorkerPlan:
-    """How many Ray Train workers, whether each holds a GPU, and the CPUs each reserves."""
-
-    num_workers: int
-    use_gpu: bool
-    cpus_per_worker: int = 1
-
-    def describe(self) -> str:
-        kind = "GPU" if self.use_gpu else "CPU (gloo)"
-        return f"{self.num_workers} {kind} worker{'s' if self.num_workers != 1 else ''}"
-
-
-def plan_workers(
-    resources: dict[str, float], num_workers: int | None, *, default_cpu_workers: int = 2, loader_workers: int = 0
-) -> WorkerPlan:
-    """One worker per GPU the cluster has, each reserving CPUs for its loader workers (as many
-    as the cluster has per GPU); without GPUs, `num_workers` CPU workers of one CPU each.
-
-    Refuses plans the cluster can never place, which would otherwise wait forever."""
-    gpus = int(resources.get("GPU", 0))
-    cpus = int(resources.get("CPU", 0))
-    if gpus > 0:
-        wanted = gpus if num_workers is None else num_workers
-        if wanted > gpus:
-            raise ConfigError(
-                f"--num-workers {wanted} needs {wanted} GPUs but the cluster has {gpus}; "
-                f"use --num-workers {gpus} or fewer"
-            )
-        return WorkerPlan(wanted, True, max(1, min(loader_workers + 1, cpus // gpus)))
-    wanted = default_cpu_workers if num_workers is None else num_workers
-    if wanted < 1:
-        raise ConfigError(f"--num-workers {wanted} must be at least 1")
-    if wanted > cpus:
-        raise ConfigError(
-            f"--num-workers {wanted} needs {wanted} CPUs but the cluster has {cpus}; "
-            f"use --num-workers {max(cpus, 1)} or add nodes"
-        )
-    return WorkerPlan(wanted, False)
+log = logging.getLogger(__name__)
 
 
 def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDir | None = None) -> None:
@@ -110,6 +82,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         local_rank=context.get_local_rank(),
         device=str(ray.train.torch.get_device()),  # RAY
     )
+    log.info(f"rank {world.rank} of {world.world_size} on node {node_ip()} (pid {os.getpid()})")
     resume = None
     checkpoint = ray.train.get_checkpoint()  # RAY: set when Ray restarts the run after a failure
     if checkpoint is not None:
@@ -137,24 +110,6 @@ def worker_error(failed: Exception) -> RaywdsError | None:
     return None
 
 
-def connect(address: str | None) -> None:
-    """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one."""
-    if ray.is_initialized():
-        return
-    # Ray Train's print patch would log every epoch line twice.
-    quiet = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
-    ray.init(address=address, log_to_driver=True, runtime_env=quiet)  # RAY
-
-
-def node_count() -> int:
-    return sum(1 for node in ray.nodes() if node.get("Alive"))  # RAY
-
-
-def node_ip() -> str:
-    """This node's address as the cluster's other nodes reach it (for a shard server to advertise)."""
-    return str(ray.util.get_node_ip_address())  # RAY
-
-
 @dataclass(frozen=True)
 class RayRun:
     metrics: Metrics
@@ -168,40 +123,57 @@ class RayRun:
 def run(
     cfg: TrainConfig,
     *,
-    num_workers: int | None = None,
+    num_workers: int | tuple[int, int] | None = None,
     storage_path: str | None = None,
     name: str | None = None,
     num_checkpoints_to_keep: int | None = 2,
     max_failures: int = 0,
+    resize_check_s: float = 60.0,
 ) -> RayRun:
-    """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics."""
+    """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics.
+    `num_workers` (MIN, MAX) is elastic; after a failure (a worker or its node lost) Ray restarts
+    the workers up to `max_failures` times, each time from the latest checkpoint, and as often
+    waits (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for the nodes a fixed count needs."""
     plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=cfg.num_loader_workers_per_rank)  # RAY
     manifest = read_manifest(
         cfg.data, shards_at=cfg.shards_at
     )  # refuse a data plan that would hang before starting any worker
-    check_plan(epoch_plan(manifest, cfg, plan.num_workers, epoch=0), manifest)
+    check_plan(epoch_plan(manifest, cfg, plan.min_workers or plan.num_workers, epoch=0), manifest)
+    if plan.elastic:
+        check_plan(epoch_plan(manifest, cfg, plan.num_workers, epoch=0), manifest)
     if cfg.resume_from:
         resume_from = os.path.abspath(cfg.resume_from)
         checkpoint_file(resume_from)  # fail here, naming the path, rather than in every worker
         cfg = dataclasses.replace(cfg, resume_from=resume_from)
-    print(f"raywds: training on {plan.describe()} ({node_count()} node(s))", flush=True)
-    storage = os.path.abspath(storage_path or "runs/ray")
+    nodes = alive_nodes()
+    print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s))", flush=True)
+    storage, local = split_storage(storage_path or "runs/ray")
     name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
-    cfg = dataclasses.replace(cfg, out_dir=os.path.join(storage, name))  # rank 0 appends metrics.jsonl here
-    RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")  # the resolved config, beside Ray's files
+    # Rank 0 appends metrics.jsonl to the run folder where it is a path (local, shared or file://).
+    cfg = dataclasses.replace(cfg, out_dir=os.path.join(local or storage, name))
+    if local is not None:
+        config_file = RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")
+        check_every_node_sees(str(config_file), f"--storage-path {local}")
     trainer = TorchTrainer(  # RAY
         train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=plan.num_workers, use_gpu=plan.use_gpu, resources_per_worker={"CPU": plan.cpus_per_worker}
+            num_workers=plan.ray_num_workers,  # type: ignore[arg-type]  # V2 takes (min, max); mypy sees V1's
+            use_gpu=plan.use_gpu,
+            resources_per_worker={"CPU": plan.cpus_per_worker},
+            elastic_resize_monitor_interval_s=resize_check_s,  # type: ignore[call-arg]
         ),
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout_s),
         run_config=ray.train.RunConfig(
             name=name,
             storage_path=storage,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_checkpoints_to_keep),
-            # After a worker dies, Ray restarts the group and each worker resumes from the latest checkpoint.
-            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            # After a worker dies, Ray restarts the group and each worker resumes from the latest
+            # checkpoint. Starting a group that cannot be placed (a fixed count, a node gone) is a
+            # controller failure, unbounded by default: bound it too, so a lost node is an error.
+            failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]  # V2's FailureConfig; mypy sees V1's
+                max_failures=max_failures, controller_failure_limit=max_failures
+            ),
             # Ray Train's INFO lines (each checkpoint's path; see also quiet_ray_reports) would
             # bury raywds's epoch lines; they still go to Ray's system log files (logs/train).
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]  # V2's RunConfig; mypy sees V1's
@@ -210,7 +182,7 @@ def run(
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:  # RAY
-        raise worker_error(e) or RaywdsError(f"Ray training failed: {e}") from e
+        raise failure(e, lost_since(nodes), max_failures) from e
     if not result.metrics:
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
@@ -218,3 +190,22 @@ def run(
         (dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"]
     )
     return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)
+
+
+def failure(e: Exception, lost: list[str], max_failures: int) -> RaywdsError:
+    """The error a failed run ends with: a rank's own raywds error, else the nodes lost, else Ray's."""
+    own = worker_error(e)
+    if own is not None and not lost:
+        return own
+    if lost:
+        restarts = f"after {max_failures} restart{'s' if max_failures != 1 else ''} (--max-failures)"
+        cause = f"; the rank that failed first: {one_line(own)}" if own is not None else ""
+        return RaywdsError(
+            f"lost node(s) {', '.join(lost)} during the run and could not go on {restarts}{cause}. "
+            "Bring the node back and rerun with the same --name to resume from the latest checkpoint, "
+            "or give --num-workers MIN..MAX to go on with fewer workers"
+        )
+    return RaywdsError(f"Ray training failed: {e}")
+
+
+__all__ = ["RayRun", "WorkerPlan", "connect", "node_count", "node_ip", "plan_workers", "run"]

@@ -9,6 +9,7 @@ workers prefetched, or that sat in a shuffle buffer, are not counted as seen.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,16 +56,40 @@ def per_rank(world: World, values: list[float]) -> list[list[float]]:
     return table.tolist()  # type: ignore[no-any-return]
 
 
-class Audit:
-    """With `audit_dir`: one file per (epoch, rank, process) listing each trained sample's key."""
+def attempt_id(world: World) -> int:
+    """Rank 0's clock (ms) as this run began, the same on every rank (a collective): it tells a
+    restarted run's audit files from those of the attempt before, even when both began at one step."""
+    t = torch.tensor([time.time_ns() // 1_000_000], dtype=torch.int64, device=world.device)
+    if world.distributed:
+        dist.broadcast(t, 0)
+    return int(t.item())
 
-    def __init__(self, audit_dir: str | None, rank: int):
+
+class Audit:
+    """With `audit_dir`: the key of every sample trained on, in files named by epoch, rank, attempt
+    and segment: `epoch0000-rank00001-from0000012-attempt1763900000000-at0000017-pid42.keys` holds
+    what rank 1 trained in epoch 1 from global step 17 on, in the attempt that started from the
+    checkpoint at step 12 (at that time). Each checkpoint starts a segment: of an attempt, the
+    segments that begin before the next attempt's `from` are what that checkpoint holds; the
+    others were redone."""
+
+    def __init__(self, audit_dir: str | None, world: World, start_step: int = 0):
         self.dir = Path(audit_dir) if audit_dir else None
-        self.rank = rank
+        self.rank = world.rank
+        self.start = self.at = start_step
+        self.attempt = attempt_id(world) if self.dir is not None else 0
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
+    def segment(self, step: int) -> None:
+        """A checkpoint after global step `step`: later keys go to a new file."""
+        self.at = step
+
     def write(self, epoch: int, keys: list[str]) -> None:
         if self.dir is not None:
-            with (self.dir / f"epoch{epoch:04d}-rank{self.rank:05d}-pid{os.getpid()}.keys").open("a") as f:
+            name = (
+                f"epoch{epoch:04d}-rank{self.rank:05d}-from{self.start:07d}-attempt{self.attempt}"
+                f"-at{self.at:07d}-pid{os.getpid()}.keys"
+            )
+            with (self.dir / name).open("a") as f:
                 f.write("".join(k + "\n" for k in keys))

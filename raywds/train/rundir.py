@@ -29,8 +29,10 @@ class RunDir:
         if not append:
             self.metrics_path.write_text("")
 
-    def write_config(self, cfg: TrainConfig, name: str = "config.json") -> None:
-        (self.path / name).write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+    def write_config(self, cfg: TrainConfig, name: str = "config.json") -> Path:
+        path = self.path / name
+        path.write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+        return path
 
     def append(self, row: Metrics) -> None:
         """One row of metrics.jsonl."""

@@ -67,7 +67,7 @@ class Trainer:
         self.progress = Progress()
         if resume is not None:
             self.restore(resume)
-        self.audit = Audit(cfg.audit_dir, world.rank)
+        self.audit = Audit(cfg.audit_dir, world, self.progress.steps)
         self.metrics: Metrics = {}
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -183,6 +183,7 @@ class Trainer:
             position=here,
             bad_samples=epoch.start.bad_samples,
         )
+        self.audit.segment(steps)
         if self.world.is_main:
             log.info(
                 f"step {steps}: checkpoint inside epoch {epoch.index + 1} ({done}/{self.num_samples} samples done)"
@@ -216,6 +217,7 @@ class Trainer:
             samples_seen=metrics["samples_seen"],
             bad_samples=metrics["bad_samples_total"],
         )
+        self.audit.segment(self.progress.steps)
         if world.is_main:
             log.info(epoch_line(metrics, cfg.num_epochs))
         self.emit(metrics)

@@ -360,6 +360,7 @@ def test_fault(
     shards: Path,
     tmp_path: Path,
     capfd: pytest.CaptureFixture[str],
+    short_backoff: None,
     mode: str,
     fault: str,
     make: Callable[[Path, int], Broken],

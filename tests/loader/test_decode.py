@@ -155,20 +155,30 @@ def recovered(out: torch.Tensor, width: int, height: int) -> tuple[float, float,
     return w * h / (width * height), float(np.log(w / h)), (x0 + x1) / 2 / width, (y0 + y1) / 2 / height, x1 < x0
 
 
+CROP_WIDTH, CROP_HEIGHT, CROP_SIZE, CROP_DRAWS = 1200, 900, 112, 300
+
+
+@pytest.fixture(scope="module")
+def reference_crops() -> np.ndarray:
+    """The reference transform's crops of `coordinates`, drawn once for both decoders' tests."""
+    data = coordinates(CROP_WIDTH, CROP_HEIGHT)
+    ref = reference_train(CROP_SIZE, SCALE)
+    return np.array([recovered(seeded(ref, data, 10_000 + s), CROP_WIDTH, CROP_HEIGHT) for s in range(CROP_DRAWS)])
+
+
 @pytest.mark.parametrize("decoder", ["cpu", "device"])
-def test_crop_distribution_matches_the_reference(decoder: str) -> None:
+def test_crop_distribution_matches_the_reference(decoder: str, reference_crops: np.ndarray) -> None:
     """Independent draws (different seeds) from the fast path and the reference: the crops'
     scale, aspect ratio, position and flips must be the same distribution, within the
     standard transform's ranges."""
-    width, height, size, n = 1200, 900, 112, 300
+    width, height, size, n = CROP_WIDTH, CROP_HEIGHT, CROP_SIZE, CROP_DRAWS
     data = coordinates(width, height)
     if decoder == "cpu":
         fast = lambda d: train_crop(d, size, SCALE)  # noqa: E731
     else:
         fast = lambda d: Encoded.of([encoded_crop(d, size, SCALE)]).decode("cpu")[0]  # noqa: E731
-    ref = reference_train(size, SCALE)
     a = np.array([recovered(seeded(fast, data, s), width, height) for s in range(n)])
-    b = np.array([recovered(seeded(ref, data, 10_000 + s), width, height) for s in range(n)])
+    b = reference_crops
     for stats in (a, b):
         assert stats[:, 0].min() > 0.08 * 0.9 and stats[:, 0].max() < 1.05, "area scale within (0.08, 1)"
         assert np.exp(stats[:, 1]).min() > 0.75 * 0.95 and np.exp(stats[:, 1]).max() < 4 / 3 * 1.05, (

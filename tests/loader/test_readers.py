@@ -78,7 +78,7 @@ def test_a_missing_shard_in_resample_mode_is_skipped_and_counted(holed: Path, ca
     )
 
 
-def test_resample_gives_up_when_the_server_is_gone(shards: Path) -> None:
+def test_resample_gives_up_when_the_server_is_gone(shards: Path, short_backoff: None) -> None:
     with ShardServer(shards, backend="embedded") as server:
         manifest = read_manifest(server.url)
     c = cfg(server.url, num_loader_workers_per_rank=0, read_retries=1)

@@ -1,0 +1,186 @@
+"""The Ray cluster as a training run sees it: joining it, how many workers it can hold, its
+nodes, where each node finds the run's storage. Each Ray touchpoint is marked `# RAY`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raywds.errors import ConfigError
+from raywds.launch import gloo
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """How many Ray Train workers (a range when elastic), whether each holds a GPU, and the CPUs each reserves."""
+
+    num_workers: int
+    use_gpu: bool
+    cpus_per_worker: int = 1
+    min_workers: int | None = None
+    """Elastic: Ray Train starts with at least this many and grows to num_workers as nodes come."""
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
+
+    @property
+    def ray_num_workers(self) -> int | tuple[int, int]:
+        """ScalingConfig's num_workers: a count, or (min, max) for an elastic run."""
+        return (self.min_workers or 0, self.num_workers) if self.elastic else self.num_workers
+
+    def describe(self) -> str:
+        kind = "GPU" if self.use_gpu else "CPU (gloo)"
+        count = f"{self.min_workers}..{self.num_workers}" if self.elastic else str(self.num_workers)
+        return f"{count} {kind} worker{'s' if self.num_workers != 1 else ''}"
+
+
+def plan_workers(
+    resources: dict[str, float],
+    num_workers: int | tuple[int, int] | None,
+    *,
+    default_cpu_workers: int = 2,
+    loader_workers: int = 0,
+) -> WorkerPlan:
+    """One worker per GPU the cluster has, each reserving CPUs for its loader workers (as many
+    as the cluster has per GPU); without GPUs, `num_workers` CPU workers of one CPU each.
+    `num_workers` (MIN, MAX) is elastic: the cluster must hold MIN now; MAX may wait for nodes.
+
+    Refuses plans the cluster can never place, which would otherwise wait forever."""
+    gpus = int(resources.get("GPU", 0))
+    cpus = int(resources.get("CPU", 0))
+    low, high = num_workers if isinstance(num_workers, tuple) else (num_workers, num_workers)
+    elastic = isinstance(num_workers, tuple)
+    if low is not None and (low < 1 or (high is not None and high < low)):
+        raise ConfigError(f"--num-workers {low}..{high} must be at least 1, the smaller first")
+    if gpus > 0:
+        wanted = gpus if high is None else high
+        need = low if elastic and low is not None else wanted
+        if need > gpus:
+            raise ConfigError(
+                f"--num-workers {need} needs {need} GPUs but the cluster has {gpus}; use --num-workers {gpus} or fewer"
+            )
+        per_worker = max(1, min(loader_workers + 1, cpus // gpus))
+        return WorkerPlan(wanted, True, per_worker, low if elastic else None)
+    wanted = default_cpu_workers if high is None else high
+    need = low if elastic and low is not None else wanted
+    if need > cpus:
+        raise ConfigError(
+            f"--num-workers {need} needs {need} CPUs but the cluster has {cpus}; "
+            f"use --num-workers {max(cpus, 1)} or add nodes"
+        )
+    return WorkerPlan(wanted, False, 1, low if elastic else None)
+
+
+def gloo_on_the_node_address() -> None:
+    """Run in every Ray worker process as it starts (runtime_env's worker_process_setup_hook):
+    gloo listens on the address Ray knows this node by (raywds.launch.gloo)."""
+    gloo.listen_on(ray.util.get_node_ip_address())  # RAY
+
+
+RUNTIME_ENV = {
+    "env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},  # Ray Train's print patch would log every epoch line twice
+    "worker_process_setup_hook": f"{__name__}.gloo_on_the_node_address",
+}
+
+
+# Lines Ray's workers print that say nothing a user can act on, kept out of the driver's console
+# (they stay in the session's log files).
+NOISE = re.compile(
+    # Ray Train 2.60's controller starts its PreemptionWatcher actor in a way Ray's core logs as an
+    # error on every run (ray-project/ray#53727); preemption handling works regardless.
+    r"Actor with class name: 'PreemptionWatcher' and ID: '\w+' has constructor arguments in the object store"
+)
+
+
+def _without_noise(handler: Callable[[dict[str, Any]], None], batch: dict[str, Any]) -> None:
+    lines = [line for line in batch.get("lines", []) if not NOISE.search(line)]
+    if lines:
+        handler({**batch, "lines": lines})
+
+
+def quiet_known_noise() -> None:
+    """Filter NOISE out of the worker output Ray copies to this driver's console."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher  # RAY: internal
+    except ImportError:  # another Ray: nothing to filter
+        return
+    for name, handler in list(getattr(dispatcher, "handlers", [])):
+        if name == "ray_print_logs" and getattr(handler, "func", None) is not _without_noise:
+            dispatcher.remove_handler(name)
+            dispatcher.add_handler(name, functools.partial(_without_noise, handler))
+
+
+def connect(address: str | None) -> None:
+    """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one."""
+    if ray.is_initialized():
+        return
+    ray.init(address=address, log_to_driver=True, runtime_env=RUNTIME_ENV)  # RAY
+    quiet_known_noise()
+
+
+def alive_nodes() -> dict[str, str]:
+    """Node id -> IP of every node the cluster counts alive."""
+    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}  # RAY
+
+
+def node_count() -> int:
+    return len(alive_nodes())
+
+
+def node_ip() -> str:
+    """This node's address as the cluster's other nodes reach it (for a shard server to advertise)."""
+    return str(ray.util.get_node_ip_address())  # RAY
+
+
+def lost_since(before: dict[str, str]) -> list[str]:
+    """The IPs of the nodes in `before` that are no longer alive."""
+    try:
+        now = alive_nodes()
+    except Exception:  # noqa: BLE001 - the cluster itself may be gone: say nothing rather than fail twice
+        return []
+    return sorted(ip for node, ip in before.items() if node not in now)
+
+
+def split_storage(storage_path: str) -> tuple[str, str | None]:
+    """(what Ray Train gets, the local path of it or None): a URI that pyarrow's file systems
+    understand (s3://, gs://, file://) passes through untouched; a plain path is made absolute.
+    Only a plain path or a file:// URI gives the driver a folder to write into."""
+    if "://" in storage_path:
+        scheme, rest = storage_path.split("://", 1)
+        return storage_path, ("/" + rest.lstrip("/") if scheme == "file" else None)
+    path = os.path.abspath(storage_path)
+    return path, path
+
+
+@ray.remote(num_cpus=0)  # RAY: runs beside busy workers
+def _sees(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def check_every_node_sees(path: str, what: str) -> None:
+    """ConfigError naming each node on which `path` (which the driver just wrote) does not exist:
+    a local --storage-path that other nodes cannot see would fail only when a checkpoint is
+    written (or, worse, leave each node's checkpoints on its own disk)."""
+    nodes = alive_nodes()
+    if len(nodes) < 2:
+        return
+    checks = {
+        ip: _sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(path)  # RAY
+        for node, ip in nodes.items()
+    }
+    blind = sorted(ip for ip, seen in checks.items() if not ray.get(seen, timeout=120))  # RAY
+    if blind:
+        raise ConfigError(
+            f"{what} is on this machine only: node(s) {', '.join(blind)} cannot see {path}, "
+            "which the driver just wrote. Give a path that every node mounts (NFS, a shared disk) or a URI "
+            "(s3://, gs://, file:// on a shared mount)"
+        )

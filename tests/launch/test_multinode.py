@@ -1,0 +1,292 @@
+"""raywds on a real two-node Ray cluster (tests/netnodes.py): a rank on each node, exact split
+epochs across nodes, `ray job submit`, and a node lost mid-epoch, with a fixed worker count and
+elastic. The driver runs on the head node, as a user's does."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import netnodes
+import pytest
+from conftest import tar_keys
+from netnodes import HEAD_IP, WORKER_IP, TwoNodes
+from raycluster import RAY, HeadNode
+
+RAYWDS = Path(sys.executable).parent / "raywds"
+SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
+RANK = re.compile(r"rank (\d+) of (\d+) on node (\S+) \(pid")
+CLEAN = re.compile(  # a healthy run's console: raywds's lines, the workers' raywds lines, Ray's connect lines
+    r"^(raywds: |epochs \d+  top-1|\d{4}-\d\d-\d\d [\d:,]+\tINFO worker\.py:\d+ -- Connect"
+    r"|(\x1b\[\d+m)?\(RayTrainWorker pid=\d+(, ip=[\d.]+)?\)(\x1b\[0m)? (rank \d+ of \d+ on node|epoch \d+/\d+  loss))"
+)
+AUDIT = re.compile(
+    r"epoch(?P<epoch>\d+)-rank(?P<rank>\d+)-from(?P<from>\d+)-attempt(?P<attempt>\d+)-at(?P<at>\d+)-pid\d+\.keys"
+)
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(user_cluster: HeadNode) -> Iterator[TwoNodes]:
+    why = netnodes.available()
+    if why is not None:
+        if os.environ.get("RAYWDS_REQUIRE_MULTINODE"):
+            pytest.fail(f"the multi-node tests cannot run here: {why}")
+        pytest.skip(why)
+    with netnodes.two_nodes("rwm-") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's shards (1216 train, 300 val samples), as `raywds ray --demo` makes them in demo.parent."""
+    from raywds.data.demo import prepare
+
+    return prepare(tmp_path_factory.mktemp("mn-demo"))
+
+
+def raywds_ray(cluster: TwoNodes, *args: str, timeout: float = 400, env: dict[str, str] | None = None):
+    """`raywds ray` run on the head node against the cluster."""
+    return cluster.run([str(RAYWDS), "ray", "--address", cluster.gcs_address, *args], timeout=timeout, env=env)
+
+
+def ranks(output: str) -> list[tuple[int, int, str]]:
+    """(rank, world size, node IP) of each rank's start line, in order."""
+    return [(int(r), int(n), ip) for r, n, ip in RANK.findall(output)]
+
+
+def trained_once(audit: Path, epoch: int) -> Counter:
+    """The keys of `epoch` that the run's final line of checkpoints holds: of each attempt (the
+    audit files that share `from` and `attempt`, in that order), the segments that begin before
+    the next attempt's `from`; what an attempt trained after that checkpoint was redone."""
+    files = [(m, f) for f in audit.glob("*.keys") if (m := AUDIT.fullmatch(f.name))]
+    attempts = sorted({(int(m["from"]), int(m["attempt"])) for m, _ in files})
+    kept: Counter = Counter()
+    for m, f in files:
+        later = attempts[attempts.index((int(m["from"]), int(m["attempt"]))) + 1 :]
+        if int(m["epoch"]) == epoch and (not later or int(m["at"]) < later[0][0]):
+            kept.update(f.read_text().split())
+    return kept
+
+
+def controller_node(cluster: TwoNodes) -> str:
+    """The IP of the node that ran the newest Ray Train controller (from Ray's state API)."""
+    script = (
+        "import os; from ray.util.state import list_actors, list_nodes; url = os.environ['DASHBOARD']; "
+        "ips = {n.node_id: n.node_ip for n in list_nodes(address=url)}; "
+        "a = [a for a in list_actors(address=url, detail=True, limit=1000) if a.class_name == 'TrainController']; "
+        "print('CONTROLLER', ips[a[-1].node_id])"
+    )
+    out = cluster.run([sys.executable, "-c", script], timeout=120, env={"DASHBOARD": cluster.head.dashboard_url})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("CONTROLLER "))
+
+
+def test_the_demo_runs_a_rank_on_each_node(two_node_cluster: TwoNodes, demo: Path, tmp_path: Path) -> None:
+    out = raywds_ray(
+        two_node_cluster,
+        "--demo",
+        "--demo-dir",
+        str(demo.parent),
+        "--num-workers",
+        "2",
+        "--epochs",
+        "1",
+        "--storage-path",
+        f"file://{tmp_path}/ray",  # a URI goes to Ray untouched
+        "--name",
+        "demo",
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "raywds: training on 2 CPU (gloo) workers (2 node(s))" in out.stdout
+    assert sorted(ip for _, _, ip in ranks(out.stdout)) == [HEAD_IP, WORKER_IP], out.stdout[-3000:]
+    assert re.search(rf"serving \S+ at http://{re.escape(HEAD_IP)}:\d+", out.stdout), "workers read the head's server"
+    match = SUMMARY.search(out.stdout)
+    assert match and match.group(4) == "1216" and float(match.group(2)) > 0.5, out.stdout[-2000:]
+    assert (tmp_path / "ray" / "demo" / "metrics.jsonl").is_file()
+    assert controller_node(two_node_cluster) == HEAD_IP, "Train's controller runs beside the driver, on the head"
+    unexpected = [line for line in (out.stdout + out.stderr).splitlines() if not CLEAN.match(line)]
+    assert not unexpected, "the console holds raywds's lines and Ray's connect lines only:\n" + "\n".join(unexpected)
+
+
+def test_a_job_in_split_mode_trains_every_sample_once_across_nodes(
+    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+) -> None:
+    audit = tmp_path / "audit"
+    args = [
+        "--recipe",
+        "demo",
+        "--data",
+        str(demo),
+        "--serve",
+        "--server-backend",
+        "embedded",
+        "--mode",
+        "split",
+        "--num-workers",
+        "2",
+    ]
+    args += ["--epochs", "1", "--batch-size", "32", "--audit-dir", str(audit), "--storage-path", str(tmp_path / "ray")]
+    out = two_node_cluster.run(
+        [str(RAY), "job", "submit", "--address", two_node_cluster.head.dashboard_url, "--"]
+        + [sys.executable, "-m", "raywds", "ray", *args],
+        timeout=400,
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert re.search(r"Job '\S+' succeeded", out.stdout + out.stderr)
+    assert sorted(ip for _, _, ip in ranks(out.stdout)) == [HEAD_IP, WORKER_IP], out.stdout[-3000:]
+    match = SUMMARY.search(out.stdout)
+    assert match and match.group(4) == "1200", out.stdout[-2000:]
+    assert trained_once(audit, 0) == Counter(tar_keys(demo)), "every sample once, none on two nodes"
+    assert {AUDIT.fullmatch(f.name)["rank"] for f in audit.glob("*.keys")} == {"00000", "00001"}  # type: ignore[index]
+
+
+class Driver:
+    """`raywds ray` started on the head in the background; its output is read as it comes, so a
+    test can act when a line appears."""
+
+    def __init__(self, cluster: TwoNodes, *args: str, env: dict[str, str] | None = None):
+        self.lines: list[str] = []
+        self.started = time.monotonic()
+        self.process = cluster.popen(
+            [str(RAYWDS), "ray", "--address", cluster.gcs_address, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout_s: float = 300) -> re.Match[str]:
+        """The first match of `pattern` in the output, waiting for it to appear."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.output, re.M)
+            if match:
+                return match
+            if self.process.poll() is not None:
+                self.reader.join(5)
+                match = re.search(pattern, self.output, re.M)
+                if match:
+                    return match
+                raise AssertionError(f"exited {self.process.returncode} before {pattern!r}:\n{self.output[-4000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern!r} after {timeout_s:.0f} s:\n{self.output[-4000:]}")
+
+    def finish(self, timeout_s: float = 400) -> int:
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"still running after {timeout_s:.0f} s:\n{self.output[-4000:]}") from None
+        self.reader.join(10)
+        return code
+
+
+def split_run(demo: Path, tmp_path: Path, workers: str, *extra: str) -> list[str]:
+    """Flags for a split-mode run of 2 epochs from the head's server, checkpointing every 4 steps."""
+    return [
+        *("--recipe", "demo", "--data", str(demo), "--serve", "--server-backend", "embedded", "--mode", "split"),
+        *("--num-workers", workers, "--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "4"),
+        *("--audit-dir", str(tmp_path / "audit"), "--storage-path", str(tmp_path / "ray"), *extra),
+    ]
+
+
+def assert_every_epoch_exact(audit: Path, demo: Path, epochs: int) -> None:
+    everything = Counter(tar_keys(demo))
+    for epoch in range(epochs):
+        kept = trained_once(audit, epoch)
+        assert kept == everything, (
+            f"epoch {epoch + 1}: {sum((kept - everything).values())} repeated, "
+            f"{sum((everything - kept).values())} missing after the node loss"
+        )
+
+
+def test_a_lost_node_with_a_fixed_worker_count_restarts_when_it_returns(
+    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+) -> None:
+    driver = Driver(two_node_cluster, *split_run(demo, tmp_path, "2"))
+    try:
+        driver.wait_for(r"step \d+: checkpoint inside epoch 1 ")
+        assert two_node_cluster.lose_worker() > 0
+        lost_at = time.monotonic()
+        time.sleep(5)
+        two_node_cluster.start_worker()
+        assert driver.finish() == 0, driver.output[-4000:]
+    finally:
+        driver.process.kill()
+    assert time.monotonic() - lost_at < 240
+    worlds = [n for _, n, _ in ranks(driver.output)]
+    assert worlds == [2, 2, 2, 2], f"two attempts of two ranks: {ranks(driver.output)}"
+    assert_every_epoch_exact(tmp_path / "audit", demo, 2)
+    assert SUMMARY.search(driver.output), driver.output[-2000:]
+
+
+def test_an_elastic_run_shrinks_on_node_loss_and_grows_back_with_exact_epochs(
+    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+) -> None:
+    driver = Driver(two_node_cluster, *split_run(demo, tmp_path, "1..2", "--resize-check-s", "5"))
+    try:
+        driver.wait_for(r"step \d+: checkpoint inside epoch 1 ")
+        two_node_cluster.lose_worker()
+        driver.wait_for(r"rank 0 of 1 on node " + re.escape(HEAD_IP), timeout_s=120)  # went on with the head alone
+        driver.wait_for(r"step \d+: checkpoint inside epoch \d+ ", timeout_s=120)
+        two_node_cluster.start_worker()
+        assert driver.finish() == 0, driver.output[-4000:]
+    finally:
+        driver.process.kill()
+    worlds = [n for _, n, _ in ranks(driver.output)]
+    assert worlds[:3] == [2, 2, 1] and worlds[-2:] == [2, 2], f"2 ranks, then 1, then 2 again: {ranks(driver.output)}"
+    assert_every_epoch_exact(tmp_path / "audit", demo, 2)
+
+
+def test_a_node_that_stays_lost_is_an_error_naming_it_in_bounded_time(
+    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+) -> None:
+    quick = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}  # Ray's wait for a worker group to fit (60 s)
+    driver = Driver(two_node_cluster, *split_run(demo, tmp_path, "2", "--max-failures", "1"), env=quick)
+    try:
+        driver.wait_for(r"step \d+: checkpoint inside epoch 1 ")
+        two_node_cluster.lose_worker()
+        lost_at = time.monotonic()
+        assert driver.finish(timeout_s=180) == 1
+        waited = time.monotonic() - lost_at
+    finally:
+        driver.process.kill()
+        two_node_cluster.start_worker()
+    assert f"raywds: error: lost node(s) {WORKER_IP} during the run" in driver.output, driver.output[-3000:]
+    assert waited < 120, f"{waited:.0f} s from the loss to the error"
+
+
+def test_a_storage_path_other_nodes_cannot_see_is_refused_before_training(
+    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+) -> None:
+    storage = tmp_path / "local-only"
+    storage.mkdir()
+    two_node_cluster.lose_worker()
+    try:
+        two_node_cluster.start_worker(private=[str(storage)])  # its own empty tmpfs over that path
+        out = raywds_ray(two_node_cluster, "--demo", "--demo-dir", str(demo.parent), "--storage-path", str(storage))
+    finally:
+        two_node_cluster.lose_worker()
+        two_node_cluster.start_worker()
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert f"raywds: error: --storage-path {storage} is on this machine only: node(s) {WORKER_IP} cannot see" in (
+        out.stderr
+    ), out.stderr[-3000:]
+    assert "epoch 1/" not in out.stdout
