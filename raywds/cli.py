@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         "as many waits for a fixed worker count to fit again (default %(default)s)",
     )
     p.add_argument(
+        "--node-wait-s",
+        type=float,
+        help="after a failure, how long Ray waits for the workers to fit on the cluster before that "
+        "restart counts as failed too (default: Ray's, 60)",
+    )
+    p.add_argument(
         "--resize-check-s",
         type=float,
         default=60.0,

@@ -253,6 +253,7 @@ def cmd_ray(args: argparse.Namespace) -> None:
             num_checkpoints_to_keep=args.keep_checkpoints,
             max_failures=args.max_failures,
             resize_check_s=args.resize_check_s,
+            node_wait_s=args.node_wait_s,
         )
     print(
         f"raywds: {run.plan.describe()}  checkpoint {run.checkpoint}  results {run.path}  "

@@ -88,6 +88,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as where:
             resume = load_checkpoint(where)
+        if world.is_main:
+            log.info(f"restarted: resuming from the checkpoint at step {resume['steps']} on {world.world_size} rank(s)")
     # Rank 0 writes the run folder the driver made, where this node sees it (local or shared storage).
     run_dir = RunDir(cfg.out_dir, append=True) if world.is_main and Path(cfg.out_dir).is_dir() else None
     train(cfg, world, functools.partial(report_to_ray, run_dir=run_dir), resume, run_dir=run_dir)
@@ -129,11 +131,14 @@ def run(
     num_checkpoints_to_keep: int | None = 2,
     max_failures: int = 0,
     resize_check_s: float = 60.0,
+    node_wait_s: float | None = None,
 ) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics.
     `num_workers` (MIN, MAX) is elastic; after a failure (a worker or its node lost) Ray restarts
     the workers up to `max_failures` times, each time from the latest checkpoint, and as often
-    waits (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for the nodes a fixed count needs."""
+    waits `node_wait_s` (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for the workers to fit."""
+    if node_wait_s is not None:  # Ray Train reads it in the driver and hands it to its controller
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(node_wait_s)
     plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=cfg.num_loader_workers_per_rank)  # RAY
     manifest = read_manifest(
         cfg.data, shards_at=cfg.shards_at

@@ -25,6 +25,8 @@ from raywds.serve.backend import Running, Spec
 CHUNK_BYTES = 256 << 10
 IDLE_TIMEOUT_S = 30.0
 NUM_THREADS = 64
+STOP_POLL_S = 0.5
+"""How often the accept loop looks whether stop() was called; stop() waits up to this long."""
 
 
 class ShardHandler(http.server.BaseHTTPRequestHandler):
@@ -167,7 +169,7 @@ def start(spec: Spec, cleanup: contextlib.ExitStack) -> Running:
         httpd = (_Server6 if ":" in spec.host else _Server)((spec.host, spec.port), handler, spec.num_threads)
     except OSError as e:
         raise ServerError(f"embedded server cannot listen on {spec.host}:{spec.port}: {e}") from None
-    thread = threading.Thread(target=httpd.serve_forever, name="raywds-shard-server", daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(STOP_POLL_S,), name="raywds-shard-server", daemon=True)
     thread.start()
 
     @cleanup.callback
