@@ -82,6 +82,9 @@ class TrainConfig:
     """Where checkpoints and metrics go when not running under Ray (runs/demo for --demo)."""
     pg_timeout_s: int = field(default=300, metadata=flag("--pg-timeout"))
     """Process-group timeout: a stalled collective becomes an error after this long."""
+    loader_timeout_s: float = field(default=240.0, metadata=flag("--loader-timeout"))
+    """A loader worker that delivers no batch for this long is an error naming the rank, the worker
+    and its shard (keep it under --pg-timeout, so the stuck rank says so before the others time out)."""
     read_timeout_s: float = field(default=60.0, metadata=flag("--read-timeout"))
     """Longest wait for the next bytes of a shard before a retry; a stalled server becomes an error."""
     read_retries: int = 3
@@ -133,6 +136,8 @@ class TrainConfig:
             raise ConfigError(
                 f"max_bad_samples={self.max_bad_samples} must be a fraction below 1 or a whole number of samples"
             )
+        if self.loader_timeout_s <= 0:
+            raise ConfigError(f"loader_timeout_s={self.loader_timeout_s} must be positive")
         if self.read_timeout_s <= 0:
             raise ConfigError(f"read_timeout_s={self.read_timeout_s} must be positive")
         for name in ("shuffle_buffer_samples", "cross_worker_shuffle_samples", "read_retries"):

@@ -24,7 +24,7 @@ samples for the cross-worker shuffle keeps it alive, sample by sample). So:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -101,18 +101,42 @@ class Blocks:
                 self.busy[lease] = 0
 
 
+def silent_worker(batches: Any) -> int | None:
+    """The worker the DataLoader's iterator waits on for its next batch (torch's private
+    bookkeeping: the task it must receive next, and the worker it gave that task to)."""
+    try:
+        return int(batches._task_info[batches._rcvd_idx][0])
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
 class HandedOver:
     """Training side: a DataLoader's batches, each leased block watched from its arrival until
     it is free. Iterable again, as the DataLoader is."""
 
-    def __init__(self, loader: Iterable[tuple[Any, Lease | None]], blocks: Blocks):
+    def __init__(
+        self,
+        loader: Iterable[tuple[Any, Lease | None]],
+        blocks: Blocks,
+        on_timeout: Callable[[int | None], Exception] | None = None,
+    ):
         self.loader = loader
         self.blocks = blocks
+        self.on_timeout = on_timeout
+        """Given the silent worker (or None), the error to raise when the DataLoader's timeout passes."""
 
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.loader)
         try:
-            for batch, lease in batches:
+            while True:
+                try:
+                    batch, lease = next(batches)
+                except StopIteration:
+                    return
+                except RuntimeError as e:
+                    if self.on_timeout is None or not str(e).startswith("DataLoader timed out after"):
+                        raise
+                    raise self.on_timeout(silent_worker(batches)) from e
                 self.blocks.release()
                 if lease is not None:
                     self.blocks.watch(lease, batch.images)

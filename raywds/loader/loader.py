@@ -36,6 +36,7 @@ from raywds.loader.stages import (
     val_decoder,
     worker_shuffled,
 )
+from raywds.loader.watch import Whereabouts
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.modes import loader_slots
@@ -64,8 +65,10 @@ def expected(manifest: Manifest, split: str) -> dict[str, Expected]:
     }
 
 
-def _read_stages(source: Any, manifest: Manifest, split: str, cfg: TrainConfig, skips: Skips) -> list[Any]:
-    """Shard URLs -> samples with ids, each shard checked against the manifest."""
+def _read_stages(
+    source: Any, manifest: Manifest, split: str, cfg: TrainConfig, skips: Skips, where: Whereabouts
+) -> list[Any]:
+    """Shard URLs -> samples with ids, each shard checked against the manifest, its URL noted in `where`."""
     return [
         source,
         bind(
@@ -74,6 +77,7 @@ def _read_stages(source: Any, manifest: Manifest, split: str, cfg: TrainConfig, 
             expected=expected(manifest, split),
             verify_hashes=cfg.verify_hashes,
             failures=skips.shards,
+            opening=where.note,
         ),
     ]
 
@@ -96,11 +100,18 @@ def start_method(workers: int, world: World) -> str | None:
 
 
 def _loader(
-    stages: list[Any], cfg: TrainConfig, world: World, *, partial: bool, skips: Skips | None = None
+    stages: list[Any],
+    cfg: TrainConfig,
+    world: World,
+    where: Whereabouts,
+    *,
+    partial: bool,
+    skips: Skips | None = None,
 ) -> Iterable[Batch]:
     """A DataLoader over the stages then batching (`partial`: keep a short last batch), its
     batches handed over in reused shared-memory blocks (raywds.loader.blocks), each carrying what
-    `skips` skipped before it."""
+    `skips` skipped before it; a worker silent for cfg.loader_timeout_s is an error naming the
+    rank, the worker and the shard it reads (`where`)."""
     workers = cfg.num_loader_workers_per_rank
     context = start_method(workers, world)
     blocks = Blocks(workers)
@@ -111,8 +122,9 @@ def _loader(
         num_workers=workers,
         multiprocessing_context=context,
         pin_memory=world.device.startswith("cuda"),
+        timeout=cfg.loader_timeout_s if workers else 0,
     )
-    return HandedOver(loader, blocks)
+    return HandedOver(loader, blocks, on_timeout=bind(where.stalled, world.rank, timeout_s=cfg.loader_timeout_s))
 
 
 class EpochLoader:
@@ -147,14 +159,14 @@ def train_loader(
     source = bind(
         shard_urls, plan, manifest.shards("train"), manifest, rank=rank, seed=cfg.seed, epoch=epoch, reseed=reseed
     )
-    skips = Skips(read_policy(cfg, skip_unreadable=not exact))
+    skips, where = Skips(read_policy(cfg, skip_unreadable=not exact)), Whereabouts()
     stages = [
-        *_read_stages(source, manifest, "train", cfg, skips),
+        *_read_stages(source, manifest, "train", cfg, skips, where),
         bind(unconsumed, consumed=position.consumed if resuming and position else None),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
         bind(decoded, decode=train_decoder(cfg), skips=skips),
     ]
-    loader = _loader(stages, cfg, world, partial=exact, skips=skips)
+    loader = _loader(stages, cfg, world, where, partial=exact, skips=skips)
     if not exact and cfg.cross_worker_shuffle_samples == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
 
@@ -175,9 +187,9 @@ def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[Sha
 def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
     """This rank's share of the validation split: every sample once across ranks, no padding."""
     slots = split_slots(manifest, "val", world.world_size * loader_slots(cfg))
-    skips = Skips(read_policy(cfg, skip_unreadable=False))
+    skips, where = Skips(read_policy(cfg, skip_unreadable=False)), Whereabouts()
     stages = [
-        *_read_stages(bind(slot_urls, slots, world.rank, manifest), manifest, "val", cfg, skips),
+        *_read_stages(bind(slot_urls, slots, world.rank, manifest), manifest, "val", cfg, skips, where),
         bind(decoded, decode=val_decoder(cfg), skips=skips),
     ]
-    return _loader(stages, cfg, world, partial=True)
+    return _loader(stages, cfg, world, where, partial=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -152,13 +152,17 @@ def tar_samples(
     *,
     verify_hashes: bool = False,
     failures: Failures | None = None,
+    opening: Callable[[str], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """{url} dicts -> samples with `__url__`, `__key__` and `__id__`, each shard checked against
-    `expected` (by URL), read by `policy`: an unreadable shard raises or is skipped into `failures`."""
+    `expected` (by URL), read by `policy`: an unreadable shard raises or is skipped into `failures`.
+    `opening` hears of each shard as it is opened."""
     failures = failures if failures is not None else Failures(policy)
     for source in sources:
         url = source["url"]
         shard = expected[url]
+        if opening is not None:
+            opening(url)
         try:
             stream = open_shard(url, policy, size=shard.num_bytes, sha256=shard.sha256)
         except (ShardError, OSError) as e:
