@@ -136,7 +136,10 @@ class HandedOver:
                 except RuntimeError as e:
                     if self.on_timeout is None or not str(e).startswith("DataLoader timed out after"):
                         raise
-                    raise self.on_timeout(silent_worker(batches)) from e
+                    silent = silent_worker(batches)
+                    for process in getattr(batches, "_workers", []):  # stuck: torch would wait 5 s on each
+                        process.kill()
+                    raise self.on_timeout(silent) from e
                 self.blocks.release()
                 if lease is not None:
                     self.blocks.watch(lease, batch.images)
