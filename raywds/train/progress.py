@@ -44,6 +44,7 @@ class ProgressLog:
         self.last = time.monotonic()
         row: dict[str, Any] = {
             "kind": "progress",
+            "time": time.time(),
             "epoch": self.epoch + 1,
             "step_in_epoch": step,
             "steps_in_epoch": self.num_steps,
