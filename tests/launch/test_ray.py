@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -14,9 +16,11 @@ import ray
 from conftest import small_config, tar_keys
 from raycluster import HeadNode, ray_temp_dir, ray_token_env, write_token
 
+from raywds.cli import worker_count
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.launch import ray_train
+from raywds.launch.cluster import split_storage
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +80,27 @@ def test_worker_plan_follows_the_cluster() -> None:
         ray_train.plan_workers({"CPU": 2}, 3)
     with pytest.raises(ConfigError, match="needs 16 GPUs but the cluster has 8"):
         ray_train.plan_workers({"CPU": 64, "GPU": 8}, 16)
+
+
+def test_an_elastic_worker_plan_needs_only_its_minimum_now() -> None:
+    plan = ray_train.plan_workers({"CPU": 2}, (1, 4))
+    assert (plan.ray_num_workers, plan.elastic, plan.describe()) == ((1, 4), True, "1..4 CPU (gloo) workers")
+    assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, (4, 16)).ray_num_workers == (4, 16), "more GPUs may come"
+    assert ray_train.plan_workers({"CPU": 8}, (3, 3)).ray_num_workers == 3, "MIN..MIN is a fixed count"
+    with pytest.raises(ConfigError, match="--num-workers 3 needs 3 CPUs but the cluster has 2"):
+        ray_train.plan_workers({"CPU": 2}, (3, 4))
+    with pytest.raises(ConfigError, match="the smaller first"):
+        ray_train.plan_workers({"CPU": 8}, (4, 2))
+    assert worker_count("2..8") == (2, 8) and worker_count("4") == 4
+    with pytest.raises(argparse.ArgumentTypeError, match="neither N nor MIN..MAX"):
+        worker_count("2-8")
+
+
+def test_storage_uris_pass_through_and_paths_become_absolute(tmp_path: Path) -> None:
+    assert split_storage("s3://bucket/runs") == ("s3://bucket/runs", None), "a URI goes to Ray untouched"
+    assert split_storage("file:///mnt/shared/runs") == ("file:///mnt/shared/runs", "/mnt/shared/runs")
+    relative = os.path.relpath(tmp_path / "runs")
+    assert split_storage(relative) == (str(tmp_path / "runs"), str(tmp_path / "runs"))
 
 
 def split_config(data: Path, audit: Path, **overrides: object) -> TrainConfig:
