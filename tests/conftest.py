@@ -128,8 +128,9 @@ def tar_keys(shards: Path, split: str = "train") -> list[str]:
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
     """Tests that start Ray (they ask for `user_cluster`) get the `ray` mark, so `-m "not ray"` leaves
-    them out; those on the two-node cluster also get `multinode`. RAYWDS_TEST_REVERSE=1 runs the tests in reverse order: none may lean on what an earlier
-    one left behind (a token in ~/.ray, a running cluster)."""
+    them out; those on the two-node cluster also get `multinode`. RAYWDS_TEST_REVERSE=1 runs the
+    tests in reverse order: none may lean on what an earlier one left behind (a token in ~/.ray,
+    a running cluster)."""
     for item in items:
         if "user_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)  # before `-m` selects
