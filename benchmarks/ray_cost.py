@@ -1,7 +1,7 @@
 """What Ray costs a training run: the same job under `torchrun --nproc-per-node 2 -m raywds
 train` (the baseline) and `raywds ray --num-workers 2` on a fresh local Ray cluster, in turn.
 
-    .venv/bin/python benchmarks/ray_cost.py [--epochs 2] [--repeats 2]
+    .venv/bin/python benchmarks/ray_cost.py [--epochs 2] [--repeats 2] [--two-nodes]
 
 Both run the demo recipe on the demo shards, two CPU ranks over gloo, rank 0 writing a progress
 row per step (`--log-every 0`, each row with its wall time). From those rows and the process's
@@ -10,6 +10,9 @@ start and end:
   step time       median time between rank 0's consecutive steps, each epoch's first 3 left out
   after last step rank 0's last step -> the process has exited (validation, checkpoint, shutdown)
 Ray runs on a private temp dir with a token of its own, and is stopped by its own driver.
+--two-nodes (root, iproute2) also runs `raywds ray` on the tests' two-node cluster (two network
+namespaces on this machine, tests/netnodes.py), a rank on each node, started once beforehand as
+a user's cluster would be: on one machine that shows the cost of the network path, not speed-up.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workdir", default=None, help="keep the demo shards and runs here (default: a temp dir)")
+    parser.add_argument("--two-nodes", action="store_true", help="also on a two-node cluster (root, iproute2)")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="raywds-raycost-"))
     shards = prepare(work / "demo")
@@ -87,14 +91,36 @@ def main() -> None:
                 ray_env,
             )
         )
+    if args.two_nodes:
+        results["ray, 2 nodes"] = two_nodes(job, work, args.repeats, env)
     keys = ("to_first_step_s", "step_s", "after_last_step_s", "total_s")
     print(f"{args.epochs} epochs of the demo recipe, 2 CPU ranks, median of {args.repeats} runs each")
-    print(f"{'':18}{'torchrun':>10}{'raywds ray':>12}{'ray/torchrun':>14}")
+    print(f"{'':18}" + "".join(f"{name:>15}" for name in results) + f"{'ray/torchrun':>14}")
     for key in keys:
-        base = statistics.median(r[key] for r in results["torchrun"])
-        ray = statistics.median(r[key] for r in results["ray"])
-        print(f"{key:18}{base:10.3f}{ray:12.3f}{ray / base:13.2f}x")
+        medians = [statistics.median(r[key] for r in runs) for runs in results.values()]
+        print(f"{key:18}" + "".join(f"{m:15.3f}" for m in medians) + f"{medians[1] / medians[0]:13.2f}x")
+    if args.two_nodes:
+        step = {name: statistics.median(r["step_s"] for r in runs) for name, runs in results.items()}
+        print(f"step time, 2 nodes / 1 node under Ray: {step['ray, 2 nodes'] / step['ray']:.2f}x")
     print(json.dumps(results))
+
+
+def two_nodes(job: list[str], work: Path, repeats: int, env: dict[str, str]) -> list[dict[str, float]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import netnodes  # the tests' two-node cluster
+
+    runs = []
+    with netnodes.two_nodes("rwb2-") as cluster:
+        for i in range(repeats):
+            storage = work / f"ray2-{i}"
+            command = [str(BIN / "raywds"), "ray", "--address", cluster.gcs_address, *job]
+            command += ["--num-workers", "2", "--storage-path", str(storage), "--name", "b"]
+            runs.append(
+                measure(
+                    cluster.on_head(command), storage / "b" / "metrics.jsonl", {**cluster.env, "OMP_NUM_THREADS": "1"}
+                )
+            )
+    return runs
 
 
 if __name__ == "__main__":
