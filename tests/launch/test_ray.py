@@ -204,8 +204,8 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not killed:
             # Epoch 3 began, so Ray has registered epoch 1's checkpoint at least (epoch 2's may be in flight).
-            for f in audit.glob("epoch0002-rank00001-pid*.keys"):
-                pid = int(f.name.split("pid")[1].split(".")[0])
+            for f in audit.glob("epoch0002-rank00001-*.keys"):
+                pid = int(f.name.rsplit("-pid", 1)[1].split(".")[0])
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
@@ -222,9 +222,9 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(
     )
     killer.join(timeout=5)
     assert killed, "the test never saw epoch 3 start"
-    replacement = {f.name.split("pid")[1] for f in audit.glob("*-rank00001-*.keys")} - {f"{killed[0]}.keys"}
+    replacement = {f.name.rsplit("-pid", 1)[1] for f in audit.glob("*-rank00001-*.keys")} - {f"{killed[0]}.keys"}
     assert len(replacement) == 1, "rank 1 ran in two processes: the killed one and its replacement"
-    first = min(f.name for f in audit.glob(f"*-rank00001-pid{replacement.pop()}"))
+    first = min(f.name for f in audit.glob(f"*-rank00001-*-pid{replacement.pop()}"))
     assert not first.startswith("epoch0000"), f"the replacement resumed from a checkpoint, not from epoch 1: {first}"
     assert run.metrics["epoch"] == 3 and run.metrics["step"] == 3 * 16  # ranks hold 64 and 56 samples: 16 batches of 4
     assert run.metrics["epoch_samples"] == 120 and run.metrics["epoch_duplicates"] == 0
