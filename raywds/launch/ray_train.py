@@ -140,12 +140,9 @@ def run(
     if node_wait_s is not None:  # Ray Train reads it in the driver and hands it to its controller
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(node_wait_s)
     plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=cfg.num_loader_workers_per_rank)  # RAY
-    manifest = read_manifest(
-        cfg.data, shards_at=cfg.shards_at
-    )  # refuse a data plan that would hang before starting any worker
-    check_plan(epoch_plan(manifest, cfg, plan.min_workers or plan.num_workers, epoch=0), manifest)
-    if plan.elastic:
-        check_plan(epoch_plan(manifest, cfg, plan.num_workers, epoch=0), manifest)
+    manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
+    for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
+        check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)
     if cfg.resume_from:
         resume_from = os.path.abspath(cfg.resume_from)
         checkpoint_file(resume_from)  # fail here, naming the path, rather than in every worker
@@ -159,7 +156,31 @@ def run(
     if local is not None:
         config_file = RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")
         check_every_node_sees(str(config_file), f"--storage-path {local}")
-    trainer = TorchTrainer(  # RAY
+    trainer = make_trainer(cfg, plan, storage, name, num_checkpoints_to_keep, max_failures, resize_check_s)
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:  # RAY
+        raise failure(e, lost_since(nodes), max_failures) from e
+    if not result.metrics:
+        raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    history = sorted(
+        (dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"]
+    )
+    return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)
+
+
+def make_trainer(
+    cfg: TrainConfig,
+    plan: WorkerPlan,
+    storage: str,
+    name: str,
+    num_checkpoints_to_keep: int | None,
+    max_failures: int,
+    resize_check_s: float,
+) -> TorchTrainer:
+    """The TorchTrainer that runs train_loop_per_worker on `plan`'s workers."""
+    return TorchTrainer(  # RAY
         train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
         scaling_config=ray.train.ScalingConfig(
@@ -184,17 +205,6 @@ def run(
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]  # V2's RunConfig; mypy sees V1's
         ),
     )
-    try:
-        result = trainer.fit()
-    except ray.train.TrainingFailedError as e:  # RAY
-        raise failure(e, lost_since(nodes), max_failures) from e
-    if not result.metrics:
-        raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    history = sorted(
-        (dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"]
-    )
-    return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)
 
 
 def failure(e: Exception, lost: list[str], max_failures: int) -> RaywdsError:
