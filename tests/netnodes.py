@@ -203,7 +203,9 @@ def two_nodes(
         namespaces = stack.enter_context(veth_pair(tag))
         head_temp = stack.enter_context(ray_temp_dir(prefix + "h-"))
         worker_temp = stack.enter_context(ray_temp_dir(prefix + "w-"))
-        base = {**(env or os.environ), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+        # RAY_DEDUP_LOGS=0: Ray folds lines that differ only in their numbers, from different
+        # workers, into one ("[repeated 2x across cluster]"), and the tests read every rank's line.
+        base = {**(env or os.environ), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0"}
         # Every process of the cluster (and the drivers) gets RAY_ADDRESS: Ray Train's actors that
         # call ray.init(address="auto") would otherwise find every Ray on this machine, not one per
         # machine as on a real cluster, and refuse to choose. The namespace's ports are all free.

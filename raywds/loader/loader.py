@@ -103,7 +103,7 @@ def _loader(
     stages: list[Any],
     cfg: TrainConfig,
     world: World,
-    where: Whereabouts,
+    where: Whereabouts | None = None,
     *,
     partial: bool,
     skips: Skips | None = None,
@@ -113,6 +113,7 @@ def _loader(
     `skips` skipped before it; a worker silent for cfg.loader_timeout_s is an error naming the
     rank, the worker and the shard it reads (`where`)."""
     workers = cfg.num_loader_workers_per_rank
+    where = where if where is not None else Whereabouts()  # stages that note no shard: the error says so
     context = start_method(workers, world)
     blocks = Blocks(workers)
     batched = wds.batched(cfg.batch_size_per_rank, collation_fn=bind(collate, out_of=blocks.take), partial=partial)
