@@ -218,18 +218,18 @@ def short_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader, "read_policy", lambda cfg, **kw: dataclasses.replace(policy(cfg, **kw), backoff_s=0.05))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_torch_thread() -> Iterator[None]:
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> None:
     """Training in this process uses one intra-op thread, as each gloo rank of the tests does. Two
     threads on a 2-core machine share it with the loader worker (and whatever else runs there):
     a step waits for a descheduled thread at every op, and the same run takes 4-5 times as long,
-    more the busier the machine. (The README run in tests/test_cli.py keeps torch's default.)"""
-    import torch
+    more the busier the machine. Set once torch is imported (a run of tests that never import it
+    does not pay for it); the README run in tests/test_cli.py keeps torch's default."""
+    import sys
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -241,3 +241,23 @@ def embedded_servers_stop_at_once() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(embedded, "STOP_POLL_S", 0.05)
         yield
+
+
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "raywds.train.trainer", "raywds.loader.loader"]
+"""What the fork server that starts the tests' gloo ranks and simulated ranks' loader workers imports once."""
+FORKSERVER_USERS = {"test_train.py", "test_loader.py"}
+"""Test modules that start ranks or distributed loaders from this process's fork server."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forkserver_started_early(request: pytest.FixtureRequest) -> None:
+    """Start this process's fork server (multiprocessing's, which torch's start_processes and the
+    loaders of simulated ranks use) before the first test, when tests that need it were selected:
+    it imports torch and raywds (~3 s) on the other core while the first tests run, instead of
+    holding up the first test that needs it. After collection, so that it has the tests' sys.path."""
+    if not any(item.path.name in FORKSERVER_USERS for item in request.session.items):
+        return
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
+    multiprocessing.forkserver.ensure_running()

@@ -266,7 +266,8 @@ def faulty_server(root: Path, broken: Broken) -> Iterator[str]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a, directory=str(root)))
     server.daemon_threads, server.block_on_close = True, False
     handler.server_ref.append(server)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # polls for shutdown() every 0.05 s, not socketserver's 0.5 s: the test ends that much sooner
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"

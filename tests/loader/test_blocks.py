@@ -14,6 +14,7 @@ from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.loader.blocks import SLOTS, Blocks
 from raywds.loader.loader import _loader, train_loader
+from raywds.loader.watch import Whereabouts
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
@@ -27,7 +28,7 @@ def numbered_images(count: int):  # type: ignore[no-untyped-def]
 
 def loader(count: int):  # type: ignore[no-untyped-def]
     cfg = TrainConfig(data="unused", model="demo", batch_size_per_rank=BATCH, num_loader_workers_per_rank=1)
-    handed = _loader([numbered_images(count)], cfg, World(), partial=False)
+    handed = _loader([numbered_images(count)], cfg, World(), Whereabouts(), partial=False)
     leases: list[tuple[int, int] | None] = []
     watch = handed.blocks.watch
 

@@ -157,7 +157,8 @@ def odd_server(tmp_path: Path) -> Iterator[tuple[str, list[dict[str, str]], byte
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # polls for shutdown() every 0.05 s, not socketserver's 0.5 s: the test ends that much sooner
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", requests, body

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import UNEVEN_SIZES, small_config, tar_keys
+from conftest import FORKSERVER_PRELOAD, UNEVEN_SIZES, small_config, tar_keys
 from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
@@ -41,9 +41,7 @@ tiny = small_config
 # raywds once, so each rank starts in well under a second (spawn re-imports them, ~3 s a rank)
 # and never inherits another thread's lock (a plain fork of this multi-threaded test process can).
 RANKS_START = "forkserver"
-torch.multiprocessing.set_forkserver_preload(
-    ["torch", "torch.distributed", "raywds.train.trainer", "raywds.loader.loader"]
-)
+torch.multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # conftest starts it early
 
 
 def test_local_training_learns_and_checkpoints(shards: Path, tmp_path: Path) -> None:
@@ -275,12 +273,18 @@ def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_p
     assert final["epoch_samples"] == 120 and final["epoch_missing"] == 0 and final["train_samples"] == 120 - 48
 
 
+STALL_TIMEOUT_S = 2
+
+
 def _stall_rank(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=4)
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
-    model = DistributedDataParallel(DemoNet(10))
+    # The model's collectives run in a group of both ranks with a short timeout; joining and
+    # setting up (the ranks may start seconds apart on a busy machine) keep the long one.
+    group = dist.new_group(timeout=timedelta(seconds=STALL_TIMEOUT_S))
+    model = DistributedDataParallel(DemoNet(10), process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     # Rank 0 has 3 batches, rank 1 only 2 and no Join: rank 0's third all-reduce has no partner.
     batches = [Batch(torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)), torch.arange(4), list("abcd"))] * (3 - rank)
@@ -296,7 +300,7 @@ def _stall_rank(rank: int, store: str, out: str) -> None:
             Compute("cpu", None, False),
             uneven=False,
             where="in epoch 1",
-            pg_timeout_s=4,
+            pg_timeout_s=STALL_TIMEOUT_S,
         )
         if rank == 1:  # stalled, not dead: rank 0 must give up on its own (within 30 s at most)
             deadline = time.monotonic() + 30
@@ -311,7 +315,9 @@ def test_a_stalled_collective_is_an_error_naming_rank_and_step(tmp_path: Path) -
     mp.start_processes(_stall_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method=RANKS_START)
     seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert re.match(
-        r"rank 0 of 2: a collective failed in epoch 1 step 3 after \d+ s \(process-group timeout 4 s\)", message
+        r"rank 0 of 2: a collective failed in epoch 1 step 3 after \d+ s "
+        rf"\(process-group timeout {STALL_TIMEOUT_S} s\)",
+        message,
     ), message
     assert float(seconds) < 15
     assert (tmp_path / "rank1.txt").read_text() == "finished"
@@ -356,7 +362,8 @@ def test_progress_rows_and_per_rank_metrics(shards: Path, tmp_path: Path, capsys
 
 def test_validation_every_n_epochs_and_always_the_last(shards: Path) -> None:
     rows: list = []
-    train(tiny(shards, num_epochs=3, val_every_epochs=2), World(), lambda m, s: rows.append(m))
+    # Two steps an epoch: the schedule is about epochs, not their length.
+    train(tiny(shards, num_epochs=3, val_every_epochs=2, batches_per_epoch=2), World(), lambda m, s: rows.append(m))
     assert ["val_top1" in r for r in rows] == [False, True, True]
 
 
