@@ -128,14 +128,17 @@ def tar_keys(shards: Path, split: str = "train") -> list[str]:
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
     """Tests that start Ray (they ask for `user_cluster`) get the `ray` mark, so `-m "not ray"` leaves
-    them out; those on the two-node cluster also get `multinode`. RAYWDS_TEST_REVERSE=1 runs the
-    tests in reverse order: none may lean on what an earlier one left behind (a token in ~/.ray,
-    a running cluster)."""
+    them out; those on the two-node cluster also get `multinode`, and every multinode test gets
+    `ray` (the torchrun one starts no Ray, but is as slow). RAYWDS_TEST_REVERSE=1 runs the tests in
+    reverse order: none may lean on what an earlier one left behind (a token in ~/.ray, a running
+    cluster)."""
     for item in items:
         if "user_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)  # before `-m` selects
         if "two_node_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.multinode)
+        if item.get_closest_marker("multinode") and not item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.ray)  # torchrun across namespaces: as slow, kept out of the inner loop
     yield
     if os.environ.get("RAYWDS_TEST_REVERSE") == "1":
         items.reverse()  # after everything else has ordered and selected
