@@ -40,6 +40,8 @@ from raywds.serve import free_port
 
 RAY = Path(sys.executable).parent / "ray"
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+NODE_FLAGS = ("--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0")
+"""For every `ray start` of the tests: no usage report, and worker ports the OS picks (never another cluster's)."""
 
 
 def write_token(directory: Path) -> Path:
@@ -293,11 +295,7 @@ def head_node(
         gcs_port,
         "--num-cpus",
         str(num_cpus),
-        "--disable-usage-stats",
-        "--min-worker-port",
-        "0",
-        "--max-worker-port",
-        "0",  # the OS picks: never another cluster's
+        *NODE_FLAGS,
         "--ray-client-server-port",
         free(),
         "--metrics-export-port",

@@ -4,7 +4,6 @@ elastic. The driver runs on the head node, as a user's does."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -34,11 +33,7 @@ AUDIT = re.compile(
 
 @pytest.fixture(scope="module")
 def two_node_cluster(user_cluster: HeadNode) -> Iterator[TwoNodes]:
-    why = netnodes.available()
-    if why is not None:
-        if os.environ.get("RAYWDS_REQUIRE_MULTINODE"):
-            pytest.fail(f"the multi-node tests cannot run here: {why}")
-        pytest.skip(why)
+    netnodes.require()
     with netnodes.two_nodes("rwm-") as cluster:
         yield cluster
 

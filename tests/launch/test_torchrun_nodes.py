@@ -23,11 +23,7 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture
 def namespaces() -> Iterator[tuple[str, str]]:
-    why = netnodes.available()
-    if why is not None:
-        if os.environ.get("RAYWDS_REQUIRE_MULTINODE"):
-            pytest.fail(f"the multi-node tests cannot run here: {why}")
-        pytest.skip(why)
+    netnodes.require()
     with netnodes.veth_pair(f"rt{os.getpid() % 100000}") as names:
         yield names
 
