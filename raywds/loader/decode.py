@@ -15,6 +15,10 @@ Three ways, chosen by `--decode`:
   batch (`decode_jpeg(..., device="cuda")` on a GPU) and crops, resizes and flips it there.
 
 Every way gives uint8 CHW; normalising happens on the device (raywds.train.compute).
+
+Each training sample's crop and flip are drawn from a generator of its own, seeded by (seed,
+epoch, sample id) (`crop_rng`): a sample gets the same crop whichever DataLoader worker, rank
+or Ray Data task decodes it, in any order, with any number of workers, and after a resume.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ try:
 except ImportError:  # built without a C compiler or libjpeg's headers: decode whole JPEGs
     _jpeg = None  # type: ignore[assignment]
 
+from raywds.plan import seeds
+
 RATIO = (3 / 4, 4 / 3)
 
 Box = tuple[int, int, int, int]
@@ -56,21 +62,31 @@ def reduction(box: Box, size: int) -> int:
 _LOG_RATIO = torch.log(torch.tensor(RATIO)).tolist()  # float32-rounded, as get_params has them
 
 
-def draw_crop(height: int, width: int, scale: tuple[float, float]) -> tuple[Box, bool]:
-    """RandomResizedCrop's box, then RandomHorizontalFlip's coin, drawn from torch's generator
-    exactly as torchvision draws them (`RandomResizedCrop.get_params`: the same calls, in the
-    same order, on the same values), so a seed gives both the same crops. Written out because
-    get_params builds tensors for what is scalar arithmetic, 3.3x slower (benchmarks/loader_bench.py)."""
+def crop_rng(seed: int, epoch: int, sample_id: int) -> torch.Generator:
+    """The generator a training sample's crop and flip are drawn from, its own (about 3 us to make)."""
+    rng = torch.Generator()
+    rng.manual_seed(seeds.number(seeds.CROP, seed, epoch, sample_id))
+    return rng
+
+
+def draw_crop(
+    height: int, width: int, scale: tuple[float, float], rng: torch.Generator | None = None
+) -> tuple[Box, bool]:
+    """RandomResizedCrop's box, then RandomHorizontalFlip's coin, drawn from `rng` (torch's
+    global generator when None) exactly as torchvision draws them (`RandomResizedCrop.get_params`:
+    the same calls, in the same order, on the same values), so a seed gives both the same crops.
+    Written out because get_params builds tensors for what is scalar arithmetic, 3.3x slower
+    (benchmarks/loader_bench.py)."""
     area = height * width
     for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
-        aspect_ratio = math.exp(torch.empty(1).uniform_(_LOG_RATIO[0], _LOG_RATIO[1]).item())
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=rng).item()
+        aspect_ratio = math.exp(torch.empty(1).uniform_(_LOG_RATIO[0], _LOG_RATIO[1], generator=rng).item())
         w = int(round(math.sqrt(target_area * aspect_ratio)))
         h = int(round(math.sqrt(target_area / aspect_ratio)))
         if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, size=(1,)).item())
-            left = int(torch.randint(0, width - w + 1, size=(1,)).item())
-            return (top, left, h, w), torch.rand(1).item() < 0.5
+            top = int(torch.randint(0, height - h + 1, size=(1,), generator=rng).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,), generator=rng).item())
+            return (top, left, h, w), torch.rand(1, generator=rng).item() < 0.5
     in_ratio = width / height  # ten misses: the centre crop get_params falls back to
     if in_ratio < min(RATIO):
         w, h = width, int(round(width / min(RATIO)))
@@ -78,7 +94,7 @@ def draw_crop(height: int, width: int, scale: tuple[float, float]) -> tuple[Box,
         h, w = height, int(round(height * max(RATIO)))
     else:
         w, h = width, height
-    return ((height - h) // 2, (width - w) // 2, h, w), torch.rand(1).item() < 0.5
+    return ((height - h) // 2, (width - w) // 2, h, w), torch.rand(1, generator=rng).item() < 0.5
 
 
 def _as_rgb_tensor(img: Image.Image) -> torch.Tensor:
@@ -117,11 +133,11 @@ def region(data: bytes, box: Box, r: int = 1) -> tuple[torch.Tensor, int, int]:
     return torch.frombuffer(pixels, dtype=torch.uint8).view(rows, cols, 3).permute(2, 0, 1), y0, x0
 
 
-def train_crop(data: bytes, size: int, scale: tuple[float, float]) -> torch.Tensor:
-    """The `cpu` decoder: a random crop of the image in `data`, decoding only what it needs."""
+def train_crop(data: bytes, size: int, scale: tuple[float, float], rng: torch.Generator | None = None) -> torch.Tensor:
+    """The `cpu` decoder: a random crop (drawn from `rng`) of the image in `data`, decoding only what it needs."""
     shape = _jpeg.size(data) if _jpeg is not None else None
     if shape is not None:  # a JPEG the region decoder reads: its header gives the size, no PIL
-        box, flip = draw_crop(*shape, scale)
+        box, flip = draw_crop(*shape, scale, rng)
         r = reduction(box, size)
         image, y0, x0 = region(data, box, r)
         if r == 1:
@@ -129,7 +145,7 @@ def train_crop(data: bytes, size: int, scale: tuple[float, float]) -> torch.Tens
             return cropped(image, (top - y0, left - x0, h, w), flip, size)
         return _resampled(Image.fromarray(image.permute(1, 2, 0).numpy()), box, r, (y0, x0), flip, size)
     with Image.open(io.BytesIO(data)) as img:  # without the extension, or not a plain JPEG
-        box, flip = draw_crop(img.height, img.width, scale)
+        box, flip = draw_crop(img.height, img.width, scale, rng)
         r = reduction(box, size) if img.format == "JPEG" else 1
         if r == 1 and _plain_jpeg(img):
             return cropped(jpeg_tensor(data), box, flip, size)
@@ -167,9 +183,17 @@ def reference_train(size: int, scale: tuple[float, float]) -> Callable[[bytes], 
     return functools.partial(_transformed, transform)
 
 
-def _transformed(transform: Callable[[Any], torch.Tensor], data: bytes) -> torch.Tensor:
-    """A torchvision transform of the image in `data` (a partial of this pickles, a lambda would not)."""
-    return transform(open_rgb(data))
+def _transformed(
+    transform: Callable[[Any], torch.Tensor], data: bytes, rng: torch.Generator | None = None
+) -> torch.Tensor:
+    """A torchvision transform of the image in `data` (a partial of this pickles, a lambda would
+    not); its random draws come from `rng`'s state, torch's global generator left as it was."""
+    image = open_rgb(data)
+    if rng is None:
+        return transform(image)
+    with torch.random.fork_rng(devices=[]):  # torchvision's transforms draw from the global generator
+        torch.set_rng_state(rng.get_state())
+        return transform(image)
 
 
 def reference_val(size: int) -> Callable[[bytes], torch.Tensor]:
@@ -236,11 +260,13 @@ class Encoded:
         return stack_crops([cropped(img, s.box, s.flip, s.size) for img, s in zip(images, samples)])
 
 
-def encoded_crop(data: bytes, size: int, scale: tuple[float, float]) -> EncodedImage:
-    """The `device` decoder's worker side: draw the crop from the header, keep the bytes.
-    Images decode_jpeg cannot read (PNG, CMYK JPEG) are re-encoded as JPEG (quality 95)."""
+def encoded_crop(
+    data: bytes, size: int, scale: tuple[float, float], rng: torch.Generator | None = None
+) -> EncodedImage:
+    """The `device` decoder's worker side: draw the crop (from `rng`) from the header, keep the
+    bytes. Images decode_jpeg cannot read (PNG, CMYK JPEG) are re-encoded as JPEG (quality 95)."""
     with Image.open(io.BytesIO(data)) as img:
-        box, flip = draw_crop(img.height, img.width, scale)
+        box, flip = draw_crop(img.height, img.width, scale, rng)
         if not _plain_jpeg(img):
             out = io.BytesIO()
             img.convert("RGB").save(out, format="JPEG", quality=95)

@@ -165,7 +165,7 @@ def train_loader(
         *_read_stages(source, manifest, "train", cfg, skips, where),
         bind(unconsumed, consumed=position.consumed if resuming and position else None),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
-        bind(decoded, decode=train_decoder(cfg), skips=skips),
+        bind(decoded, decode=train_decoder(cfg, epoch), skips=skips),
     ]
     loader = _loader(stages, cfg, world, where, partial=exact, skips=skips)
     if not exact and cfg.cross_worker_shuffle_samples == 0:

@@ -50,21 +50,32 @@ class Batch(NamedTuple):
 
 Sample = tuple[Any, int, int, str]
 
+Decoder = Callable[[bytes, int], Any]
+"""A sample's image bytes and id -> what its batch carries (raywds.loader.decode)."""
 
-def train_decoder(cfg: TrainConfig) -> Callable[[bytes], Any]:
+
+def train_decoder(cfg: TrainConfig, epoch: int) -> Decoder:
+    """`--decode`'s training crop, each sample's drawn from its own generator (decode.crop_rng)."""
     size, scale = cfg.image_size_px, (cfg.crop_scale_min, 1.0)
     if cfg.decode == "pil":
-        return decode.reference_train(size, scale)
-    crop = decode.encoded_crop if cfg.decode == "device" else decode.train_crop
-    return bind(crop, size=size, scale=scale)
+        crop = decode.reference_train(size, scale)
+    else:
+        crop = bind(decode.encoded_crop if cfg.decode == "device" else decode.train_crop, size=size, scale=scale)
+    return bind(_seeded, crop, cfg.seed, epoch)
 
 
-def val_decoder(cfg: TrainConfig) -> Callable[[bytes], torch.Tensor]:
-    return (
-        decode.reference_val(cfg.image_size_px)
-        if cfg.decode == "pil"
-        else bind(decode.val_crop, size=cfg.image_size_px)
-    )
+def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample_id: int) -> Any:
+    return crop(data, rng=decode.crop_rng(seed, epoch, sample_id))
+
+
+def val_decoder(cfg: TrainConfig) -> Decoder:
+    """The validation centre crop (no randomness: the sample id is not needed)."""
+    size = cfg.image_size_px
+    return bind(_unseeded, decode.reference_val(size) if cfg.decode == "pil" else bind(decode.val_crop, size=size))
+
+
+def _unseeded(fn: Callable[[bytes], Any], data: bytes, sample_id: int) -> Any:
+    return fn(data)
 
 
 class SampleError(DataError):
@@ -109,7 +120,7 @@ def _what(e: BaseException) -> str:
     return text.rsplit(".cpp:", 1)[-1].split(", ", 1)[-1] if ".cpp:" in text else text
 
 
-def decoded(samples: Iterable[dict[str, Any]], decode: Callable[[bytes], Any], skips: Skips) -> Iterator[Sample]:
+def decoded(samples: Iterable[dict[str, Any]], decode: Decoder, skips: Skips) -> Iterator[Sample]:
     """Sample dicts -> (image, class index, id, key), the image as `decode` (raywds.loader.decode) makes
     it; a sample without an image or class, or whose image or class cannot be read, goes to `skips`."""
     for sample in samples:
@@ -128,7 +139,7 @@ def decoded(samples: Iterable[dict[str, Any]], decode: Callable[[bytes], Any], s
             except ValueError:
                 member = f"{key}.cls"
                 raise ValueError(f"class {bytes(sample['cls'][:20])!r} is not a number") from None
-            image = decode(sample[ext])
+            image = decode(sample[ext], sample["__id__"])
         except Exception as e:  # noqa: BLE001 - PIL, libjpeg and torchvision raise many types for bad bytes
             skips.bad_sample(SampleError(f"shard {url}: sample {key} ({member}): {_what(e)}"))
             continue

@@ -9,6 +9,7 @@ changing one changes what a given `--seed` trains on.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 SHARD_DRAWS = "resample"
@@ -18,7 +19,10 @@ SHARD_ORDER = "split"
 WORKER_SHUFFLE = "shuffle"
 """The sample shuffle inside each loader worker."""
 CROSS_SHUFFLE = "cross"
-"""The main process's shuffle across a rank's workers."""
+"""The main process's shuffle across a rank's workers (and the Ray Data plane's shuffle on each rank)."""
+CROP = "crop"
+"""A training sample's random crop and flip, per (seed, epoch, sample id): the same crop
+whichever loader worker, rank or Ray Data task decodes the sample, in whatever order."""
 
 
 def seed(tag: str, *parts: object) -> str:
@@ -29,3 +33,11 @@ def seed(tag: str, *parts: object) -> str:
 def rng(tag: str, *parts: object) -> random.Random:
     """A generator private to one stream."""
     return random.Random(seed(tag, *parts))
+
+
+def number(tag: str, *parts: object) -> int:
+    """The seed of one stream as a non-negative 63-bit integer, for generators seeded by numbers
+    (torch's, Ray Data's shuffle): the first 8 bytes of the seed string's BLAKE2b, so nothing
+    depends on Python's per-process string hashing."""
+    digest = hashlib.blake2b(seed(tag, *parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -244,3 +244,23 @@ def test_the_shuffle_replay_draws_what_the_loader_draws(shards: Path, mode: str,
         rank=1,
     )
     assert [b.ids.tolist() for b in replayed] == [b.ids.tolist() for b in loaded]
+
+
+def crops_by_id(ranks: list[list[Batch]]) -> dict[int, torch.Tensor]:
+    return {int(i): b.images[j].clone() for batches in ranks for b in batches for j, i in enumerate(b.ids)}
+
+
+@pytest.mark.parametrize("decode", ["cpu", "pil"])
+def test_a_samples_crop_depends_on_seed_epoch_and_id_only(uneven: Path, decode: str) -> None:
+    """The crop comes from the sample's own generator: neither the worker count nor the rank
+    count nor the order samples arrive in changes it; the epoch and the seed do."""
+    base = {"mode": "split", "decode": decode, "shuffle_buffer_samples": 0}
+    one = crops_by_id(epoch(uneven, config(uneven, num_loader_workers_per_rank=0, **base), 1))
+    shuffled = {**base, "shuffle_buffer_samples": 30}
+    many = crops_by_id(epoch(uneven, config(uneven, num_loader_workers_per_rank=2, **shuffled), 2))
+    assert one.keys() == many.keys() and len(one) == 120
+    assert all(torch.equal(one[i], many[i]) for i in one), "1 rank x 0 workers and 2 ranks x 2 workers must agree"
+    later = crops_by_id(epoch(uneven, config(uneven, num_loader_workers_per_rank=0, **base), 1, n=1))
+    assert sum(not torch.equal(one[i], later[i]) for i in one) > 100, "the next epoch draws new crops"
+    reseeded = crops_by_id(epoch(uneven, config(uneven, num_loader_workers_per_rank=0, seed=1, **base), 1))
+    assert sum(not torch.equal(one[i], reseeded[i]) for i in one) > 100, "another seed draws new crops"
