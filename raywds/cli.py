@@ -199,8 +199,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-checkpoints", type=int, default=2, help="checkpoints kept in the run folder (default %(default)s)"
     )
+    p.add_argument(
+        "--data-plane",
+        default="loader",
+        choices=["loader", "ray"],
+        help="who reads and decodes the shards: each rank's own DataLoader workers (loader), or Ray Data tasks "
+        "on any node of the cluster (ray; --loader-workers then has no effect) (default %(default)s)",
+    )
+    p.add_argument(
+        "--plane-store-mb",
+        type=int,
+        default=1024,
+        help="--data-plane ray: object store memory each rank's pipeline may fill with blocks (default %(default)s)",
+    )
+    p.add_argument(
+        "--worker-resource",
+        type=resource,
+        action="append",
+        metavar="NAME=AMOUNT",
+        help="a custom Ray resource each training worker reserves, so the workers run only on nodes that have it "
+        "(`ray start --resources '{\"trainer\": 8}'`); repeatable",
+    )
     p.add_argument("--name", help="Ray Train run name (default raywds-DATE-TIME; reusing a name resumes that run)")
     return parser
+
+
+def resource(text: str) -> tuple[str, float]:
+    """`--worker-resource`: NAME=AMOUNT."""
+    name, _, amount = text.partition("=")
+    try:
+        if not name or float(amount) <= 0:
+            raise ValueError
+        return name, float(amount)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=AMOUNT with AMOUNT above 0") from None
 
 
 def worker_count(text: str) -> int | tuple[int, int]:

@@ -254,6 +254,9 @@ def cmd_ray(args: argparse.Namespace) -> None:
             max_failures=args.max_failures,
             resize_check_s=args.resize_check_s,
             node_wait_s=args.node_wait_s,
+            data_plane=args.data_plane,
+            worker_resources=dict(args.worker_resource or []),
+            plane_store_mb=args.plane_store_mb,
         )
     print(
         f"raywds: {run.plan.describe()}  checkpoint {run.checkpoint}  results {run.path}  "

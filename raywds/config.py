@@ -99,6 +99,9 @@ class TrainConfig:
     epoch (below 1: a fraction of the epoch's samples), then the run stops. Split mode never skips."""
     log_every_s: float = field(default=60.0, metadata=flag("--log-every"))
     """Rank 0 prints a progress line (loss, lr, images/s, data wait, ETA) this often inside an epoch."""
+    tensorboard: bool = False
+    """Rank 0 also writes the epoch and progress rows of metrics.jsonl as TensorBoard scalars to
+    RUN_DIR/tensorboard/ (needs the tensorboard extra: pip install 'raywds[tensorboard]')."""
     val_every_epochs: int = field(default=1, metadata=flag("--val-every"))
     """Validate every this many epochs (and always after the last)."""
     checkpoint_every_steps: int | None = None

@@ -109,6 +109,14 @@ def uneven(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return recut(shards, tmp_path_factory.mktemp("uneven") / "shards", UNEVEN_SIZES)
 
 
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's shards (1216 train, 300 val samples), as `raywds ray --demo` makes them in demo.parent."""
+    from raywds.data.demo import prepare
+
+    return prepare(tmp_path_factory.mktemp("demo"))
+
+
 def tar_keys(shards: Path, split: str = "train") -> list[str]:
     """Every sample key of a split, read straight from the tars (not through raywds)."""
     import json
@@ -120,6 +128,35 @@ def tar_keys(shards: Path, split: str = "train") -> list[str]:
         with tarfile.open(shards / shard["name"]) as tar:
             keys += list(dict.fromkeys(m.name.split(".", 1)[0] for m in tar.getmembers()))  # tar order
     return keys
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the TensorBoard event files in `folder`, as TensorBoard's own reader
+    loads them: tag -> [(step, value)] in the order written (values are float32 there)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep all, no sampling
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def assert_charts_hold(folder: Path, rows: list[dict], num_ranks: int) -> None:
+    """The event files in `folder` hold the numbers of these metrics.jsonl rows, and no others:
+    each epoch row's at its epoch (validation only where it ran), its per-rank lists one chart
+    per rank, each progress row's at its global step."""
+    epochs = [r for r in rows if "train_loss" in r]
+    progress = [r for r in rows if r.get("kind") == "progress"]
+    keys = ("train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "data_wait_max")
+    expected = {f"epoch/{key}": [(r["epoch"], r[key]) for r in epochs if key in r] for key in keys}
+    for key in ("images_per_s_per_rank", "data_wait_per_rank"):
+        for rank in range(num_ranks):
+            expected[f"epoch/{key}/rank{rank}"] = [(r["epoch"], r[key][rank]) for r in epochs]
+    for key in ("loss", "lr", "images_per_s_rank0", "data_wait_rank0"):
+        expected[f"progress/{key}"] = [(r["step"], r[key]) for r in progress]
+    charts = tensorboard_scalars(folder)
+    assert sorted(charts) == sorted(expected)
+    for tag, points in expected.items():  # event files hold float32
+        assert charts[tag] == [(step, pytest.approx(value, rel=1e-6)) for step, value in points], tag
 
 
 # --- Ray: every cluster a test starts is private (its own temp dir, ports and token) -------------

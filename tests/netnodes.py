@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -202,10 +203,16 @@ class TwoNodes:
 
 @contextmanager
 def two_nodes(
-    prefix: str, *, head_cpus: int = 1, worker_cpus: int = 1, env: Mapping[str, str] | None = None
+    prefix: str,
+    *,
+    head_cpus: int = 1,
+    worker_cpus: int = 1,
+    head_resources: Mapping[str, float] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[TwoNodes]:
     """A head node and a worker node in two namespaces named after this process, each with a Ray
-    temp dir of its own; on exit both nodes' processes are stopped by PID and the namespaces deleted."""
+    temp dir of its own, the head with `head_resources` (custom resources) if given; on exit both
+    nodes' processes are stopped by PID and the namespaces deleted."""
     tag = f"rw{os.getpid() % 100000}"
     with ExitStack() as stack:
         namespaces = stack.enter_context(veth_pair(tag))
@@ -225,6 +232,7 @@ def two_nodes(
                 node_ip_address=HEAD_IP,
                 port=6379,
                 num_cpus=head_cpus,
+                extra_args=["--resources", json.dumps(dict(head_resources))] if head_resources else (),
                 prefix=[*in_namespace(namespaces[0]), "env", f"RAY_ADDRESS={address}"],
             )
         )
@@ -236,4 +244,35 @@ def two_nodes(
         yield cluster
 
 
-__all__ = ["HEAD_IP", "WORKER_IP", "TwoNodes", "available", "cluster_processes", "two_nodes"]
+RAYWDS = Path(sys.executable).parent / "raywds"
+SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
+"""The summary line `raywds ray` ends with."""
+RANK = re.compile(r"rank (\d+) of (\d+) on node (\S+) \(pid (\d+)\)")
+"""Each rank's start line."""
+
+
+def raywds_ray(
+    cluster: TwoNodes, *args: str, timeout: float = 400, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`raywds ray` run on the head node against the cluster."""
+    return cluster.run([str(RAYWDS), "ray", "--address", cluster.gcs_address, *args], timeout=timeout, env=env)
+
+
+def ranks(output: str) -> list[tuple[int, int, str]]:
+    """(rank, world size, node IP) of each rank's start line, in order."""
+    return [(int(r), int(n), ip) for r, n, ip, _ in RANK.findall(output)]
+
+
+__all__ = [
+    "HEAD_IP",
+    "RANK",
+    "RAYWDS",
+    "SUMMARY",
+    "WORKER_IP",
+    "TwoNodes",
+    "available",
+    "cluster_processes",
+    "ranks",
+    "raywds_ray",
+    "two_nodes",
+]

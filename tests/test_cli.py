@@ -6,6 +6,7 @@ spend ~3 s importing torch again."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import assert_charts_hold
 
 from raywds.cli import main
 
@@ -308,6 +310,70 @@ def test_report_draws_a_png_from_a_run(raywds: Callable[..., Ran], shards: Path,
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
     out = raywds("report", str(tmp_path))
     assert out.returncode == 1 and "no metrics.jsonl in" in out.stderr
+
+
+def test_tensorboard_charts_what_metrics_jsonl_holds(raywds: Callable[..., Ran], shards: Path, tmp_path: Path) -> None:
+    """--tensorboard: the event files hold metrics.jsonl's numbers; the global step of progress
+    rows goes on across a resume, whose run adds an event file; a fresh run removes an earlier
+    run's, as it empties metrics.jsonl; and `raywds report` reads the folder as before."""
+    pytest.importorskip("tensorboard", reason="--tensorboard needs the tensorboard extra")
+    run = tmp_path / "run"
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "tensorboard" / "events.out.tfevents.0000000001.earlier").write_bytes(b"an earlier run's, unreadable")
+    common = [
+        "train",
+        "--data",
+        str(shards),
+        "--model",
+        "demo",
+        "--epochs",
+        "2",
+        "--batches-per-epoch",
+        "3",
+        "--val-every",
+        "2",
+        "--batch-size",
+        "16",
+        "--image-size",
+        "24",
+        "--loader-workers",
+        "1",
+        "--log-every",
+        "0",
+        "--tensorboard",
+        "--out",
+        str(run),
+    ]
+    out = raywds(*common, "--max-steps", "4")
+    assert out.returncode == 0, out.stderr
+    assert "stopped at step 4 inside epoch 2" in out.stdout
+    out = raywds(*common, "--resume", str(run))
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "progress"] == [1, 2, 3, 4, 5, 6]
+    assert [("val_top1" in r) for r in rows if "train_loss" in r] == [False, True]
+    assert len(list((run / "tensorboard").iterdir())) == 2, "one event file for each of the two runs"
+    assert_charts_hold(run / "tensorboard", rows, num_ranks=1)
+    out = raywds("report", str(run))
+    assert out.returncode == 0 and "(2 epochs)" in out.stdout, out.stderr
+
+
+def test_tensorboard_without_the_package_is_one_line_before_training(
+    raywds: Callable[..., Ran], shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("tensorboard", "torch.utils.tensorboard"):  # as where the package is not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    small = ["--model", "demo", "--epochs", "1", "--batches-per-epoch", "1", "--batch-size", "8", "--image-size", "24"]
+    out = raywds("train", "--data", str(shards), *small, "--loader-workers", "0", "--out", str(tmp_path / "plain"))
+    assert out.returncode == 0, "without --tensorboard nothing imports it: " + out.stderr
+    out = raywds("train", "--data", str(shards), *small, "--tensorboard", "--out", str(tmp_path / "run"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert re.fullmatch(
+        r"raywds: error: --tensorboard needs the tensorboard package, which does not import here \(.+\): "
+        r"pip install 'raywds\[tensorboard\]', or leave out --tensorboard\n",
+        out.stderr,
+    ), out.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "metrics.jsonl"], "nothing trained"
 
 
 def test_ray_serve_flag_hands_workers_an_http_url(shards: Path) -> None:

@@ -24,7 +24,7 @@ class WorkerPlan:
 
     num_workers: int
     use_gpu: bool
-    cpus_per_worker: int = 1
+    cpus_per_worker: float = 1
     min_workers: int | None = None
     """Elastic: Ray Train starts with at least this many and grows to num_workers as nodes come."""
 
@@ -49,10 +49,13 @@ def plan_workers(
     *,
     default_cpu_workers: int = 2,
     loader_workers: int = 0,
+    plane_task_cpus: float | None = None,
 ) -> WorkerPlan:
     """One worker per GPU the cluster has, each reserving CPUs for its loader workers (as many
     as the cluster has per GPU); without GPUs, `num_workers` CPU workers of one CPU each.
     `num_workers` (MIN, MAX) is elastic: the cluster must hold MIN now; MAX may wait for nodes.
+    With the Ray Data plane (`plane_task_cpus`: what one decode task reserves) a worker reserves
+    one CPU, and on a cluster without GPUs less where that leaves no room for one decode task.
 
     Refuses plans the cluster can never place, which would otherwise wait forever."""
     gpus = int(resources.get("GPU", 0))
@@ -68,7 +71,7 @@ def plan_workers(
             raise ConfigError(
                 f"--num-workers {need} needs {need} GPUs but the cluster has {gpus}; use --num-workers {gpus} or fewer"
             )
-        per_worker = max(1, min(loader_workers + 1, cpus // gpus))
+        per_worker = 1 if plane_task_cpus is not None else max(1, min(loader_workers + 1, cpus // gpus))
         return WorkerPlan(wanted, True, per_worker, low if elastic else None)
     wanted = default_cpu_workers if high is None else high
     need = low if elastic and low is not None else wanted
@@ -77,7 +80,15 @@ def plan_workers(
             f"--num-workers {need} needs {need} CPUs but the cluster has {cpus}; "
             f"use --num-workers {max(cpus, 1)} or add nodes"
         )
-    return WorkerPlan(wanted, False, 1, low if elastic else None)
+    per_cpu_worker: float = 1
+    if plane_task_cpus is not None and cpus - wanted < plane_task_cpus:  # share: the decode tasks need room too
+        per_cpu_worker = round((cpus - plane_task_cpus) / wanted, 3)
+        if per_cpu_worker <= 0:
+            raise ConfigError(
+                f"--data-plane ray needs a CPU for decoding beside the {wanted} training workers, "
+                f"but the cluster has {cpus}; add a node or use --data-plane loader"
+            )
+    return WorkerPlan(wanted, False, per_cpu_worker, low if elastic else None)
 
 
 def gloo_on_the_node_address() -> None:

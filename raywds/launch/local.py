@@ -46,5 +46,7 @@ def run_local(cfg: TrainConfig) -> tuple[Metrics, RunDir | None]:
     try:
         return train(cfg, world, run_dir=run_dir), run_dir
     finally:
+        if run_dir is not None:
+            run_dir.close()
         if world.distributed:
             dist.destroy_process_group()

@@ -24,7 +24,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raywds import console
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
-from raywds.errors import RaywdsError, one_line
+from raywds.errors import ConfigError, RaywdsError, one_line
 from raywds.launch.cluster import (
     WorkerPlan,
     alive_nodes,
@@ -36,6 +36,7 @@ from raywds.launch.cluster import (
     plan_workers,
     split_storage,
 )
+from raywds.launch.raydata import Plane, RayData
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
 from raywds.train.checkpoint import CHECKPOINT_FILE, checkpoint_file, load_checkpoint
@@ -44,6 +45,13 @@ from raywds.train.trainer import train
 from raywds.world import World
 
 log = logging.getLogger(__name__)
+
+DATA_PLANES = ("loader", "ray")
+"""`--data-plane`: each rank's own DataLoader workers, or Ray Data tasks anywhere in the cluster."""
+PLANE_TASK_CPUS = 1.0
+"""CPUs one Ray Data read-and-decode task reserves."""
+PLANE_STORE_MB = 1024
+"""Object store memory each rank's Ray Data pipeline may fill with blocks in flight (--plane-store-mb)."""
 
 
 def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDir | None = None) -> None:
@@ -74,7 +82,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Runs in every Ray Train worker: build the world from Ray's context, then train."""
     quiet_ray_reports()
     console.configure()
-    cfg = TrainConfig.from_dict(config)
+    cfg = TrainConfig.from_dict(config["config"])
+    loaders = RayData(Plane(**config["plane"])) if config.get("plane") else None
     context = ray.train.get_context()  # RAY
     world = World(
         rank=context.get_world_rank(),
@@ -92,7 +101,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             log.info(f"restarted: resuming from the checkpoint at step {resume['steps']} on {world.world_size} rank(s)")
     # Rank 0 writes the run folder the driver made, where this node sees it (local or shared storage).
     run_dir = RunDir(cfg.out_dir, append=True) if world.is_main and Path(cfg.out_dir).is_dir() else None
-    train(cfg, world, functools.partial(report_to_ray, run_dir=run_dir), resume, run_dir=run_dir)
+    train(cfg, world, functools.partial(report_to_ray, run_dir=run_dir), resume, run_dir=run_dir, loaders=loaders)
 
 
 def worker_error(failed: Exception) -> RaywdsError | None:
@@ -132,14 +141,40 @@ def run(
     max_failures: int = 0,
     resize_check_s: float = 60.0,
     node_wait_s: float | None = None,
+    data_plane: str = "loader",
+    worker_resources: dict[str, float] | None = None,
+    plane_store_mb: int = PLANE_STORE_MB,
 ) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics.
     `num_workers` (MIN, MAX) is elastic; after a failure (a worker or its node lost) Ray restarts
     the workers up to `max_failures` times, each time from the latest checkpoint, and as often
-    waits `node_wait_s` (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for the workers to fit."""
+    waits `node_wait_s` (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for the workers to fit.
+    `data_plane` "ray": Ray Data tasks read and decode on any node (raywds.launch.raydata), each
+    rank's pipeline holding at most `plane_store_mb` of blocks in the object store.
+    `worker_resources`: custom Ray resources each training worker reserves (where it may run)."""
     if node_wait_s is not None:  # Ray Train reads it in the driver and hands it to its controller
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(node_wait_s)
-    plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=cfg.num_loader_workers_per_rank)  # RAY
+    if data_plane not in DATA_PLANES:
+        raise ConfigError(f"--data-plane {data_plane!r} is not one of {', '.join(DATA_PLANES)}")
+    on_plane = data_plane == "ray"
+    if on_plane and cfg.decode == "device":
+        raise ConfigError("--decode device needs each rank's own loader: use --data-plane loader, or --decode cpu")
+    if on_plane:  # no DataLoader workers: each rank is one slot of the plan, its shards read by Ray Data tasks
+        cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=0)
+    plan = plan_workers(  # RAY
+        ray.cluster_resources(),
+        num_workers,
+        loader_workers=cfg.num_loader_workers_per_rank,
+        plane_task_cpus=PLANE_TASK_CPUS if on_plane else None,
+    )
+    plane = None
+    if on_plane:
+        plane = Plane(
+            task_cpus=PLANE_TASK_CPUS,
+            object_store_bytes_per_rank=plane_store_mb << 20,
+            trainer_cpus=plan.num_workers * plan.cpus_per_worker,
+            trainer_gpus=plan.num_workers if plan.use_gpu else 0,
+        )
     manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
     for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
         check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)
@@ -148,7 +183,8 @@ def run(
         checkpoint_file(resume_from)  # fail here, naming the path, rather than in every worker
         cfg = dataclasses.replace(cfg, resume_from=resume_from)
     nodes = alive_nodes()
-    print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s))", flush=True)
+    decoding = f", decoding on Ray Data tasks of {PLANE_TASK_CPUS:g} CPU anywhere in the cluster" if on_plane else ""
+    print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s)){decoding}", flush=True)
     storage, local = split_storage(storage_path or "runs/ray")
     name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
     # Rank 0 appends metrics.jsonl to the run folder where it is a path (local, shared or file://).
@@ -156,7 +192,9 @@ def run(
     if local is not None:
         config_file = RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")
         check_every_node_sees(str(config_file), f"--storage-path {local}")
-    trainer = make_trainer(cfg, plan, storage, name, num_checkpoints_to_keep, max_failures, resize_check_s)
+    trainer = make_trainer(
+        cfg, plan, storage, name, num_checkpoints_to_keep, max_failures, resize_check_s, plane, worker_resources
+    )
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:  # RAY
@@ -178,15 +216,17 @@ def make_trainer(
     num_checkpoints_to_keep: int | None,
     max_failures: int,
     resize_check_s: float,
+    plane: Plane | None = None,
+    worker_resources: dict[str, float] | None = None,
 ) -> TorchTrainer:
     """The TorchTrainer that runs train_loop_per_worker on `plan`'s workers."""
     return TorchTrainer(  # RAY
         train_loop_per_worker,
-        train_loop_config=cfg.to_dict(),
+        train_loop_config={"config": cfg.to_dict(), "plane": dataclasses.asdict(plane) if plane else None},
         scaling_config=ray.train.ScalingConfig(
             num_workers=plan.ray_num_workers,  # type: ignore[arg-type]  # V2 takes (min, max); mypy sees V1's
             use_gpu=plan.use_gpu,
-            resources_per_worker={"CPU": plan.cpus_per_worker},
+            resources_per_worker={"CPU": plan.cpus_per_worker, **(worker_resources or {})},
             elastic_resize_monitor_interval_s=resize_check_s,  # type: ignore[call-arg]
         ),
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout_s),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial as bind
-from typing import Any
+from typing import Any, Protocol
 
 import webdataset as wds
 from torch.utils.data import DataLoader
@@ -194,3 +194,40 @@ def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[B
         bind(decoded, decode=val_decoder(cfg), skips=skips),
     ]
     return _loader(stages, cfg, world, where, partial=True)
+
+
+class Loaders(Protocol):
+    """Where a run's batches come from: each rank's own loader (`PerRank`), or the Ray Data
+    plane (raywds.launch.raydata), which decodes on any node of the cluster."""
+
+    def train(
+        self,
+        manifest: Manifest,
+        cfg: TrainConfig,
+        world: World,
+        plan: EpochPlan,
+        *,
+        epoch: int,
+        position: Position | None = None,
+    ) -> EpochLoader: ...
+
+    def val(self, manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]: ...
+
+
+class PerRank:
+    """Each rank's DataLoader workers read and decode the shards the plan deals it (the default)."""
+
+    def train(
+        self,
+        manifest: Manifest,
+        cfg: TrainConfig,
+        world: World,
+        plan: EpochPlan,
+        *,
+        epoch: int,
+        position: Position | None = None,
+    ) -> EpochLoader:
+        return train_loader(manifest, cfg, world, plan, epoch=epoch, position=position)
+
+    def val(self, manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
+        return val_loader(manifest, cfg, world)

@@ -57,6 +57,7 @@ Decoder = Callable[[bytes, int], Any]
 def train_decoder(cfg: TrainConfig, epoch: int) -> Decoder:
     """`--decode`'s training crop, each sample's drawn from its own generator (decode.crop_rng)."""
     size, scale = cfg.image_size_px, (cfg.crop_scale_min, 1.0)
+    crop: Callable[..., Any]
     if cfg.decode == "pil":
         crop = decode.reference_train(size, scale)
     else:

@@ -25,8 +25,12 @@ log = logging.getLogger(__name__)
 class ProgressLog:
     """Rank 0's view inside an epoch."""
 
-    def __init__(self, cfg: TrainConfig, world: World, epoch: int, num_steps: int, run_dir: RunDir | None):
+    def __init__(
+        self, cfg: TrainConfig, world: World, epoch: int, num_steps: int, run_dir: RunDir | None, *, first_step: int = 0
+    ):
+        """`first_step`: the run's steps before this (part of the) epoch, so rows carry the global step."""
         self.cfg, self.world, self.epoch, self.num_steps, self.run_dir = cfg, world, epoch, num_steps, run_dir
+        self.first_step = first_step
         self.last = time.monotonic()
         # Only a bar that is drawn is made: even a disabled tqdm starts tqdm's monitor thread, and
         # every thread alive when the DataLoader forks its workers is a lock a worker may inherit held.
@@ -46,6 +50,7 @@ class ProgressLog:
             "kind": "progress",
             "time": time.time(),
             "epoch": self.epoch + 1,
+            "step": self.first_step + step,
             "step_in_epoch": step,
             "steps_in_epoch": self.num_steps,
             "loss": loss_sum / max(num_samples, 1),

@@ -4,6 +4,7 @@ RUN_DIR/metrics.jsonl   a row per finished epoch, per in-epoch checkpoint, and p
 RUN_DIR/config.json     the resolved config (raywds-config.json beside a Ray run's own files)
 RUN_DIR/checkpoint.pt   the latest checkpoint (local runs; Ray keeps its own checkpoint folders)
 RUN_DIR/best/           the checkpoint with the best validation top-1, and its metrics.json
+RUN_DIR/tensorboard/    with --tensorboard: the rows' numbers as TensorBoard scalars (raywds.train.tensorboard)
 """
 
 from __future__ import annotations
@@ -14,20 +15,37 @@ from typing import Any
 
 from raywds.config import TrainConfig
 from raywds.train.checkpoint import CHECKPOINT_FILE, save_checkpoint
+from raywds.train.tensorboard import FOLDER, EventWriter
 
 Metrics = dict[str, Any]
 
 
 class RunDir:
-    """`append` keeps the metrics of the run being resumed; otherwise metrics.jsonl starts empty."""
+    """`append` keeps the metrics (and TensorBoard event files) of the run being resumed;
+    otherwise metrics.jsonl starts empty."""
 
     def __init__(self, path: str | Path, *, append: bool = False):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.path / "metrics.jsonl"
         self.checkpoint_path = self.path / CHECKPOINT_FILE
+        self.events: EventWriter | None = None
+        self.keep_events = append
         if not append:
             self.metrics_path.write_text("")
+
+    def open_tensorboard(self) -> Path:
+        """From now on also write each row's numbers as TensorBoard scalars; returns their folder."""
+        if self.events is None:
+            self.events = EventWriter(self.path / FOLDER, append=self.keep_events)
+            self.keep_events = True  # opened again, it adds to this run's event files
+        return self.events.folder
+
+    def close(self) -> None:
+        """Close the TensorBoard writer, if open (every row is on disk already)."""
+        if self.events is not None:
+            self.events.close()
+            self.events = None
 
     def write_config(self, cfg: TrainConfig, name: str = "config.json") -> Path:
         path = self.path / name
@@ -35,9 +53,11 @@ class RunDir:
         return path
 
     def append(self, row: Metrics) -> None:
-        """One row of metrics.jsonl."""
+        """One row of metrics.jsonl (and its numbers in TensorBoard, when open)."""
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.events is not None:
+            self.events.write(row)
 
     def record(self, metrics: Metrics, state: dict[str, Any]) -> None:
         """An epoch's (or an in-epoch checkpoint's) metrics, and best/ when top-1 improved."""

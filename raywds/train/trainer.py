@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import DataError
-from raywds.loader.loader import train_loader, val_loader
+from raywds.loader.loader import Loaders, PerRank
 from raywds.loader.stages import Batch
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan, parse
@@ -49,9 +49,13 @@ class Trainer:
         report: Report | None,
         resume: dict[str, Any] | None,
         run_dir: RunDir | None = None,
+        loaders: Loaders | None = None,
     ):
         torch.manual_seed(cfg.seed)
         self.cfg, self.world, self.run_dir = cfg, world, run_dir
+        if run_dir is not None and cfg.tensorboard:  # first: a missing tensorboard stops the run before any work
+            run_dir.open_tensorboard()
+        self.loaders = loaders if loaders is not None else PerRank()
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
         self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
         self.num_samples = self.manifest.num_samples("train")
@@ -95,7 +99,7 @@ class Trainer:
         """Train epoch `index` (or what is left of it), evaluate, report; True when max_steps stopped it."""
         cfg, world = self.cfg, self.world
         epoch = self.begin(index)
-        batches = train_loader(self.manifest, cfg, world, epoch.plan, epoch=index, position=epoch.position)
+        batches = self.loaders.train(self.manifest, cfg, world, epoch.plan, epoch=index, position=epoch.position)
 
         def lr(step: int) -> float:
             """The rate for step `step` (0-based) of this run's part of the epoch: the schedule's
@@ -104,7 +108,7 @@ class Trainer:
                 cfg, world, index + min((epoch.done_before + (step + 1) * epoch.global_batch) / epoch.size, 1.0)
             )
 
-        progress = ProgressLog(cfg, world, index, len(batches), run_dir=self.run_dir)
+        progress = ProgressLog(cfg, world, index, len(batches), run_dir=self.run_dir, first_step=epoch.start.steps)
 
         def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
             epoch.ledger.mark(batch.ids)
@@ -210,7 +214,7 @@ class Trainer:
                 f"{metrics['epoch_duplicates']} repeated, {metrics['epoch_missing']} missing"
             )
         if (epoch.index + 1) % cfg.val_every_epochs == 0 or epoch.index + 1 == cfg.num_epochs:
-            metrics.update(evaluate(self.model, val_loader(self.manifest, cfg, world), world, self.compute))
+            metrics.update(evaluate(self.model, self.loaders.val(self.manifest, cfg, world), world, self.compute))
         self.progress = Progress(
             epoch=epoch.index + 1,
             steps=metrics["step"],
@@ -270,11 +274,12 @@ def train(
     resume: dict[str, Any] | None = None,
     *,
     run_dir: RunDir | None = None,
+    loaders: Loaders | None = None,
 ) -> Metrics:
     """Train for cfg.num_epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or
     cfg.resume_from when given; returns the last metrics, the same on every rank. Rank 0's
     `run_dir` gets progress rows, and is the report (metrics, checkpoint, best/) when no
-    `report` is given."""
+    `report` is given. `loaders`: where batches come from (each rank's own loader by default)."""
     if resume is None and cfg.resume_from:
         resume = load_checkpoint(cfg.resume_from)
-    return Trainer(cfg, world, report, resume, run_dir).fit()
+    return Trainer(cfg, world, report, resume, run_dir, loaders).fit()

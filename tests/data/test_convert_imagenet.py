@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -288,18 +289,72 @@ def test_val_class_folders_match_train_ignoring_case(tree: Path, tmp_path: Path)
     assert manifest["splits"]["val"]["num_samples"] == 50
 
 
+def manifest_samples(shards: Path, split: str) -> list[tuple[str, int]]:
+    """(key, label) of every sample of `split` in the manifest's shard order, read with tarfile
+    alone: the key as webdataset cuts it (the member's path up to the first dot of its basename),
+    the label from `.cls`, which must index the class the sample's `.json` names; each shard
+    holds as many samples as the manifest says."""
+    manifest = read_manifest(str(shards))
+    samples = []
+    for shard in manifest.shards(split):
+        members: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(shards / shard.name) as tar:
+            for member in tar.getmembers():
+                folder, slash, base = member.name.rpartition("/")
+                stem, _, ext = base.partition(".")
+                data = tar.extractfile(member)
+                assert data is not None, member.name
+                members.setdefault(folder + slash + stem, {})[ext] = data.read()
+        assert len(members) == shard.num_samples, shard.name
+        for key, files in members.items():
+            label = int(files["cls"])
+            assert manifest.classes[label] == json.loads(files["json"])["class"], key
+            samples.append((key, label))
+    assert len(samples) == manifest.num_samples(split)
+    return samples
+
+
 def test_timm_reads_the_same_shards(shards: Path) -> None:
-    import timm.data  # in the dev extra
+    """What docs/interop.md shows: timm's `wds/` reader finds the shards through `_info.json`."""
+    timm_data = pytest.importorskip("timm.data", reason="timm is in the dev extra")
+    for split in ("train", "val"):
+        expected = manifest_samples(shards, split)
+        ordered = timm_data.create_dataset(
+            "wds/imagenet", root=str(shards), split=split, is_training=False, batch_size=8
+        )
+        labels = [int(target) for _, target in ordered]
+        keys = [name.removesuffix(".JPEG") for name in ordered.reader.filenames()]  # timm names a sample KEY.JPEG
+        assert list(zip(keys, labels, strict=True)) == expected, split
+        if split == "train":  # as timm trains: shards and samples shuffled; 120 samples are 15 whole batches
+            shuffled = timm_data.create_dataset(
+                "wds/imagenet", root=str(shards), split=split, is_training=True, batch_size=8
+            )
+            labels = [int(target) for _, target in shuffled]
+            assert labels != [label for _, label in expected], "timm shuffles what it trains on"
+            assert sorted(labels) == sorted(label for _, label in expected)
 
-    val = timm.data.create_dataset("wds/imagenet", root=str(shards), split="val", is_training=False, batch_size=8)
-    targets = sorted(int(target) for _, target in val)
-    assert targets == sorted(
-        int(c) for s in read_manifest(str(shards)).shards("val") for c in _classes(shards / s.name)
-    )
 
-
-def _classes(path: Path) -> list[bytes]:
-    return [s["cls"] for s in wds.WebDataset(str(path), shardshuffle=False)]
+def test_hugging_face_datasets_reads_the_same_shards(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What docs/interop.md shows: datasets' `webdataset` builder, offline, its cache in tmp_path."""
+    for name, value in {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}.items():
+        monkeypatch.setenv(name, value)  # read when datasets is imported, just below
+    datasets = pytest.importorskip("datasets", reason="datasets is in the dev extra")
+    data_files = {split: str(shards / f"imagenet-{split}-*.tar") for split in ("train", "val")}
+    loaded = datasets.load_dataset("webdataset", data_files=data_files, cache_dir=str(tmp_path / "hf-cache"))
+    assert sorted(loaded) == ["train", "val"]
+    manifest = read_manifest(str(shards))
+    for split in ("train", "val"):
+        expected = manifest_samples(shards, split)
+        rows = loaded[split]
+        assert list(zip(rows["__key__"], rows["cls"], strict=True)) == expected, split
+        assert [Path(url).name for url in rows["__url__"]] == [
+            s.name for s in manifest.shards(split) for _ in range(s.num_samples)
+        ]
+        first = rows[0]
+        assert first["json"]["class"] == manifest.classes[first["cls"]]
+        assert first["jpg"].size == (first["json"]["width"], first["json"]["height"])
 
 
 def test_max_side_downscales_large_images_only(odd_tree: Path, tmp_path: Path) -> None:

@@ -16,12 +16,9 @@ from pathlib import Path
 import netnodes
 import pytest
 from conftest import tar_keys
-from netnodes import HEAD_IP, WORKER_IP, TwoNodes
+from netnodes import HEAD_IP, RANK, RAYWDS, SUMMARY, WORKER_IP, TwoNodes, ranks, raywds_ray
 from raycluster import RAY, HeadNode
 
-RAYWDS = Path(sys.executable).parent / "raywds"
-SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
-RANK = re.compile(r"rank (\d+) of (\d+) on node (\S+) \(pid (\d+)\)")
 CLEAN = re.compile(  # a healthy run's console: raywds's lines, the workers' raywds lines, Ray's connect lines
     r"^(raywds: |epochs \d+  top-1|\d{4}-\d\d-\d\d [\d:,]+\tINFO worker\.py:\d+ -- Connect"
     r"|(\x1b\[\d+m)?\(RayTrainWorker pid=\d+(, ip=[\d.]+)?\)(\x1b\[0m)? (rank \d+ of \d+ on node|epoch \d+/\d+  loss))"
@@ -36,24 +33,6 @@ def two_node_cluster(user_cluster: HeadNode) -> Iterator[TwoNodes]:
     netnodes.require()
     with netnodes.two_nodes("rwm-") as cluster:
         yield cluster
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's shards (1216 train, 300 val samples), as `raywds ray --demo` makes them in demo.parent."""
-    from raywds.data.demo import prepare
-
-    return prepare(tmp_path_factory.mktemp("mn-demo"))
-
-
-def raywds_ray(cluster: TwoNodes, *args: str, timeout: float = 400, env: dict[str, str] | None = None):
-    """`raywds ray` run on the head node against the cluster."""
-    return cluster.run([str(RAYWDS), "ray", "--address", cluster.gcs_address, *args], timeout=timeout, env=env)
-
-
-def ranks(output: str) -> list[tuple[int, int, str]]:
-    """(rank, world size, node IP) of each rank's start line, in order."""
-    return [(int(r), int(n), ip) for r, n, ip, _ in RANK.findall(output)]
 
 
 def trained_once(audit: Path, epoch: int) -> Counter:

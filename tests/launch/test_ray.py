@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import small_config, tar_keys
+from conftest import assert_charts_hold, small_config, tar_keys
 from raycluster import HeadNode, ray_temp_dir, ray_token_env, write_token
 
 from raywds.cli import worker_count
@@ -43,7 +43,7 @@ def local_cluster(user_cluster: HeadNode) -> Iterator[None]:
 
 
 def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_cluster: None) -> None:
-    cfg = small_config(shards, num_epochs=3, log_every_s=0.0)
+    cfg = small_config(shards, num_epochs=3, log_every_s=0.0, tensorboard=True)
     run = ray_train.run(
         cfg, storage_path=str(tmp_path), name=f"test-{uuid.uuid4().hex[:8]}", num_checkpoints_to_keep=None
     )
@@ -65,6 +65,9 @@ def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path,
     assert [r["step_in_epoch"] for r in progress] == [1, 2, 3, 4] * 3, (
         "rank 0 writes a progress row per step, as locally"
     )
+    assert [r["step"] for r in progress] == list(range(1, 13))
+    # --tensorboard: rank 0's event file in the run folder, though Ray ends the worker without closing it
+    assert_charts_hold(Path(run.path) / "tensorboard", rows, num_ranks=2)
 
 
 def test_worker_plan_follows_the_cluster() -> None:

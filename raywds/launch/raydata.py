@@ -1,0 +1,252 @@
+"""The Ray Data plane (`raywds ray --data-plane ray`): JPEGs are read and decoded by Ray Data
+tasks on any node of the cluster, not only by each rank's own loader workers, and each rank
+trains on the batches of its share. Each Ray touchpoint is marked `# RAY`.
+
+Each rank builds, for each epoch, a dataset over exactly the shards the epoch's plan deals
+it (raywds.plan: the same plan the per-rank loader reads, with one slot per rank): a
+datasource with one read task per shard (`ShardSource`, blocks of many samples), then
+`map_batches` decoding with the loader's own decoders (raywds.loader.plane). So split mode
+stays exact (every sample once per epoch across the ranks, uneven ends finished with Join),
+resample mode draws shards with replacement per rank, seeded, for equal batch counts, and an
+epoch resumes from a checkpoint inside it as exactly as with the per-rank loader. Validation
+goes through the plane too.
+
+    loaders = RayData(Plane(...))          # in each Ray Train worker
+    train(cfg, world, report, resume, loaders=loaders)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+import ray.data
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+from ray.util.debug import log_once
+
+from raywds.config import TrainConfig
+from raywds.data.manifest import Manifest, ShardInfo
+from raywds.loader.loader import EpochLoader, expected, read_policy, split_slots
+from raywds.loader.plane import Batches, Columns, decode_rows, shard_rows
+from raywds.loader.stages import Batch, train_decoder, val_decoder
+from raywds.plan import seeds
+from raywds.plan.epoch import EpochPlan
+from raywds.plan.position import Position
+from raywds.world import World
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plane:
+    """What the driver decides for every rank's pipelines."""
+
+    task_cpus: float = 1.0
+    """CPUs each read-and-decode task reserves."""
+    object_store_bytes_per_rank: int = 1 << 30
+    """Blocks in flight each rank's pipeline may hold in the object store (Ray Data's limit)."""
+    trainer_cpus: float = 0.0
+    """CPUs the training workers reserve in all: Ray Data leaves them out of what it schedules on."""
+    trainer_gpus: float = 0.0
+
+    def apply(self) -> None:
+        """Set this process's Ray Data context (each rank runs its own pipelines)."""
+        logging.getLogger("ray.data").setLevel(logging.WARNING)  # each execution's start and stats at INFO
+        ctx = ray.data.DataContext.get_current()  # RAY
+        ctx.enable_progress_bars = False  # the workers' bars would interleave in the driver's console
+        log_once("ray_data_progress_manager_disabled")  # RAY: internal; uses up Ray Data's warning that they are off
+        ctx.print_on_execution_start = False
+        ctx.execution_options.preserve_order = False  # blocks as they finish: the rank shuffles anyway
+        ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
+            object_store_memory=self.object_store_bytes_per_rank
+        )
+        with warnings.catch_warnings():  # deprecated in favour of node labels, which a plain `ray start` lacks
+            warnings.simplefilter("ignore", DeprecationWarning)
+            ctx.execution_options.exclude_resources = ctx.execution_options.exclude_resources.copy(
+                cpu=self.trainer_cpus, gpu=self.trainer_gpus
+            )
+
+
+class ShardSource(Datasource):  # RAY
+    """One read task per shard, each streaming its tar into blocks of many samples."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        split: str,
+        shards: list[ShardInfo],
+        cfg: TrainConfig,
+        *,
+        exact: bool,
+        consumed: np.ndarray | None = None,
+    ):
+        self.shards = shards
+        self.expected = expected(manifest, split)
+        self.urls = [manifest.url(s) for s in shards]
+        self.policy = read_policy(cfg, skip_unreadable=not exact)
+        self.verify_hashes = cfg.verify_hashes
+        self.consumed = consumed
+        """The split's bool per sample already trained on (a resumed epoch), or None."""
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return sum(s.num_bytes or 0 for s in self.shards) or None
+
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
+    ) -> list[ReadTask]:
+        tasks = []
+        for url in self.urls:
+            shard = self.expected[url]
+            left_out = None
+            if self.consumed is not None:
+                left_out = self.consumed[shard.first_id : shard.first_id + shard.num_samples].copy()
+            read = functools.partial(_read, url, shard, self.policy, self.verify_hashes, left_out)
+            rows = shard.num_samples - (int(left_out.sum()) if left_out is not None else 0)
+            meta = BlockMetadata(num_rows=rows, size_bytes=shard.num_bytes, exec_stats=None, input_files=(url,))
+            tasks.append(ReadTask(read, meta))  # RAY
+        return tasks
+
+
+def _read(url: str, shard: Any, policy: Any, verify: bool, left_out: np.ndarray | None) -> Iterator[pa.Table]:
+    for columns in shard_rows(url, shard, policy, verify_hash=verify, consumed=left_out):
+        yield pa.table(
+            {
+                **{k: pa.array(columns[k], pa.string()) for k in ("key", "url", "member", "error")},
+                "id": pa.array(columns["id"], pa.int64()),
+                "image": pa.array(columns["image"], pa.binary()),
+                "cls": pa.array(columns["cls"], pa.binary()),
+            }
+        )
+
+
+def _decode(columns: Columns, *, cfg: dict[str, Any], epoch: int | None, exact: bool) -> Columns:
+    """Runs in a Ray Data task: decode a block with the loader's decoders (epoch None: validation)."""
+    config = TrainConfig.from_dict(cfg)
+    decoder = val_decoder(config) if epoch is None else train_decoder(config, epoch)
+    out = decode_rows(columns, decoder, read_policy(config, skip_unreadable=not exact), size=config.image_size_px)
+    out["node"] = np.full(len(out["id"]), ray.util.get_node_ip_address(), dtype=object)  # RAY
+    return out
+
+
+class RayData:
+    """The run's batches from the Ray Data plane (raywds.loader.loader.Loaders)."""
+
+    def __init__(self, plane: Plane):
+        self.plane = plane
+        plane.apply()
+
+    def dataset(
+        self,
+        manifest: Manifest,
+        split: str,
+        shards: list[ShardInfo],
+        cfg: TrainConfig,
+        *,
+        epoch: int | None,
+        exact: bool,
+        consumed: np.ndarray | None = None,
+    ) -> ray.data.Dataset:
+        source = ShardSource(manifest, split, shards, cfg, exact=exact, consumed=consumed)
+        return ray.data.read_datasource(  # RAY
+            source, override_num_blocks=max(len(shards), 1), num_cpus=self.plane.task_cpus
+        ).map_batches(
+            _decode,
+            fn_kwargs={"cfg": cfg.to_dict(), "epoch": epoch, "exact": exact},
+            batch_size=None,  # a whole block per call: the read task's
+            batch_format="numpy",
+            num_cpus=self.plane.task_cpus,
+        )
+
+    def blocks(self, ds: ray.data.Dataset, cfg: TrainConfig, shuffle_seed: int | None) -> Iterator[Columns]:
+        buffer = cfg.shuffle_buffer_samples if shuffle_seed is not None else 0
+        return iter(
+            ds.iter_batches(  # RAY
+                batch_size=cfg.batch_size_per_rank,
+                batch_format="numpy",
+                prefetch_batches=2,
+                local_shuffle_buffer_size=buffer or None,
+                local_shuffle_seed=shuffle_seed if buffer else None,
+            )
+        )
+
+    def train(
+        self,
+        manifest: Manifest,
+        cfg: TrainConfig,
+        world: World,
+        plan: EpochPlan,
+        *,
+        epoch: int,
+        position: Position | None = None,
+    ) -> EpochLoader:
+        rank, exact = world.rank, plan.mode.exact
+        resuming = position is not None and position.epoch == epoch
+        consumed = position.consumed if resuming and position is not None else None
+        reseed = position.samples_done if resuming and position is not None else 0
+        draws = plan.mode.shards_for(
+            plan, manifest.shards("train"), rank=rank, worker=0, seed=cfg.seed, epoch=epoch, reseed=reseed
+        )
+        batches = Batches(cfg.batch_size_per_rank, partial=exact, pin_memory=world.device.startswith("cuda"))
+        shuffle_seed = seeds.number(seeds.CROSS_SHUFFLE, cfg.seed, epoch, rank)
+
+        delivered = [0]
+
+        def rounds() -> Iterator[Columns]:
+            """Split: the rank's shards, once. Resample: shard draws until the epoch's batches are
+            full (a round draws what the batches still need, plus one shard for skipped samples)."""
+            while True:
+                shards = list(draws) if exact else _enough(draws, plan.samples_per_rank[rank] - delivered[0])
+                if shards:
+                    ds = self.dataset(manifest, "train", shards, cfg, epoch=epoch, exact=exact, consumed=consumed)
+                    yield from self.blocks(ds, cfg, shuffle_seed)
+                if exact:
+                    return
+
+        def stream() -> Iterator[Batch]:
+            try:
+                for batch in batches(rounds()):
+                    delivered[0] += len(batch.keys)
+                    yield batch
+            finally:
+                if batches.nodes and world.is_main:
+                    where = ", ".join(f"{ip} ({n})" for ip, n in sorted(batches.nodes.items()))
+                    log.info(f"rank 0's epoch {epoch + 1} was decoded on {len(batches.nodes)} node(s): {where}")
+
+        return EpochLoader(stream, plan, rank)
+
+    def val(self, manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
+        shards = split_slots(manifest, "val", world.world_size)[world.rank]
+        batches = Batches(cfg.batch_size_per_rank, partial=True, pin_memory=world.device.startswith("cuda"))
+        if not shards:
+            return iter(())
+        ds = self.dataset(manifest, "val", shards, cfg, epoch=None, exact=True)
+        return batches(self.blocks(ds, cfg, None))
+
+
+def store_use() -> tuple[int, int]:
+    """(bytes in this node's object store now, bytes it has spilled to disk so far): for benchmarks and tests."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address  # RAY: internal
+
+    state = get_state_from_address(ray.get_runtime_context().gcs_address)  # RAY
+    stats = get_memory_info_reply(state).store_stats
+    return int(stats.object_store_bytes_used), int(stats.spilled_bytes_total)
+
+
+def _enough(draws: Iterator[ShardInfo], samples: int) -> list[ShardInfo]:
+    """Shards from `draws` (endless) holding at least `samples` samples, and one more."""
+    out: list[ShardInfo] = []
+    held = 0
+    while held < samples or not out:
+        shard = next(draws)
+        out.append(shard)
+        held += shard.num_samples
+    out.append(next(draws))
+    return out

@@ -1,0 +1,200 @@
+"""The Ray Data plane's three steps, as plain functions over columns (no ray here: the plane's
+Ray side, raywds.launch.raydata, calls them in its read tasks, its decode tasks and on each
+rank):
+
+- `shard_rows`: one shard -> blocks of `ROWS_PER_BLOCK` samples as columns (key, url, id,
+  member, image bytes, class bytes), each shard checked against the manifest as it is read
+  (raywds.loader.readers), the samples an interrupted epoch already trained on left out;
+- `decode_rows`: a block of such rows -> uint8 crops (N, H, W, 3), labels and ids, by the
+  loader's own decoders (raywds.loader.stages), each crop seeded by (seed, epoch, sample id);
+- `Batches`: on the rank, the decoded blocks -> the loop's `Batch`es, whole batches of the
+  rank's batch size (an exact epoch ends with its partial rest, a rest of one sample folded).
+
+Exact passes raise on a bad sample or unreadable shard (the run stops, naming it); resample
+mode marks it in the row's `error` and the rank hands it on with the next batch, as the
+per-rank loader does.
+
+    for columns in shard_rows(url, expected, policy): decoded = decode_rows(columns, decoder, policy, size=224)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from raywds.loader.readers import Expected, Failures, ReadPolicy, tar_samples
+from raywds.loader.stages import IMAGE_KEYS, Batch, Decoder, Skips, decoded, fold_single_tail
+
+ROWS_PER_BLOCK = 64
+"""Samples per block a read task emits: many samples per block (Ray Data's cost is per block),
+few enough that a 224 px decoded block stays near 10 MB."""
+
+Columns = dict[str, Any]
+"""Column name -> a list or numpy array, one entry per row."""
+
+
+def _block(rows: list[dict[str, Any]]) -> Columns:
+    return {name: [row[name] for row in rows] for name in rows[0]}
+
+
+def _row(sample: dict[str, Any] | None, error: str = "") -> dict[str, Any]:
+    if sample is None:  # a shard skipped as unreadable (resample): a row that only carries why
+        return {"key": "", "url": "", "id": -1, "member": "", "image": b"", "cls": b"", "error": error}
+    member = next((k for k in IMAGE_KEYS if k in sample), "")
+    return {
+        "key": sample["__key__"],
+        "url": sample["__url__"],
+        "id": sample["__id__"],
+        "member": member,
+        "image": bytes(sample[member]) if member else b"",
+        "cls": bytes(sample["cls"]) if "cls" in sample else b"",
+        "error": "",
+    }
+
+
+def shard_rows(
+    url: str,
+    expected: Expected,
+    policy: ReadPolicy,
+    *,
+    verify_hash: bool = False,
+    consumed: np.ndarray | None = None,
+    rows_per_block: int = ROWS_PER_BLOCK,
+) -> Iterator[Columns]:
+    """The shard at `url` in blocks of rows; `consumed` (a bool per sample of the shard) leaves
+    out what an interrupted epoch already trained on. A shard that stays unreadable raises, or
+    (policy.skip_unreadable) becomes one row whose `error` says why."""
+    failures = Failures(policy)
+    rows: list[dict[str, Any]] = []
+    for sample in tar_samples([{"url": url}], policy, {url: expected}, verify_hashes=verify_hash, failures=failures):
+        if consumed is not None and consumed[sample["__id__"] - expected.first_id]:
+            continue
+        rows.append(_row(sample))
+        if len(rows) == rows_per_block:
+            yield _block(rows)
+            rows = []
+    rows += [_row(None, f"shard: {why}") for why in failures.skipped]
+    if rows:
+        yield _block(rows)
+
+
+def _sample(columns: Columns, i: int) -> dict[str, Any]:
+    """Row i as the sample dict the loader's `decoded` stage reads."""
+    sample = {"__key__": columns["key"][i], "__url__": columns["url"][i], "__id__": int(columns["id"][i])}
+    if columns["member"][i]:
+        sample[columns["member"][i]] = columns["image"][i]
+    if len(columns["cls"][i]):
+        sample["cls"] = columns["cls"][i]
+    return sample
+
+
+def decode_rows(columns: Columns, decoder: Decoder, policy: ReadPolicy, *, size: int) -> Columns:
+    """A block of `shard_rows` -> image (N, size, size, 3) uint8, label, id, key and error. A
+    sample that cannot be decoded raises, or (policy.skip_unreadable) keeps its row with a black
+    image and its reason in `error`, as does a shard row that already carries one."""
+    n = len(columns["key"])
+    images = np.zeros((n, size, size, 3), dtype=np.uint8)
+    labels = np.full(n, -1, dtype=np.int64)
+    errors = [str(e) for e in columns["error"]]
+    skips = Skips(policy)
+    for i in range(n):
+        if errors[i]:
+            continue
+        out = list(decoded([_sample(columns, i)], decoder, skips))
+        if not out:  # skipped: the reason is the one `decoded` just gave
+            errors[i] = f"sample: {skips.samples.pop()}"
+            continue
+        image, labels[i], _, _ = out[0]
+        images[i] = image.permute(1, 2, 0).numpy()
+    return {
+        "image": images,
+        "label": labels,
+        "id": np.asarray(columns["id"], dtype=np.int64),
+        "key": np.asarray(columns["key"], dtype=object),
+        "error": np.asarray(errors, dtype=object),
+    }
+
+
+class Batches:
+    """A rank's side of the plane: decoded blocks (numpy columns, any sizes) -> Batches of
+    `batch_size`, the decoded samples only; what was skipped rides on the next batch out.
+    `partial` (exact epochs): the rest ends the epoch as a short batch, a rest of one folded
+    into the batch before. Counts the samples decoded on each node (a `node` column)."""
+
+    def __init__(self, batch_size: int, *, partial: bool, pin_memory: bool = False):
+        self.batch_size = batch_size
+        self.partial = partial
+        self.pin_memory = pin_memory
+        self.nodes: Counter[str] = Counter()
+        self.bad_samples: list[str] = []
+        self.bad_shards: list[str] = []
+
+    def __call__(self, blocks: Iterable[Columns]) -> Iterator[Batch]:
+        batches = self._whole(blocks)
+        return fold_single_tail(batches) if self.partial else batches
+
+    def _whole(self, blocks: Iterable[Columns]) -> Iterator[Batch]:
+        held: list[Columns] = []
+        num_held = 0
+        for block in blocks:
+            good = self._sort_out(block)
+            if good is None:
+                continue
+            held.append(good)
+            num_held += len(good["id"])
+            while num_held >= self.batch_size:
+                taken, held = _take(held, self.batch_size)
+                num_held -= self.batch_size
+                yield self._batch(taken)
+        if held and self.partial:
+            yield self._batch(_concat(held))
+
+    def _sort_out(self, block: Columns) -> Columns | None:
+        """The block's decoded rows; its error rows go to the counts of what was skipped."""
+        errors = block["error"]
+        bad = np.array([bool(e) for e in errors], dtype=bool)
+        for e in errors[bad]:
+            kind, why = str(e).split(": ", 1)
+            (self.bad_shards if kind == "shard" else self.bad_samples).append(why)
+        if "node" in block:
+            self.nodes.update(str(node) for node in block["node"][~bad])
+        if bad.all():
+            return None
+        return {k: block[k][~bad] if bad.any() else block[k] for k in ("image", "label", "id", "key")}
+
+    def _batch(self, columns: Columns) -> Batch:
+        with warnings.catch_warnings():  # Arrow's buffers are read-only; nothing here writes to a batch's images
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            images = torch.from_numpy(np.ascontiguousarray(columns["image"]))
+        if self.pin_memory:
+            images = images.pin_memory()
+        batch = Batch(
+            images.permute(0, 3, 1, 2),  # NHWC in memory: NCHW stored channels-last, as the loader's
+            torch.tensor(columns["label"], dtype=torch.long),
+            torch.tensor(columns["id"], dtype=torch.long),
+            [str(k) for k in columns["key"]],
+            tuple(self.bad_samples),
+            tuple(self.bad_shards),
+        )
+        self.bad_samples, self.bad_shards = [], []
+        return batch
+
+
+def _concat(blocks: list[Columns]) -> Columns:
+    if len(blocks) == 1:
+        return blocks[0]
+    return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+
+
+def _take(blocks: list[Columns], n: int) -> tuple[Columns, list[Columns]]:
+    """The first `n` rows of `blocks`, and the rest, copying only where a batch spans blocks."""
+    first = blocks[0]
+    if len(first["id"]) == n:
+        return first, blocks[1:]
+    whole = _concat(blocks)
+    return {k: v[:n] for k, v in whole.items()}, [{k: v[n:] for k, v in whole.items()}]

@@ -1,0 +1,58 @@
+"""The Ray Data plane on a real two-node cluster (tests/netnodes.py): the training workers hold a
+custom resource only the head has, so both ranks run there, while the read-and-decode tasks run
+on both nodes; the demo trained this way reaches the per-rank loader's top-1."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import netnodes
+import pytest
+from netnodes import HEAD_IP, SUMMARY, WORKER_IP, TwoNodes, ranks, raywds_ray
+from raycluster import HeadNode
+
+DEMO_TOP1 = 0.99
+"""The demo's validation top-1 with each rank's own loader (README, docs/performance.md: 0.99 to 1.00)."""
+DECODED_ON = re.compile(r"rank 0's epoch (\d+) was decoded on (\d+) node\(s\): (.*)")
+
+
+@pytest.fixture(scope="module")
+def trainer_head(user_cluster: HeadNode) -> Iterator[TwoNodes]:
+    """A head with a `trainer` resource for two workers and a CPU to spare; a worker node with one CPU, no `trainer`."""
+    netnodes.require()
+    with netnodes.two_nodes("rwp-", head_cpus=3, worker_cpus=1, head_resources={"trainer": 2}) as cluster:
+        yield cluster
+
+
+def test_the_demo_on_the_data_plane_decodes_on_both_nodes_and_trains_on_the_head(
+    trainer_head: TwoNodes, demo: Path, tmp_path: Path
+) -> None:
+    out = raywds_ray(
+        trainer_head,
+        "--demo",
+        "--demo-dir",
+        str(demo.parent),
+        "--data-plane",
+        "ray",
+        "--worker-resource",
+        "trainer=1",
+        "--num-workers",
+        "2",
+        "--storage-path",
+        str(tmp_path / "ray"),
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "decoding on Ray Data tasks" in out.stdout
+    assert [ip for _, _, ip in ranks(out.stdout)] == [HEAD_IP, HEAD_IP], "both ranks on the node with `trainer`"
+    decoded = {int(epoch): where for epoch, _, where in DECODED_ON.findall(out.stdout)}
+    assert sorted(decoded) == list(range(1, 7)), out.stdout[-3000:]
+    for epoch, where in decoded.items():
+        counts = dict(re.findall(r"([\d.]+) \((\d+)\)", where))
+        assert set(counts) <= {HEAD_IP, WORKER_IP}, where
+        if epoch == 1:
+            assert set(counts) == {HEAD_IP, WORKER_IP}, f"epoch 1's crops came from both nodes: {where}"
+    match = SUMMARY.search(out.stdout)
+    assert match, out.stdout[-3000:]
+    assert int(match.group(1)) == 6 and float(match.group(2)) >= DEMO_TOP1 - 0.03, match.group(0)
