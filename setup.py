@@ -2,8 +2,20 @@
 
 Everything else is in pyproject.toml. Without a C compiler or libjpeg's headers (Debian:
 libjpeg62-turbo-dev) the extension is skipped and raywds decodes whole JPEGs instead.
+With RAYWDS_REQUIRE_JPEG_EXT set (to anything but empty), as .ci/run and
+benchmarks/gpu_run.sh set it, a failed build of the extension fails the install instead.
 """
+
+import os
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("raywds.loader._jpeg", ["raywds/loader/_jpeg.c"], libraries=["jpeg"], extra_compile_args=["-O2"], optional=True)])
+required = bool(os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"))
+jpeg = Extension(
+    "raywds.loader._jpeg",
+    ["raywds/loader/_jpeg.c"],
+    libraries=["jpeg"],
+    extra_compile_args=["-O2"],
+    optional=not required,
+)
+setup(ext_modules=[jpeg])

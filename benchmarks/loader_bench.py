@@ -1,6 +1,7 @@
 """Loader throughput on real-size JPEGs against the decode limit and the usual alternative.
 
     ./run-venv && .venv/bin/python benchmarks/loader_bench.py [--images DIR] [--copies 10] [--rounds 3]
+    .venv/bin/python benchmarks/loader_bench.py --scaling-only --workers 1,2,4,8,15 --copies 100   # 16 cores
 
 On the same images (`copies` x the photos in DIR, by default ../shared/data/imagenet-sample-100;
 without it, generated ~500x375 photo-like JPEGs), as an ImageFolder tree and as raywds shards:
@@ -19,6 +20,11 @@ in the training process itself (0 workers: no batches cross processes), and with
 handing every batch over in a fresh shared-memory block (as before raywds.loader.blocks). Also the
 shards' tar members read by webdataset (tarfile) and by raywds.data.tars, and the crop draw by
 torchvision's get_params and by raywds.loader.decode.draw_crop.
+
+With `--workers 1,2,4,8,15` it also times raywds's `--decode cpu` loader at each count and
+prints the speed-up over 1 worker and the fraction of linear scaling (speed-up / workers);
+`--scaling-only` times nothing else. Give enough images for the most workers (`--copies 100`:
+10,000 images, about ten batches of 64 per worker at 15).
 
 Loader passes are timed after their first batch (worker start-up excluded) over `copies` x
 the photos. This machine is shared and noisy, so the measurements are interleaved over
@@ -174,6 +180,15 @@ def raywds_rate(
     return timed(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0), num_images)
 
 
+def print_scaling(rates: dict[int, float]) -> None:
+    """raywds's loader at each worker count against 1 worker, and against linear scaling."""
+    print("scaling, raywds --decode cpu, 224 px (median images/s; speed-up over 1 worker; speed-up / workers):")
+    print(f"  {'workers':>7s} {'images/s':>9s} {'speed-up':>9s} {'of linear':>10s}")
+    for workers, value in rates.items():
+        speedup = value / rates[1]
+        print(f"  {workers:7d} {value:9.0f} {speedup:8.2f}x {speedup / workers:10.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -181,9 +196,14 @@ def main() -> None:
     )
     parser.add_argument("--copies", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--workers", help="worker counts for the scaling table, e.g. 1,2,4,8,15 (default: 1 and all cores)"
+    )
+    parser.add_argument("--scaling-only", action="store_true", help="time only the scaling table's loaders")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cores = len(os.sched_getaffinity(0))
+    counts = sorted({1, *(int(w) for w in args.workers.split(","))} if args.workers else {1, cores})
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         images = photos(args.images, root / "generated")
@@ -195,6 +215,7 @@ def main() -> None:
             f"median of {args.rounds} rounds"
         )
         datas = [p.read_bytes() for p in images] * 3
+        scaling = {w: f"raywds cpu, {w}w, 224" for w in counts}
         runs: dict[str, Callable[[], float]] = {
             "limit: full decode, decode_jpeg": partial(loop_rate, datas, decode.jpeg_tensor),
             "limit: full decode, PIL": partial(loop_rate, datas, decode.open_rgb),
@@ -218,6 +239,10 @@ def main() -> None:
         runs["raywds cpu, 0w (in-process), 224"] = partial(raywds_rate, root / "shards", 0, n, 224, "cpu")
         runs["ImageFolder, 1w, 128"] = partial(imagefolder_rate, root / "tree", 1, n, 128)
         runs["raywds cpu, 1w, 128"] = partial(raywds_rate, root / "shards", 1, n, 128, "cpu")
+        for workers, name in scaling.items():
+            runs.setdefault(name, partial(raywds_rate, root / "shards", workers, n, 224, "cpu"))
+        if args.scaling_only:
+            runs = {name: runs[name] for name in scaling.values()}
         measured = defaultdict(list)
         for _ in range(args.rounds):
             for name, run in runs.items():
@@ -226,6 +251,9 @@ def main() -> None:
         for name, value in rate.items():
             spread = f"{min(measured[name]):.0f}-{max(measured[name]):.0f}"
             print(f"{name:34s} {value:7.0f} images/s  (rounds: {spread})")
+        print_scaling({w: rate[name] for w, name in scaling.items()})
+        if args.scaling_only:
+            return
         limit = rate["limit: full decode, decode_jpeg"]
         all_w = f"{cores}w"
         print("ratios (per core = 1 worker):")

@@ -154,27 +154,7 @@ def run(
     `worker_resources`: custom Ray resources each training worker reserves (where it may run)."""
     if node_wait_s is not None:  # Ray Train reads it in the driver and hands it to its controller
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(node_wait_s)
-    if data_plane not in DATA_PLANES:
-        raise ConfigError(f"--data-plane {data_plane!r} is not one of {', '.join(DATA_PLANES)}")
-    on_plane = data_plane == "ray"
-    if on_plane and cfg.decode == "device":
-        raise ConfigError("--decode device needs each rank's own loader: use --data-plane loader, or --decode cpu")
-    if on_plane:  # no DataLoader workers: each rank is one slot of the plan, its shards read by Ray Data tasks
-        cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=0)
-    plan = plan_workers(  # RAY
-        ray.cluster_resources(),
-        num_workers,
-        loader_workers=cfg.num_loader_workers_per_rank,
-        plane_task_cpus=PLANE_TASK_CPUS if on_plane else None,
-    )
-    plane = None
-    if on_plane:
-        plane = Plane(
-            task_cpus=PLANE_TASK_CPUS,
-            object_store_bytes_per_rank=plane_store_mb << 20,
-            trainer_cpus=plan.num_workers * plan.cpus_per_worker,
-            trainer_gpus=plan.num_workers if plan.use_gpu else 0,
-        )
+    cfg, plan, plane = place(cfg, num_workers, data_plane, plane_store_mb)
     manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
     for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
         check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)
@@ -183,7 +163,7 @@ def run(
         checkpoint_file(resume_from)  # fail here, naming the path, rather than in every worker
         cfg = dataclasses.replace(cfg, resume_from=resume_from)
     nodes = alive_nodes()
-    decoding = f", decoding on Ray Data tasks of {PLANE_TASK_CPUS:g} CPU anywhere in the cluster" if on_plane else ""
+    decoding = f", decoding on Ray Data tasks of {PLANE_TASK_CPUS:g} CPU anywhere in the cluster" if plane else ""
     print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s)){decoding}", flush=True)
     storage, local = split_storage(storage_path or "runs/ray")
     name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
@@ -206,6 +186,30 @@ def run(
         (dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"]
     )
     return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)
+
+
+def place(
+    cfg: TrainConfig, num_workers: int | tuple[int, int] | None, data_plane: str, plane_store_mb: int
+) -> tuple[TrainConfig, WorkerPlan, Plane | None]:
+    """The config the workers get, the workers the cluster can hold, and the Ray Data plane's
+    settings (None for each rank's own loader)."""
+    if data_plane not in DATA_PLANES:
+        raise ConfigError(f"--data-plane {data_plane!r} is not one of {', '.join(DATA_PLANES)}")
+    if data_plane == "loader":
+        plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=cfg.num_loader_workers_per_rank)  # RAY
+        return cfg, plan, None
+    if cfg.decode == "device":
+        raise ConfigError("--decode device needs each rank's own loader: use --data-plane loader, or --decode cpu")
+    # No DataLoader workers: each rank is one slot of the plan, its shards read by Ray Data tasks.
+    cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=0)
+    plan = plan_workers(ray.cluster_resources(), num_workers, plane_task_cpus=PLANE_TASK_CPUS)  # RAY
+    plane = Plane(
+        task_cpus=PLANE_TASK_CPUS,
+        object_store_bytes_per_rank=plane_store_mb << 20,
+        trainer_cpus=plan.num_workers * plan.cpus_per_worker,
+        trainer_gpus=plan.num_workers if plan.use_gpu else 0,
+    )
+    return cfg, plan, plane
 
 
 def make_trainer(

@@ -119,9 +119,12 @@ def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tenso
     1.7x faster than on the strided view, copy included."""
     top, left, height, width = box
     crop = image[:, top : top + height, left : left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
+    uint8_kernel = crop.device.type == "cpu"  # CUDA's antialiased resize takes floating point only
     out = torch.nn.functional.interpolate(
-        crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+        crop if uint8_kernel else crop.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
     )[0]
+    if not uint8_kernel:
+        out = out.round_().clamp_(0, 255).to(torch.uint8)
     return out.flip(-1) if flip else out
 
 

@@ -5,6 +5,8 @@ device decodes (`--decode device`, raywds.loader.decode); they are copied to the
 from pinned memory on CUDA), turned into floats and normalised there.
 On CUDA the defaults are bf16 autocast, channels_last and cudnn.benchmark; on the CPU, float32
 and the default layout. Every choice can be forced, so the CUDA path's plumbing runs on a CPU.
+With `--compile` the batch dimension of every input is marked dynamic, so an epoch's shorter
+last batch (split mode) runs the graph compiled for the full ones instead of compiling another.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class Compute:
     autocast_dtype: torch.dtype | None
     """bf16 autocast, or None for float32."""
     channels_last: bool
+    dynamic_batch: bool = False
+    """Mark each input's batch dimension dynamic for torch.compile (set with cfg.compile)."""
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, device: str) -> Compute:
@@ -38,7 +42,12 @@ class Compute:
         layout = cfg.memory_format if cfg.memory_format != "auto" else ("channels_last" if cuda else "contiguous")
         if cuda:
             torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels
-        return cls(device, torch.bfloat16 if precision == "bf16" else None, layout == "channels_last")
+        return cls(
+            device,
+            torch.bfloat16 if precision == "bf16" else None,
+            layout == "channels_last",
+            dynamic_batch=cfg.compile,
+        )
 
     def model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -57,6 +66,11 @@ class Compute:
             mean, std = self._mean_std
             x = (x.float() - mean) / std
         x = x.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
+        if self.dynamic_batch:
+            # Traced with a symbolic batch size from the first step: a shorter batch then reuses the
+            # graph (torch.compile would otherwise specialise on the first size and recompile for the
+            # next). `maybe_`: a model that needs a fixed size still compiles, specialised, not fails.
+            torch._dynamo.maybe_mark_dynamic(x, 0)
         return x, labels.to(self.device, non_blocking=True)
 
     @contextlib.contextmanager

@@ -21,6 +21,7 @@ from raycluster import HeadNode, ray_temp_dir, ray_token_env, write_token
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
+from raywds.launch import ray_train
 from raywds.loader.loader import PerRank
 from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
@@ -34,7 +35,14 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def local_ray(user_cluster: HeadNode) -> Iterator[None]:
     with ray_temp_dir("rwd-") as temp_dir, ray_token_env(write_token(temp_dir)):
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=str(temp_dir))
+        # 4 logical CPUs on this machine's 2: room for 3 training workers and the decode tasks.
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            _temp_dir=str(temp_dir),
+            runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        )
         try:
             yield
         finally:
@@ -130,6 +138,24 @@ def test_a_resumed_split_epoch_gives_exactly_the_rest(uneven: Path, local_ray: N
     ranks = run_epoch(uneven, cfg, 3, 0, position)
     ids = sorted(int(i) for r in ranks for b in r for i in b.ids)
     assert ids == sorted(np.flatnonzero(~consumed).tolist()), "the 70 samples not yet trained on, once each"
+
+
+def test_three_ray_train_workers_on_the_plane_train_every_sample_once(
+    uneven: Path, tmp_path: Path, local_ray: None
+) -> None:
+    """Ray Train, 3 ranks, split mode on 9 shards of 1..30 samples: the trainers' own ledger
+    (the exact-epoch check, epoch_duplicates/missing) and the audit files each epoch."""
+    audit = tmp_path / "audit"
+    cfg = plane_config(uneven, mode="split", num_epochs=2, audit_dir=str(audit), pg_timeout_s=60)
+    run = ray_train.run(cfg, num_workers=3, storage_path=str(tmp_path), name="plane", data_plane="ray")
+    assert run.plan.num_workers == 3
+    assert [m["epoch_samples"] for m in run.history] == [120, 120]
+    assert all(m["epoch_duplicates"] == m["epoch_missing"] == 0 for m in run.history)
+    for epoch in (0, 1):
+        files = sorted(audit.glob(f"epoch{epoch:04d}-*.keys"))
+        assert len({f.name.split("-")[1] for f in files}) == 3, "all three ranks trained"
+        assert Counter(k for f in files for k in f.read_text().split()) == Counter(tar_keys(uneven))
+    assert run.metrics["val_samples"] == 50
 
 
 def test_validation_through_the_plane_is_exact(shards: Path, local_ray: None) -> None:

@@ -232,3 +232,28 @@ def test_collate_in_a_worker_uses_shared_memory() -> None:
     assert batch.shape == (3, 3, 4, 4) and batch[2].max() == 2
     assert shared_in_worker, "the worker stacks straight into shared memory: no copy when it hands the batch over"
     assert decode.stack([torch.zeros(3, 2, 2, dtype=torch.uint8)]).is_shared() is False, "outside workers: plain memory"
+
+
+def test_the_float_resize_for_devices_matches_the_uint8_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's antialiased resize has no uint8 kernel, so off the CPU `cropped` resizes in float and
+    rounds: the same pixels within one grey level (run here by pretending the CPU is a device)."""
+    image = torch.from_numpy(np.array(photo(640, 480))).permute(2, 0, 1)
+    box = (40, 60, 300, 400)
+    on_cpu = decode.cropped(image, box, True, 224)
+    real_float = torch.Tensor.float
+    calls: list[int] = []
+
+    def counted(self: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return real_float(self)
+
+    class FakeDevice:
+        type = "cuda"
+
+    monkeypatch.setattr(torch.Tensor, "float", counted)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: FakeDevice()))
+    as_on_device = decode.cropped(image, box, True, 224)
+    monkeypatch.undo()
+    assert calls, "the device path resizes in float"
+    assert as_on_device.dtype == torch.uint8 and as_on_device.shape == on_cpu.shape
+    assert (as_on_device.int() - on_cpu.int()).abs().max() <= 1
