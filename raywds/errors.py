@@ -36,3 +36,17 @@ def one_line(e: BaseException) -> str:
         last = [line for line in text.splitlines() if line.strip()][-1]
         return re.sub(r"^[\w.]+: ", "", last)
     return text
+
+
+def own_cause(e: BaseException) -> RaywdsError | None:
+    """The first raywds error in `e`'s chain of causes (Ray's task errors keep the one raised in
+    the task in `.cause`), or None."""
+    seen: list[BaseException] = []
+    cause: BaseException | None = e
+    while cause is not None and cause not in seen:
+        inner = getattr(cause, "cause", None)  # Ray's task error is also of the raised type: go in to the raised one
+        if isinstance(cause, RaywdsError) and not isinstance(inner, BaseException):
+            return cause
+        seen.append(cause)
+        cause = inner if isinstance(inner, BaseException) else cause.__cause__
+    return None

@@ -24,7 +24,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raywds import console
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
-from raywds.errors import ConfigError, RaywdsError, one_line
+from raywds.errors import ConfigError, RaywdsError, one_line, own_cause
 from raywds.launch.cluster import (
     WorkerPlan,
     alive_nodes,
@@ -109,15 +109,9 @@ def worker_error(failed: Exception) -> RaywdsError | None:
     or sample is one line, as in a local run), so the CLI need not show Ray's snippets."""
     failures = getattr(failed, "worker_failures", None) or {}  # RAY: WorkerGroupError's rank -> exception
     for rank, failure in sorted(failures.items()):
-        seen: list[BaseException] = []
-        cause: BaseException | None = failure
-        while cause is not None and cause not in seen:
-            if isinstance(cause, RaywdsError):
-                return type(cause)(f"{one_line(cause)} (rank {rank})")
-            seen.append(cause)
-            cause = (
-                getattr(cause, "cause", None) or cause.__cause__
-            )  # RAY: RayTaskError keeps the user's error in .cause
+        own = own_cause(failure)
+        if own is not None:
+            return type(own)(f"{one_line(own)} (rank {rank})")
     return None
 
 

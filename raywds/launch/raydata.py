@@ -34,6 +34,7 @@ from ray.util.debug import log_once
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo
+from raywds.errors import one_line, own_cause
 from raywds.loader.loader import EpochLoader, expected, read_policy, split_slots
 from raywds.loader.plane import Batches, Columns, decode_rows, shard_rows
 from raywds.loader.stages import Batch, train_decoder, val_decoder
@@ -64,6 +65,7 @@ class Plane:
         ctx.enable_progress_bars = False  # the workers' bars would interleave in the driver's console
         log_once("ray_data_progress_manager_disabled")  # RAY: internal; uses up Ray Data's warning that they are off
         ctx.print_on_execution_start = False
+        ctx.raise_original_map_exception = True  # a decode task's raywds error reaches the rank as itself
         ctx.execution_options.preserve_order = False  # blocks as they finish: the rank shuffles anyway
         ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
             object_store_memory=self.object_store_bytes_per_rank
@@ -212,7 +214,7 @@ class RayData:
 
         def stream() -> Iterator[Batch]:
             try:
-                for batch in batches(rounds()):
+                for batch in unwrapped(batches(rounds())):
                     delivered[0] += len(batch.keys)
                     yield batch
             finally:
@@ -228,7 +230,19 @@ class RayData:
         if not shards:
             return iter(())
         ds = self.dataset(manifest, "val", shards, cfg, epoch=None, exact=True)
-        return batches(self.blocks(ds, cfg, None))
+        return unwrapped(batches(self.blocks(ds, cfg, None)))
+
+
+def unwrapped(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """A bad sample or shard raised in a Ray Data task arrives wrapped in Ray's errors: raise
+    raywds's own, in its own words (from Ray's, which keeps the traceback)."""
+    try:
+        yield from batches
+    except Exception as e:
+        own = own_cause(e)
+        if own is None or own is e:
+            raise
+        raise type(own)(one_line(own).splitlines()[0]) from e  # Ray Data adds its retry advice below
 
 
 def store_use() -> tuple[int, int]:

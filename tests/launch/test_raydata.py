@@ -76,9 +76,10 @@ def keys(ranks: list[list[Batch]]) -> Counter:
     return Counter(k for batches in ranks for b in batches for k in b.keys)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_split_epochs_are_exact_on_uneven_shards(uneven: Path, local_ray: None, world_size: int) -> None:
-    cfg = plane_config(uneven, mode="split")
+@pytest.mark.parametrize("world_size, reader", [(2, "file"), (3, "file"), (2, "pipe")])
+def test_split_epochs_are_exact_on_uneven_shards(uneven: Path, local_ray: None, world_size: int, reader: str) -> None:
+    """Shards read from files, or through a `pipe:` command (as from object storage)."""
+    cfg = plane_config(uneven, mode="split", shards_at=f"pipe:cat {uneven}/{{}}" if reader == "pipe" else None)
     for epoch in (0, 1):
         ranks = run_epoch(uneven, cfg, world_size, epoch)
         assert keys(ranks) == Counter(tar_keys(uneven)), f"epoch {epoch}: every sample exactly once"
@@ -213,3 +214,31 @@ def test_an_epoch_stays_within_the_object_store_bound(ten_thousand: Path, local_
     grown = (max(peak) - before) / 2**20
     assert grown <= budget_mb, f"the object store grew by {grown:.0f} MB, past the budget of {budget_mb:.0f} MB"
     assert raydata.store_use()[1] == spilled_before, "nothing spilled"
+
+
+def test_a_bad_sample_in_split_mode_is_raywdss_one_line(shards: Path, tmp_path: Path, local_ray: None) -> None:
+    """A member that is not an image, decoded in a Ray Data task: the rank raises raywds's own
+    SampleError naming shard and sample, not Ray's wrapped traceback."""
+    import json
+    import re
+    import shutil
+    import tarfile
+
+    from raywds.loader.stages import SampleError
+
+    data = tmp_path / "shards"
+    shutil.copytree(shards, data)
+    shard = json.loads((data / "manifest.json").read_text())["splits"]["train"]["shards"][2]["name"]
+    with tarfile.open(data / shard) as tar:  # the same size, so the manifest's byte count still holds
+        member = next(m for m in tar.getmembers() if m.name.endswith(".jpg"))
+    raw = bytearray((data / shard).read_bytes())
+    raw[member.offset_data : member.offset_data + member.size] = b"x" * member.size
+    (data / shard).write_bytes(bytes(raw))
+    with pytest.raises(SampleError) as caught:
+        run_epoch(data, plane_config(data, mode="split"), 2)
+    line = str(caught.value)
+    assert "\n" not in line and "Traceback" not in line, line
+    key, name = member.name.rsplit(".", 1)[0], re.escape(member.name)
+    assert re.fullmatch(
+        rf"shard \S+/{re.escape(shard)}: sample {re.escape(key)} \({name}\): cannot identify image file", line
+    )
