@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -216,24 +217,32 @@ def test_an_epoch_stays_within_the_object_store_bound(ten_thousand: Path, local_
     assert raydata.store_use()[1] == spilled_before, "nothing spilled"
 
 
-def test_a_bad_sample_in_split_mode_is_raywdss_one_line(shards: Path, tmp_path: Path, local_ray: None) -> None:
-    """A member that is not an image, decoded in a Ray Data task: the rank raises raywds's own
-    SampleError naming shard and sample, not Ray's wrapped traceback."""
+def broken_copy(shards: Path, tmp_path: Path, index: int = 2) -> tuple[Path, str, Any]:
+    """A copy of `shards` whose training shard `index` has one member that is not an image: the
+    folder, the shard's name and the member (a TarInfo)."""
     import json
-    import re
     import shutil
     import tarfile
 
-    from raywds.loader.stages import SampleError
-
     data = tmp_path / "shards"
     shutil.copytree(shards, data)
-    shard = json.loads((data / "manifest.json").read_text())["splits"]["train"]["shards"][2]["name"]
+    shard = json.loads((data / "manifest.json").read_text())["splits"]["train"]["shards"][index]["name"]
     with tarfile.open(data / shard) as tar:  # the same size, so the manifest's byte count still holds
         member = next(m for m in tar.getmembers() if m.name.endswith(".jpg"))
     raw = bytearray((data / shard).read_bytes())
     raw[member.offset_data : member.offset_data + member.size] = b"x" * member.size
     (data / shard).write_bytes(bytes(raw))
+    return data, shard, member
+
+
+def test_a_bad_sample_in_split_mode_is_raywdss_one_line(shards: Path, tmp_path: Path, local_ray: None) -> None:
+    """A member that is not an image, decoded in a Ray Data task: the rank raises raywds's own
+    SampleError naming shard and sample, not Ray's wrapped traceback."""
+    import re
+
+    from raywds.loader.stages import SampleError
+
+    data, shard, member = broken_copy(shards, tmp_path)
     with pytest.raises(SampleError) as caught:
         run_epoch(data, plane_config(data, mode="split"), 2)
     line = str(caught.value)
@@ -242,3 +251,17 @@ def test_a_bad_sample_in_split_mode_is_raywdss_one_line(shards: Path, tmp_path: 
     assert re.fullmatch(
         rf"shard \S+/{re.escape(shard)}: sample {re.escape(key)} \({name}\): cannot identify image file", line
     )
+
+
+def test_resample_mode_skips_a_bad_sample_and_hands_its_reason_on(
+    shards: Path, tmp_path: Path, local_ray: None
+) -> None:
+    cfg = plane_config(shards, mode="resample", batches_per_epoch=6, max_bad_samples=10)
+    manifest = read_manifest(str(shards))
+    plan = epoch_plan(manifest, cfg, 1, epoch=0)
+    first = next(plan.mode.shards_for(plan, manifest.shards("train"), rank=0, worker=0, seed=0, epoch=0))
+    data, _, _ = broken_copy(shards, tmp_path, manifest.shards("train").index(first))  # a shard the rank reads
+    ranks = run_epoch(data, dataclasses.replace(cfg, data=str(data)), 1)
+    assert all(len(b.keys) == 8 for b in ranks[0]), "batches stay full"
+    reasons = [r for b in ranks[0] for r in b.bad_samples]
+    assert reasons and all("cannot identify image file" in r for r in reasons), reasons
