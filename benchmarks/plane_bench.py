@@ -4,7 +4,8 @@ same CPUs and in the same run: images/s delivered to one consuming process (a tr
 median of --repeats passes.
 
     .venv/bin/python benchmarks/plane_bench.py [--images DIR] [--copies 20] [--repeats 2]
-    .venv/bin/python benchmarks/plane_bench.py --address HEAD:6379   # also: two nodes vs one
+    .venv/bin/python benchmarks/plane_bench.py --address HEAD:6379   # also: all nodes vs one
+    .venv/bin/python benchmarks/plane_bench.py --two-nodes           # the same on the tests' two-node cluster
 
 Rows:
   stock       ray.data.read_webdataset (its default decoder: PIL, whole images) + map_batches
@@ -17,7 +18,10 @@ Ratios: plane / stock (goal >= 2x), plane / loader (goal >= 0.8x).
 With --address (a running cluster, e.g. two real machines): the plane with its tasks pinned to
 the driver's node, then free to use every node; the ratio is what the other nodes add (goal
 >= 1.7x for two equal nodes). Without --address a private local Ray is started (its own temp
-dir and token) and stopped.
+dir and token) and stopped. --two-nodes (root, iproute2) starts the tests' two-node cluster
+(two network namespaces on this machine, tests/netnodes.py, one logical CPU each) and runs the
+--address comparison there from the head node: on one machine that shows the second node's
+tasks being used, not two machines' speed.
 
 The shards: the photos in DIR (by default ../shared/data/imagenet-sample-100, real ImageNet
 JPEGs) copied --copies times, converted by raywds into shards of 100 samples.
@@ -132,7 +136,17 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=20, help="copies of each photo (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--address", help="a running cluster: also compare all its nodes with the driver's alone")
+    parser.add_argument("--two-nodes", action="store_true", help="run --address on the tests' two-node cluster")
     args = parser.parse_args()
+    if args.two_nodes:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import netnodes  # the tests' two-node cluster
+
+        with netnodes.two_nodes("rwpb2-", head_cpus=1, worker_cpus=1) as cluster:
+            flags = ["--images", str(args.images), "--copies", str(args.copies), "--repeats", str(args.repeats)]
+            out = cluster.run([sys.executable, __file__, "--address", cluster.gcs_address, *flags], timeout=1800)
+        print(out.stdout[-3000:] if out.returncode == 0 else out.stdout[-3000:] + out.stderr[-3000:])
+        raise SystemExit(out.returncode)
     if not args.address and "RAYWDS_BENCH_TOKEN" not in os.environ:
         # A token of our own for the private Ray, in the environment before Ray is imported (it reads it once).
         fd, token = tempfile.mkstemp(prefix="rwpb-token-")

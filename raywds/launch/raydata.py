@@ -34,7 +34,7 @@ from ray.util.debug import log_once
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo
-from raywds.errors import one_line, own_cause
+from raywds.errors import ShardError, one_line, own_cause
 from raywds.loader.loader import EpochLoader, expected, read_policy, split_slots
 from raywds.loader.plane import Batches, Columns, decode_rows, shard_rows
 from raywds.loader.stages import Batch, train_decoder, val_decoder
@@ -206,11 +206,17 @@ class RayData:
             full (a round draws what the batches still need, plus one shard for skipped samples)."""
             while True:
                 shards = list(draws) if exact else _enough(draws, plan.samples_per_rank[rank] - delivered[0])
+                before = batches.num_decoded
                 if shards:
                     ds = self.dataset(manifest, "train", shards, cfg, epoch=epoch, exact=exact, consumed=consumed)
                     yield from self.blocks(ds, cfg, shuffle_seed)
                 if exact:
                     return
+                if batches.num_decoded == before:  # resample skips unreadable shards, but not all of them
+                    raise ShardError(
+                        f"rank {rank}: none of the {len(shards)} shards drawn could be read, the last: "
+                        f"{batches.last_bad_shard}; is the shard server down?"
+                    )
 
         def stream() -> Iterator[Batch]:
             try:

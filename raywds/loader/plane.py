@@ -131,6 +131,9 @@ class Batches:
         self.partial = partial
         self.pin_memory = pin_memory
         self.nodes: Counter[str] = Counter()
+        self.num_decoded = 0
+        """Rows decoded so far, whether or not a batch has taken them yet."""
+        self.last_bad_shard = ""
         self.bad_samples: list[str] = []
         self.bad_shards: list[str] = []
 
@@ -161,6 +164,9 @@ class Batches:
         for e in errors[bad]:
             kind, why = str(e).split(": ", 1)
             (self.bad_shards if kind == "shard" else self.bad_samples).append(why)
+            if kind == "shard":
+                self.last_bad_shard = why
+        self.num_decoded += int((~bad).sum())
         if "node" in block:
             self.nodes.update(str(node) for node in block["node"][~bad])
         if bad.all():

@@ -13,6 +13,7 @@ counted warning, and gives up when several shards in a row fail (the server is d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
@@ -177,4 +178,5 @@ def tar_samples(
         except OSError as e:
             failures(ShardError(f"shard {url}: {e}"))
         finally:
-            stream.close()
+            with contextlib.suppress(OSError):  # a pipe says its exit status again: its failure was handled above
+                stream.close()

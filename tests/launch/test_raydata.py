@@ -60,7 +60,7 @@ def run_epoch(
 ) -> list[list[Batch]]:
     """Every rank's batches of `epoch` from `loaders` (the plane unless given), checked against the plan's counts."""
     loaders = loaders if loaders is not None else raydata.RayData(raydata.Plane())
-    manifest = read_manifest(str(data))
+    manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
     plan = epoch_plan(manifest, cfg, world_size, epoch=epoch, position=position)
     ranks = []
     for rank in range(world_size):
@@ -265,3 +265,16 @@ def test_resample_mode_skips_a_bad_sample_and_hands_its_reason_on(
     assert all(len(b.keys) == 8 for b in ranks[0]), "batches stay full"
     reasons = [r for b in ranks[0] for r in b.bad_samples]
     assert reasons and all("cannot identify image file" in r for r in reasons), reasons
+
+
+def test_resample_mode_stops_when_no_drawn_shard_can_be_read(shards: Path, tmp_path: Path, local_ray: None) -> None:
+    """Unreadable shards are skipped in resample mode, but a round in which none could be read
+    (the server is down) is an error, not an endless loop."""
+    from raywds.errors import ShardError
+
+    from raywds.serve import free_port
+
+    down = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
+    cfg = plane_config(shards, mode="resample", shards_at=down, read_retries=0, read_timeout_s=2)
+    with pytest.raises(ShardError, match=r"rank 0: none of the \d+ shards drawn could be read, the last: shard http"):
+        run_epoch(shards, cfg, 1)
