@@ -16,9 +16,8 @@ Three ways, chosen by `--decode`:
 
 Every way gives uint8 CHW; normalising happens on the device (raywds.train.compute).
 
-Each training sample's crop and flip are drawn from a generator of its own, seeded by (seed,
-epoch, sample id) (`crop_rng`): a sample gets the same crop whichever DataLoader worker, rank
-or Ray Data task decodes it, in any order, with any number of workers, and after a resume.
+Each training sample's crop and flip come from its own generator, seeded by (seed, epoch, sample
+id) (`crop_rng`): the same crop whichever worker, rank or Ray Data task decodes it, in any order.
 """
 
 from __future__ import annotations
@@ -120,11 +119,9 @@ def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tenso
     top, left, height, width = box
     crop = image[:, top : top + height, left : left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
     uint8_kernel = crop.device.type == "cpu"  # CUDA's antialiased resize takes floating point only
-    out = torch.nn.functional.interpolate(
-        crop if uint8_kernel else crop.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
-    )[0]
-    if not uint8_kernel:
-        out = out.round_().clamp_(0, 255).to(torch.uint8)
+    x = crop if uint8_kernel else crop.float()
+    out = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+    out = out if uint8_kernel else out.round_().clamp_(0, 255).to(torch.uint8)
     return out.flip(-1) if flip else out
 
 
