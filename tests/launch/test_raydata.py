@@ -271,7 +271,6 @@ def test_resample_mode_stops_when_no_drawn_shard_can_be_read(shards: Path, tmp_p
     """Unreadable shards are skipped in resample mode, but a round in which none could be read
     (the server is down) is an error, not an endless loop."""
     from raywds.errors import ShardError
-
     from raywds.serve import free_port
 
     down = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
