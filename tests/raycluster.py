@@ -242,6 +242,28 @@ def ray_temp_dir(prefix: str) -> Iterator[Path]:
             shutil.rmtree(temp, ignore_errors=True)
 
 
+@contextmanager
+def in_process_ray(prefix: str, *, num_cpus: int = 2) -> Iterator[None]:
+    """`ray.init` of a new local cluster in this process: a short private temp dir (Ray's socket
+    paths have a length limit) with a token of its own (else ray.init writes ~/.ray/auth_token),
+    never a running cluster; `ray.shutdown` at the end, and its processes stopped by PID if that
+    leaves any."""
+    import ray
+
+    with ray_temp_dir(prefix) as temp_dir, ray_token_env(write_token(temp_dir)):
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _temp_dir=str(temp_dir),
+            runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        )
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
 def session_logs(temp_dir: Path, num_lines: int = 20) -> str:
     """The last lines of every non-empty *.err and *.log of the newest session in `temp_dir`."""
     out = []

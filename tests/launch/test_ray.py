@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 from conftest import assert_charts_hold, small_config, tar_keys
-from raycluster import HeadNode, ray_temp_dir, ray_token_env, write_token
+from raycluster import HeadNode, in_process_ray
 
 from raywds.cli import worker_count
 from raywds.config import TrainConfig
@@ -25,21 +24,8 @@ from raywds.launch.cluster import split_storage
 
 @pytest.fixture(scope="module")
 def local_cluster(user_cluster: HeadNode) -> Iterator[None]:
-    # A short private temp dir (Ray's socket paths have a length limit) with a token of its own (else
-    # ray.init writes ~/.ray/auth_token), and never a running cluster; stopped by its PIDs if
-    # ray.shutdown leaves any.
-    with ray_temp_dir("rwt-") as temp_dir, ray_token_env(write_token(temp_dir)):
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            _temp_dir=str(temp_dir),
-            runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
-        )
-        try:
-            yield
-        finally:
-            ray.shutdown()
+    with in_process_ray("rwt-", num_cpus=2):
+        yield
 
 
 def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_cluster: None) -> None:

@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import ray
 import torch
 from conftest import small_config, tar_keys
-from raycluster import HeadNode, ray_temp_dir, ray_token_env, write_token
+from raycluster import HeadNode, in_process_ray
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
@@ -35,19 +34,8 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def local_ray(user_cluster: HeadNode) -> Iterator[None]:
-    with ray_temp_dir("rwd-") as temp_dir, ray_token_env(write_token(temp_dir)):
-        # 4 logical CPUs on this machine's 2: room for 3 training workers and the decode tasks.
-        ray.init(
-            address="local",
-            num_cpus=4,
-            include_dashboard=False,
-            _temp_dir=str(temp_dir),
-            runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
-        )
-        try:
-            yield
-        finally:
-            ray.shutdown()
+    with in_process_ray("rwd-", num_cpus=4):  # 4 logical CPUs on 2: room for 3 training workers and decode tasks
+        yield
 
 
 def plane_config(data: Path, **overrides: object) -> TrainConfig:
