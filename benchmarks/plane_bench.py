@@ -55,6 +55,7 @@ from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.launch import raydata
 from raywds.loader.loader import train_loader
+from raywds.loader.stages import train_decoder
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
@@ -109,7 +110,7 @@ def plane_rate(shards: Path, only_node: str | None = None) -> float:
     ds = ray.data.read_datasource(source, override_num_blocks=len(plan.slot(0, 0)), scheduling_strategy=pinned)
     ds = ds.map_batches(
         raydata._decode,
-        fn_kwargs={"cfg": cfg.to_dict(), "epoch": 0, "exact": True},
+        fn_kwargs={"decoder": train_decoder(cfg, 0), "policy": source.policy, "size": SIZE},
         batch_size=None,
         batch_format="numpy",
         scheduling_strategy=pinned,

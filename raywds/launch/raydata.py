@@ -37,7 +37,8 @@ from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ShardError, one_line, own_cause
 from raywds.loader.loader import EpochLoader, expected, read_policy, split_slots
 from raywds.loader.plane import Batches, Columns, decode_rows, shard_rows
-from raywds.loader.stages import Batch, train_decoder, val_decoder
+from raywds.loader.readers import ReadPolicy
+from raywds.loader.stages import Batch, Decoder, train_decoder, val_decoder
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position
@@ -129,11 +130,9 @@ def _read(url: str, shard: Any, policy: Any, verify: bool, left_out: np.ndarray 
         )
 
 
-def _decode(columns: Columns, *, cfg: dict[str, Any], epoch: int | None, exact: bool) -> Columns:
-    """Runs in a Ray Data task: decode a block with the loader's decoders (epoch None: validation)."""
-    config = TrainConfig.from_dict(cfg)
-    decoder = val_decoder(config) if epoch is None else train_decoder(config, epoch)
-    out = decode_rows(columns, decoder, read_policy(config, skip_unreadable=not exact), size=config.image_size_px)
+def _decode(columns: Columns, *, decoder: Decoder, policy: ReadPolicy, size: int) -> Columns:
+    """Runs in a Ray Data task: decode a block with the loader's decoders."""
+    out = decode_rows(columns, decoder, policy, size=size)
     out["node"] = np.full(len(out["id"]), ray.util.get_node_ip_address(), dtype=object)  # RAY
     return out
 
@@ -161,7 +160,11 @@ class RayData:
             source, override_num_blocks=max(len(shards), 1), num_cpus=self.plane.task_cpus
         ).map_batches(
             _decode,
-            fn_kwargs={"cfg": cfg.to_dict(), "epoch": epoch, "exact": exact},
+            fn_kwargs={
+                "decoder": val_decoder(cfg) if epoch is None else train_decoder(cfg, epoch),
+                "policy": source.policy,
+                "size": cfg.image_size_px,
+            },
             batch_size=None,  # a whole block per call: the read task's
             batch_format="numpy",
             num_cpus=self.plane.task_cpus,
