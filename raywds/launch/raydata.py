@@ -227,9 +227,9 @@ class RayData:
                     delivered[0] += len(batch.keys)
                     yield batch
             finally:
-                if batches.nodes and world.is_main:
+                if batches.nodes:  # Ray Data's stats count nodes, not which rank's crops came from where
                     where = ", ".join(f"{ip} ({n})" for ip, n in sorted(batches.nodes.items()))
-                    log.info(f"rank 0's epoch {epoch + 1} was decoded on {len(batches.nodes)} node(s): {where}")
+                    log.info(f"rank {rank}'s epoch {epoch + 1} was decoded on {len(batches.nodes)} node(s): {where}")
 
         return EpochLoader(stream, plan, rank)
 
