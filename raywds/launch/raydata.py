@@ -41,7 +41,7 @@ from raywds.loader.readers import ReadPolicy
 from raywds.loader.stages import Batch, Decoder, train_decoder, val_decoder
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
-from raywds.plan.position import Position
+from raywds.plan.position import Position, already_done
 from raywds.world import World
 
 log = logging.getLogger(__name__)
@@ -193,9 +193,7 @@ class RayData:
         position: Position | None = None,
     ) -> EpochLoader:
         rank, exact = world.rank, plan.mode.exact
-        resuming = position is not None and position.epoch == epoch
-        consumed = position.consumed if resuming and position is not None else None
-        reseed = position.samples_done if resuming and position is not None else 0
+        consumed, reseed = already_done(position, epoch)
         draws = plan.mode.shards_for(
             plan, manifest.shards("train"), rank=rank, worker=0, seed=cfg.seed, epoch=epoch, reseed=reseed
         )

@@ -40,7 +40,7 @@ from raywds.loader.watch import Whereabouts
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.modes import loader_slots
-from raywds.plan.position import Position
+from raywds.plan.position import Position, already_done
 from raywds.world import World
 
 
@@ -155,15 +155,14 @@ def train_loader(
     """This rank's training batches for `epoch` as `plan` deals them; after `position`, only
     what the epoch has not yet delivered (exact mode) or a reseeded stream (resample)."""
     rank, exact = world.rank, plan.mode.exact
-    resuming = position is not None and position.epoch == epoch
-    reseed = position.samples_done if resuming and position else 0
+    consumed, reseed = already_done(position, epoch)
     source = bind(
         shard_urls, plan, manifest.shards("train"), manifest, rank=rank, seed=cfg.seed, epoch=epoch, reseed=reseed
     )
     skips, where = Skips(read_policy(cfg, skip_unreadable=not exact)), Whereabouts()
     stages = [
         *_read_stages(source, manifest, "train", cfg, skips, where),
-        bind(unconsumed, consumed=position.consumed if resuming and position else None),
+        bind(unconsumed, consumed=consumed),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
         bind(decoded, decode=train_decoder(cfg, epoch), skips=skips),
     ]
@@ -217,17 +216,5 @@ class Loaders(Protocol):
 class PerRank:
     """Each rank's DataLoader workers read and decode the shards the plan deals it (the default)."""
 
-    def train(
-        self,
-        manifest: Manifest,
-        cfg: TrainConfig,
-        world: World,
-        plan: EpochPlan,
-        *,
-        epoch: int,
-        position: Position | None = None,
-    ) -> EpochLoader:
-        return train_loader(manifest, cfg, world, plan, epoch=epoch, position=position)
-
-    def val(self, manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
-        return val_loader(manifest, cfg, world)
+    train = staticmethod(train_loader)
+    val = staticmethod(val_loader)

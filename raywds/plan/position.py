@@ -87,6 +87,15 @@ class Position:
             )
 
 
+def already_done(position: Position | None, epoch: int) -> tuple[np.ndarray | None, int]:
+    """What `epoch` delivered before `position`, for a loader to leave out: (split mode's
+    consumed flags or None, the job's samples done, which reseeds resample's draws); (None, 0)
+    when the epoch starts fresh."""
+    if position is None or position.epoch != epoch:
+        return None, 0
+    return position.consumed, position.samples_done
+
+
 def shard_entries(manifest: Manifest) -> dict[str, list[list[Any]]]:
     """Every split's shards as [name, samples, sha256], for a checkpoint to compare at resume."""
     return {split: [[s.name, s.num_samples, s.sha256] for s in shards] for split, shards in manifest.splits.items()}

@@ -55,7 +55,7 @@ class Trainer:
         self.cfg, self.world, self.run_dir = cfg, world, run_dir
         if run_dir is not None and cfg.tensorboard:  # first: a missing tensorboard stops the run before any work
             run_dir.open_tensorboard()
-        self.loaders = loaders if loaders is not None else PerRank()
+        self.loaders: Loaders = loaders if loaders is not None else PerRank()
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
         self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
         self.num_samples = self.manifest.num_samples("train")
