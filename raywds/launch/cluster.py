@@ -91,15 +91,20 @@ def plan_workers(
     return WorkerPlan(wanted, False, per_cpu_worker, low if elastic else None)
 
 
-def gloo_on_the_node_address() -> None:
+def worker_setup() -> None:
     """Run in every Ray worker process as it starts (runtime_env's worker_process_setup_hook):
-    gloo listens on the address Ray knows this node by (raywds.launch.gloo)."""
+    gloo listens on the address Ray knows this node by (raywds.launch.gloo); and code in the worker
+    that looks its cluster up by RAY_ADDRESS finds this one. Ray Train's PlacementGroupCleaner asks
+    the state API without an address, which otherwise scans the machine for clusters and, where
+    two run (a `ray start` cluster beside a notebook's local Ray), fails with "Found multiple
+    active Ray instances" and stops watching: the run's placement group would outlive its driver."""
     gloo.listen_on(ray.util.get_node_ip_address())  # RAY
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # RAY
 
 
 RUNTIME_ENV = {
     "env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},  # Ray Train's print patch would log every epoch line twice
-    "worker_process_setup_hook": f"{__name__}.gloo_on_the_node_address",
+    "worker_process_setup_hook": f"{__name__}.worker_setup",
 }
 
 

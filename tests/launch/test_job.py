@@ -67,3 +67,8 @@ def test_ray_job_submit_runs_the_demo(head: tuple[str, dict[str, str]], tmp_path
         "Ray Train's per-report INFO lines stay out of the console"
     )
     assert (tmp_path / "ray" / "job-test" / "metrics.jsonl").is_file()
+    assert "Traceback" not in out.stdout + out.stderr, (
+        "no process of the run printed a traceback; with the user's stand-in cluster on this machine too, "
+        "Ray Train's PlacementGroupCleaner did when it had to find its cluster by itself:\n"
+        + "\n".join(line for line in (out.stdout + out.stderr).splitlines() if "Error" in line)[-3000:]
+    )
