@@ -97,7 +97,8 @@ def worker_setup() -> None:
     that looks its cluster up by RAY_ADDRESS finds this one. Ray Train's PlacementGroupCleaner asks
     the state API without an address, which otherwise scans the machine for clusters and, where
     two run (a `ray start` cluster beside a notebook's local Ray), fails with "Found multiple
-    active Ray instances" and stops watching: the run's placement group would outlive its driver."""
+    active Ray instances" and stops watching for a controller that dies, whose placement group it
+    is there to remove."""
     gloo.listen_on(ray.util.get_node_ip_address())  # RAY
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # RAY
 
