@@ -244,11 +244,13 @@ def ray_temp_dir(prefix: str) -> Iterator[Path]:
 
 @contextmanager
 def in_process_ray(prefix: str, *, num_cpus: int = 2) -> Iterator[None]:
-    """`ray.init` of a new local cluster in this process: a short private temp dir (Ray's socket
-    paths have a length limit) with a token of its own (else ray.init writes ~/.ray/auth_token),
-    never a running cluster; `ray.shutdown` at the end, and its processes stopped by PID if that
-    leaves any."""
+    """`ray.init` of a new local cluster in this process, with the runtime env `raywds ray` gives
+    its workers: a short private temp dir (Ray's socket paths have a length limit) with a token of
+    its own (else ray.init writes ~/.ray/auth_token), never a running cluster; `ray.shutdown` at
+    the end, and its processes stopped by PID if that leaves any."""
     import ray
+
+    from raywds.launch.cluster import RUNTIME_ENV
 
     with ray_temp_dir(prefix) as temp_dir, ray_token_env(write_token(temp_dir)):
         ray.init(
@@ -256,7 +258,7 @@ def in_process_ray(prefix: str, *, num_cpus: int = 2) -> Iterator[None]:
             num_cpus=num_cpus,
             include_dashboard=False,
             _temp_dir=str(temp_dir),
-            runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+            runtime_env=RUNTIME_ENV,
         )
         try:
             yield
