@@ -95,8 +95,9 @@ class TrainConfig:
     """Hash each shard while reading it and fail at its end, naming it, when its sha256 differs
     from the manifest's: catches corruption no decoder can see (a flipped bit in pixels or a class)."""
     max_bad_samples: float = 0.001
-    """resample mode: samples that cannot be decoded are skipped and counted, up to this many per
-    epoch (below 1: a fraction of the epoch's samples), then the run stops. Split mode never skips."""
+    """resample mode: samples that cannot be decoded are skipped and counted, up to this many distinct
+    ones per epoch (below 1: a fraction of the epoch's samples; each draw of a sample is skipped,
+    the sample counts once), then the run stops. Split mode never skips."""
     log_every_s: float = field(default=60.0, metadata=flag("--log-every"))
     """Rank 0 prints a progress line (loss, lr, images/s, data wait, ETA) this often inside an epoch."""
     tensorboard: bool = False
@@ -154,7 +155,7 @@ class TrainConfig:
             raise ConfigError("batches_per_epoch applies to resample mode; split mode's epoch is the whole split once")
 
     def bad_samples_allowed(self, epoch_samples: int) -> int:
-        """How many undecodable samples an epoch of `epoch_samples` may skip (resample mode)."""
+        """How many distinct undecodable samples an epoch of `epoch_samples` may skip (resample mode)."""
         if self.max_bad_samples >= 1:
             return int(self.max_bad_samples)
         return int(self.max_bad_samples * epoch_samples)

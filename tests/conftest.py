@@ -285,7 +285,7 @@ def embedded_servers_stop_at_once() -> Iterator[None]:
 
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "raywds.train.trainer", "raywds.loader.loader"]
 """What the fork server that starts the tests' gloo ranks and simulated ranks' loader workers imports once."""
-FORKSERVER_USERS = {"test_train.py", "test_loader.py"}
+FORKSERVER_USERS = {"test_train.py", "test_loader.py", "test_faults.py"}
 """Test modules that start ranks or distributed loaders from this process's fork server."""
 
 

@@ -83,6 +83,16 @@ class SampleError(DataError):
     """One sample cannot be used; the message names its shard, key and member."""
 
 
+_NAMED = re.compile(r"shard (.*?): sample (.+?) \(\2\.")
+
+
+def bad_sample_id(reason: str) -> str:
+    """The sample a bad-sample reason (a `SampleError`'s words) names, `shard URL: sample KEY`,
+    so that draws of one sample, by any worker or rank, count as one distinct bad sample."""
+    named = _NAMED.match(reason)
+    return f"shard {named[1]}: sample {named[2]}" if named else reason
+
+
 MAX_LOGGED = 5
 """Bad samples a loader worker logs in full per epoch; the rest are only counted."""
 

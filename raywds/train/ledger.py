@@ -1,4 +1,5 @@
-"""Collectives over the job's ranks: the ledger of samples trained on, sums and per-rank tables.
+"""Collectives over the job's ranks: the ledger of samples trained on, sums, per-rank tables
+and gathered rows of strings.
 Each is a collective where the job is distributed: every rank must call it at the same point.
 
 Every batch carries its samples' ids (shard offset in manifest order + place in the shard).
@@ -8,6 +9,7 @@ workers prefetched, or that sat in a shuffle buffer, are not counted as seen.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -54,6 +56,21 @@ def per_rank(world: World, values: list[float]) -> list[list[float]]:
     if world.distributed:
         dist.all_reduce(table)
     return table.tolist()  # type: ignore[no-any-return]
+
+
+def gathered(world: World, items: list[list[str]]) -> list[list[str]]:
+    """Every rank's `items` (rows of strings), on every rank, in rank order: one all_reduce of the
+    sizes and one all_gather of the bytes, as tensors on the rank's device (no object collectives,
+    which need the CUDA device set)."""
+    if not world.distributed:
+        return list(items)
+    data = json.dumps(items).encode()
+    sizes = [int(row[0]) for row in per_rank(world, [len(data)])]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty_like(mine, device=world.device) for _ in sizes]
+    dist.all_gather(parts, mine.to(world.device))
+    return [row for part, size in zip(parts, sizes) for row in json.loads(part[:size].cpu().numpy().tobytes())]
 
 
 def attempt_id(world: World) -> int:

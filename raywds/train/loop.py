@@ -14,7 +14,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from raywds.errors import CollectiveError
-from raywds.loader.stages import Batch
+from raywds.loader.stages import Batch, bad_sample_id
 from raywds.train.compute import Compute
 from raywds.train.optim import set_lr
 from raywds.world import World
@@ -33,7 +33,10 @@ class EpochResult:
     data_wait_s: float = 0.0
     """Time the loop spent waiting for the loader."""
     bad_samples: list[str] = field(default_factory=list)
-    """resample mode: why each skipped sample could not be used (the loader workers' words)."""
+    """resample mode: why each skipped sample could not be used (the loader workers' words), once
+    per draw: shards repeat within a resample epoch, and a bad sample with them."""
+    distinct_bad: dict[str, str] = field(default_factory=dict)
+    """resample mode: each distinct bad sample (`bad_sample_id`) -> the last reason given for it."""
     num_bad_shards: int = 0
     """resample mode: shards skipped as unreadable."""
 
@@ -98,6 +101,7 @@ def train_epoch(
                 r.num_steps += 1
                 r.num_samples += len(labels)
                 r.bad_samples += batch.bad_samples
+                r.distinct_bad.update((bad_sample_id(why), why) for why in batch.bad_samples)
                 r.num_bad_shards += len(batch.bad_shards)
                 r.loss_sum += loss.item() * len(labels)
                 r.seconds = time.perf_counter() - start

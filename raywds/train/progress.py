@@ -73,23 +73,23 @@ class ProgressLog:
             self.bar.close()
 
 
-def too_many_bad(reasons: list[str], allowed: int, cfg: TrainConfig, *, job_total: int | None = None) -> DataError:
-    """The error past --max-bad-samples: the last bad sample's own line, then the count."""
-    count = (
-        f"{job_total} bad samples this epoch across ranks"
-        if job_total is not None
-        else f"{len(reasons)} bad samples this epoch on this rank"
-    )
-    last = f"{reasons[-1]} " if reasons else ""
+def too_many_bad(last: str, draws: int, distinct: int, allowed: int, cfg: TrainConfig, *, where: str) -> DataError:
+    """The error past --max-bad-samples: the last new bad sample's own line, then the counts:
+    the draws skipped and the distinct samples among them, which the bound is on."""
     return DataError(
-        f"{last}({count}, more than the {allowed} that --max-bad-samples {cfg.max_bad_samples:g} allows); "
+        f"{last + ' ' if last else ''}({draws} bad samples skipped this epoch {where}, {distinct} distinct: more "
+        f"than the {allowed} that --max-bad-samples {cfg.max_bad_samples:g} allows); "
         "run `raywds verify` on the shards"
     )
 
 
 def _skipped(m: Metrics) -> str:
     """What an epoch skipped, when it skipped anything (resample mode)."""
-    parts = [f"{m[k]} bad {what}" for k, what in (("bad_samples", "samples"), ("bad_shards", "shards")) if m.get(k)]
+    parts = []
+    if m.get("bad_samples"):
+        parts.append(f"{m['bad_samples']} bad samples ({m.get('bad_samples_distinct', m['bad_samples'])} distinct)")
+    if m.get("bad_shards"):
+        parts.append(f"{m['bad_shards']} bad shards")
     return f"  skipped {' and '.join(parts)}" if parts else ""
 
 
@@ -108,7 +108,12 @@ def summary_line(m: Metrics) -> str:
             f"stopped at step {m['step']} inside epoch {m['epoch'] + 1}  samples seen {m['samples_seen']}  "
             "(continue with --resume)"
         )
-    bad = f"  bad samples skipped {m['bad_samples_total']}" if m.get("bad_samples_total") else ""
+    bad = (
+        f"  bad samples skipped {m['bad_samples_total']} "
+        f"({m.get('bad_samples_distinct_total', m['bad_samples_total'])} distinct, counted by epoch)"
+        if m.get("bad_samples_total")
+        else ""
+    )
     return (
         f"epochs {m['epoch']}  top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}"
         f"  samples seen {m['samples_seen']}  images/s {m['images_per_s']:.1f}{bad}"

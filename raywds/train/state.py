@@ -30,7 +30,9 @@ class Progress:
     position: Position | None = None
     """Inside an unfinished epoch: what it has delivered."""
     bad_samples: int = 0
-    """Samples skipped as undecodable in the finished epochs (resample mode)."""
+    """Samples skipped as undecodable in the finished epochs (resample mode), once per draw."""
+    bad_samples_distinct: int = 0
+    """The distinct samples among them, counted by epoch: a sample bad in two epochs counts twice."""
 
 
 @dataclass
@@ -69,6 +71,7 @@ def checkpoint_state(
         "steps": progress.steps,
         "samples_seen": progress.samples_seen,
         "bad_samples": progress.bad_samples,
+        "bad_samples_distinct": progress.bad_samples_distinct,
         "position": position.to_state() if position else None,
         "shards": shard_entries(manifest),
         "config": cfg.to_dict(),
@@ -101,4 +104,6 @@ def restore(
         samples_seen=state["samples_seen"],
         position=position,
         bad_samples=state.get("bad_samples", 0),
+        # older checkpoints counted draws only: each was taken for a sample of its own
+        bad_samples_distinct=state.get("bad_samples_distinct", state.get("bad_samples", 0)),
     )

@@ -24,7 +24,7 @@ from raywds.plan.modes import epoch_plan, parse
 from raywds.plan.position import Position
 from raywds.train.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
-from raywds.train.ledger import Audit, Ledger, per_rank, sum_and_max
+from raywds.train.ledger import Audit, Ledger, gathered, per_rank, sum_and_max
 from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import build_model
 from raywds.train.optim import lr_at, make_optimizer
@@ -114,8 +114,15 @@ class Trainer:
             epoch.ledger.mark(batch.ids)
             self.audit.write(index, batch.keys)
             progress.update(step, so_far.seconds, so_far.num_samples, so_far.loss_sum, so_far.data_wait_s, lr(step - 1))
-            if len(so_far.bad_samples) > epoch.bad_allowed:  # this rank alone is past the job's bound
-                raise too_many_bad(so_far.bad_samples, epoch.bad_allowed, cfg)
+            if len(so_far.distinct_bad) > epoch.bad_allowed:  # this rank alone is past the job's bound
+                raise too_many_bad(
+                    _last(so_far.distinct_bad),
+                    len(so_far.bad_samples),
+                    len(so_far.distinct_bad),
+                    epoch.bad_allowed,
+                    cfg,
+                    where="on this rank",
+                )
             return self.maybe_checkpoint(epoch, step)
 
         try:
@@ -186,6 +193,7 @@ class Trainer:
             samples_seen=samples_seen,
             position=here,
             bad_samples=epoch.start.bad_samples,
+            bad_samples_distinct=epoch.start.bad_samples_distinct,
         )
         self.audit.segment(steps)
         if self.world.is_main:
@@ -220,6 +228,7 @@ class Trainer:
             steps=metrics["step"],
             samples_seen=metrics["samples_seen"],
             bad_samples=metrics["bad_samples_total"],
+            bad_samples_distinct=metrics["bad_samples_distinct_total"],
         )
         self.audit.segment(self.progress.steps)
         if world.is_main:
@@ -232,8 +241,18 @@ class Trainer:
         (num_samples, loss_sum, num_bad, bad_shards), seconds = sum_and_max(
             world, [result.num_samples, result.loss_sum, len(result.bad_samples), result.num_bad_shards], result.seconds
         )
-        if num_bad > epoch.bad_allowed:
-            raise too_many_bad(result.bad_samples, epoch.bad_allowed, self.cfg, job_total=int(num_bad))
+        # Shards repeat within a resample epoch, and a bad sample with them: the bound is on the
+        # distinct ones, job-wide. Every rank sees the same sum, so all gather or none does.
+        distinct = dict(gathered(world, [[k, v] for k, v in result.distinct_bad.items()])) if num_bad else {}
+        if len(distinct) > epoch.bad_allowed:
+            raise too_many_bad(
+                _last(result.distinct_bad or distinct),
+                int(num_bad),
+                len(distinct),
+                epoch.bad_allowed,
+                self.cfg,
+                where="across ranks",
+            )
         ranks = per_rank(
             world, [result.num_samples / max(result.seconds, 1e-9), result.data_wait_s / max(result.seconds, 1e-9)]
         )
@@ -246,6 +265,8 @@ class Trainer:
             "samples_seen": start.samples_seen + int(num_samples),
             "bad_samples": int(num_bad),
             "bad_samples_total": start.bad_samples + int(num_bad),
+            "bad_samples_distinct": len(distinct),
+            "bad_samples_distinct_total": start.bad_samples_distinct + len(distinct),
             "bad_shards": int(bad_shards),
             "epoch_samples": int(counts.sum()),
             "epoch_distinct": int((counts > 0).sum()),
@@ -265,6 +286,11 @@ class Trainer:
 
     def state(self) -> dict[str, Any]:
         return checkpoint_state(self.model, self.optimizer, self.progress, self.manifest, self.cfg)
+
+
+def _last(distinct_bad: dict[str, str]) -> str:
+    """The reason given for the latest distinct bad sample."""
+    return next(reversed(distinct_bad.values()), "")
 
 
 def train(

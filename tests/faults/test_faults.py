@@ -9,6 +9,7 @@ worker, no worker shuffle buffer, so the stream order is the draw order)."""
 from __future__ import annotations
 
 import http.server
+import itertools
 import json
 import re
 import socket
@@ -17,15 +18,29 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import shardedit as edit
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import small_config
 
 from raywds.cli import main
+from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo, read_manifest
+from raywds.errors import DataError
+from raywds.loader.loader import expected, read_policy
+from raywds.loader.plane import Batches, decode_rows, shard_rows
+from raywds.loader.stages import bad_sample_id, train_decoder
 from raywds.plan.modes import Resample
+from raywds.train.compute import Compute
+from raywds.train.loop import train_epoch
+from raywds.train.model import build_model
+from raywds.train.trainer import train
+from raywds.world import World
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
@@ -278,13 +293,15 @@ def faulty_server(root: Path, broken: Broken) -> Iterator[str]:
         thread.join(timeout=10)
 
 
-def replay(data: Path, broken: Broken, *, num_batches: int) -> tuple[int, int] | None:
-    """(bad samples, skipped shards) rank 0's epoch carries in its `num_batches` batches, from
+def replay(
+    data: Path, broken: Broken, *, num_batches: int, rank: int = 0, num_ranks: int = 1
+) -> tuple[int, int] | None:
+    """(bad samples, skipped shards) `rank`'s epoch carries in its `num_batches` batches, from
     the epoch's own shard draws; None when 5 unreadable shards in a row end the run."""
     manifest = read_manifest(str(data))
     sizes = {s.name: s.num_samples for s in manifest.shards("train")}
     good = counted_samples = counted_shards = pending_samples = pending_shards = in_a_row = 0
-    for shard in draws(manifest):
+    for shard in draws(manifest, rank=rank, num_ranks=num_ranks):
         name = shard.name
         readable = broken.unreadable.get(name, sizes[name])
         for place in range(readable):
@@ -314,11 +331,11 @@ def first_drawn(data: Path) -> int:
     return manifest.shards("train").index(next(draws(manifest)))
 
 
-def draws(manifest: Manifest) -> Iterator[ShardInfo]:
-    """The shards rank 0's one loader worker draws in epoch 0 of a resample run with seed 0."""
+def draws(manifest: Manifest, *, rank: int = 0, num_ranks: int = 1) -> Iterator[ShardInfo]:
+    """The shards `rank`'s one loader worker draws in epoch 0 of a resample run with seed 0."""
     shards = manifest.shards("train")
-    plan = Resample().plan(shards, num_ranks=1, num_workers=1, batch_size=BATCH)
-    return Resample().shards_for(plan, shards, rank=0, worker=0, seed=0, epoch=0)
+    plan = Resample().plan(shards, num_ranks=num_ranks, num_workers=1, batch_size=BATCH)
+    return Resample().shards_for(plan, shards, rank=rank, worker=0, seed=0, epoch=0)
 
 
 def train_flags(data: str, out: Path, mode: str) -> list[str]:
@@ -392,18 +409,19 @@ def test_fault(
         metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         final = metrics[-1]
         assert (final["bad_samples"], final["bad_shards"]) == (bad_samples, bad_shards)
+        assert final["bad_samples_distinct"] == min(bad_samples, 1), "each fault breaks one sample at most"
         assert final["train_samples"] == 8 * BATCH, "every batch stays full"
         trained = {k for f in (tmp_path / "audit").glob("*.keys") for k in f.read_text().split()}
         assert broken.key is None or broken.key not in trained, "the bad sample was never trained on"
         if bad_samples:
-            assert re.search(rf"skipped {bad_samples} bad samples", out), out
-            assert f"bad samples skipped {bad_samples}" in out
+            assert re.search(rf"skipped {bad_samples} bad samples \(1 distinct\)", out), out
+            assert f"bad samples skipped {bad_samples} (1 distinct" in out
             logged = [line for line in err.splitlines() if line.startswith("raywds: warning: skipped a bad sample: ")]
             assert len(logged) == min(bad_samples, 5) and all(
                 broken.shard in line and str(broken.key) in line for line in logged
             )
         if bad_shards:
-            assert re.search(rf"skipped (\d+ bad samples and )?{bad_shards} bad shards", out), out
+            assert re.search(rf"skipped (\d+ bad samples \(\d+ distinct\) and )?{bad_shards} bad shards", out), out
         return
     assert code == 1, (out + err)[-2000:]
     errors = [line for line in err.splitlines() if line.startswith("raywds: error: ")]
@@ -458,13 +476,13 @@ def test_too_many_bad_samples_stop_a_resample_run(
     assert code == 1 and "Traceback" not in err
     match = re.search(
         (
-            r"^raywds: error: shard \S+: sample \S+ \(\S+\.jpg\): cannot identify image file \((\d+) bad samples this "
-            r"epoch on this rank, more than the 2 that --max-bad-samples 2 allows\)"
+            r"^raywds: error: shard \S+: sample \S+ \(\S+\.jpg\): cannot identify image file \((\d+) bad samples "
+            r"skipped this epoch on this rank, (\d+) distinct: more than the 2 that --max-bad-samples 2 allows\)"
         ),
         err,
         re.M,
     )
-    assert match and int(match.group(1)) > 2, err[-2000:]
+    assert match and int(match.group(1)) >= int(match.group(2)) > 2, err[-2000:]
 
 
 def test_a_fraction_bounds_bad_samples_by_the_epoch(shards: Path) -> None:
@@ -474,3 +492,163 @@ def test_a_fraction_bounds_bad_samples_by_the_epoch(shards: Path) -> None:
     assert TrainConfig(data="x", max_bad_samples=3).bad_samples_allowed(10) == 3
     with pytest.raises(ValueError, match=r"max_bad_samples=2.5 must be a fraction below 1 or a whole number"):
         TrainConfig(data="x", max_bad_samples=2.5)
+
+
+def test_one_bad_sample_drawn_again_and_again_counts_once_against_the_bound(
+    shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Shards repeat within a resample epoch, and a bad sample with them: every draw is skipped,
+    the sample counts once against --max-bad-samples (1 here, as 0.001 of a 1,437-sample epoch);
+    a checkpoint from before the distinct count still resumes."""
+    data = edit.copy(shards, tmp_path / "shards")
+    broken = bad_member("jpg", NOT_AN_IMAGE)(data, first_drawn(data))
+    expected = replay(data, broken, num_batches=8)
+    assert expected is not None and expected[0] >= 2, "the epoch draws the broken shard more than once"
+    draws_skipped = expected[0]
+    code = main([*train_flags(str(data), tmp_path, "resample"), "--max-bad-samples", "1"])
+    out, err = capfd.readouterr()
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    final = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert [final[k] for k in ("bad_samples", "bad_samples_distinct", "bad_samples_total")] == [
+        draws_skipped,
+        1,
+        draws_skipped,
+    ]
+    assert final["bad_samples_distinct_total"] == 1
+    assert f"skipped {draws_skipped} bad samples (1 distinct)" in out
+    assert f"bad samples skipped {draws_skipped} (1 distinct, counted by epoch)" in out
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    state = torch.load(checkpoint, weights_only=False)
+    assert (state["bad_samples"], state["bad_samples_distinct"]) == (draws_skipped, 1)
+    del state["bad_samples_distinct"]  # as a checkpoint written before the distinct count
+    torch.save(state, checkpoint)
+    flags = [*train_flags(str(data), tmp_path / "again", "resample"), "--max-bad-samples", "1"]
+    assert main([*flags, "--epochs", "2", "--resume", str(checkpoint)]) == 0, capfd.readouterr().err[-2000:]
+    resumed = json.loads((tmp_path / "again" / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert resumed["epoch"] == 2 and resumed["bad_samples_total"] == draws_skipped + resumed["bad_samples"]
+    # the old count was of draws; each is taken for a sample of its own
+    assert resumed["bad_samples_distinct_total"] == draws_skipped + resumed["bad_samples_distinct"]
+
+
+def test_two_distinct_bad_samples_past_a_bound_of_one_stop_naming_both_counts(
+    shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    data = edit.copy(shards, tmp_path / "shards")
+    manifest = read_manifest(str(data))
+    order = [s.name for s in itertools.islice(draws(manifest), 8)]
+    first, second = order[0], next(n for n in order if n != order[0])
+    names = [s.name for s in manifest.shards("train")]
+    for name in (first, second):
+        bad_member("jpg", NOT_AN_IMAGE)(data, names.index(name))
+    draws_skipped = order[: order.index(second)].count(first) + 1  # the first bad sample's draws, then the second
+    assert draws_skipped >= 3, "the first broken shard is drawn again before the second"
+    code = main([*train_flags(str(data), tmp_path, "resample"), "--max-bad-samples", "1"])
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("raywds: error: ")]
+    assert code == 1 and "Traceback" not in err and len(errors) == 1, err[-2000:]
+    assert re.match(
+        (
+            rf"raywds: error: shard \S+/{re.escape(second)}: sample \S+ \(\S+\.jpg\): cannot identify image file "
+            rf"\({draws_skipped} bad samples skipped this epoch on this rank, 2 distinct: more than the 1 that "
+            r"--max-bad-samples 1 allows\); run `raywds verify` on the shards$"
+        ),
+        errors[0],
+    ), errors[0]
+
+
+def _resample_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
+    """One of two gloo ranks: its metrics, or the error that stopped it, to out/rankN.json."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        result = {"metrics": train(cfg, World(rank=rank, world_size=2))}
+    except DataError as e:
+        result = {"error": str(e)}
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _two_ranks(data: Path, tmp_path: Path) -> list[dict]:
+    """A one-epoch resample run on two gloo ranks, 4 batches each, bound 1; what each rank ended with."""
+    cfg = small_config(data, mode="resample", num_epochs=1, shuffle_buffer_samples=0, max_bad_samples=1)
+    mp.start_processes(
+        _resample_rank, args=(cfg, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="forkserver"
+    )
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_the_same_bad_sample_drawn_on_two_ranks_counts_once(shards: Path, tmp_path: Path) -> None:
+    data = edit.copy(shards, tmp_path / "shards")
+    broken = bad_member("jpg", NOT_AN_IMAGE)(data, first_drawn(data))
+    per_rank = [replay(data, broken, num_batches=4, rank=r, num_ranks=2) for r in range(2)]
+    assert per_rank[0] and per_rank[1] and per_rank[0][0] >= 1 and per_rank[1][0] >= 1, "both ranks draw it"
+    results = _two_ranks(data, tmp_path)
+    assert results[0] == results[1] and "metrics" in results[0], results
+    final = results[0]["metrics"]
+    assert (final["bad_samples"], final["bad_samples_distinct"]) == (per_rank[0][0] + per_rank[1][0], 1)
+    assert final["train_samples"] == 2 * 4 * 16
+
+
+def test_distinct_bad_samples_on_two_ranks_add_up_against_the_bound(shards: Path, tmp_path: Path) -> None:
+    """Each rank alone stays within the bound of 1; the job's 2 distinct do not: every rank stops
+    at the epoch's end with the job's counts (none waits for another in a collective)."""
+    data = edit.copy(shards, tmp_path / "shards")
+    one = bad_member("jpg", NOT_AN_IMAGE, nth=12)(data, 6)  # read by rank 0; rank 1's epoch ends before it
+    other = bad_member("jpg", NOT_AN_IMAGE)(data, 0)  # drawn by rank 1 only
+    both = Broken("", bad_samples={**one.bad_samples, **other.bad_samples})
+    assert [replay(data, both, num_batches=4, rank=r, num_ranks=2) for r in range(2)] == [(1, 0), (1, 0)]
+    results = _two_ranks(data, tmp_path)
+    for rank, (result, broken) in enumerate(zip(results, (one, other))):
+        assert re.match(
+            (
+                rf"shard \S+/{re.escape(broken.shard)}: sample {broken.key} \(\S+\.jpg\): cannot identify image file "
+                r"\(2 bad samples skipped this epoch across ranks, 2 distinct: more than the 1 that "
+                r"--max-bad-samples 1 allows\)"
+            ),
+            result.get("error", ""),
+        ), (rank, result)
+
+
+def test_the_ray_data_planes_steps_count_a_bad_sample_the_same_way(shards: Path, tmp_path: Path) -> None:
+    """The Ray Data plane's own steps (raywds.loader.plane, plain functions, run here without Ray):
+    two draws of a shard with one bad sample hand on two reasons, which the loop counts as one
+    distinct sample, as it counts the per-rank loader's."""
+    data = edit.copy(shards, tmp_path / "shards")
+    broken = bad_member("jpg", NOT_AN_IMAGE)(data, 1)
+    manifest = read_manifest(str(data))
+    cfg = small_config(data, mode="resample", num_epochs=1, max_bad_samples=1)
+    url = manifest.url(manifest.shards("train")[1])
+    policy = read_policy(cfg, skip_unreadable=True)
+    draw = [
+        decode_rows(c, train_decoder(cfg, 0), policy, size=28)
+        for c in shard_rows(url, expected(manifest, "train")[url], policy)
+    ]
+    batches = list(Batches(8, partial=False)(draw + draw))
+    assert [len(b.bad_samples) for b in batches] == [1, 1, 0], "each draw's reason rides on the next batch out"
+    model = build_model("demo", len(manifest.classes))
+    result = train_epoch(
+        model,
+        batches,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        lambda step: 0.01,
+        World(),
+        Compute.for_run(cfg, "cpu"),
+        uneven=False,
+    )
+    assert len(result.bad_samples) == 2 and list(result.distinct_bad) == [f"shard {url}: sample {broken.key}"]
+
+
+def test_a_bad_samples_reason_names_it_by_shard_and_key() -> None:
+    """What makes draws of one sample one distinct sample: the shard and key its reason names,
+    whatever the member and complaint (a key may hold ' (' itself)."""
+    assert (
+        bad_sample_id("shard http://h:8080/a.tar: sample k (1) (k (1).jpg): cannot identify image file")
+        == bad_sample_id("shard http://h:8080/a.tar: sample k (1) (k (1).cls): class b'x' is not a number")
+        == "shard http://h:8080/a.tar: sample k (1)"
+    )
+    assert (
+        bad_sample_id("shard /d/a.tar: sample k (k.*): has no image member (found cls)") == "shard /d/a.tar: sample k"
+    )

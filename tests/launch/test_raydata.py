@@ -23,7 +23,7 @@ from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.launch import ray_train
 from raywds.loader.loader import PerRank
-from raywds.loader.stages import Batch
+from raywds.loader.stages import Batch, bad_sample_id
 from raywds.plan.modes import epoch_plan
 from raywds.plan.position import Position
 from raywds.world import World
@@ -253,6 +253,7 @@ def test_resample_mode_skips_a_bad_sample_and_hands_its_reason_on(
     assert all(len(b.keys) == 8 for b in ranks[0]), "batches stay full"
     reasons = [r for b in ranks[0] for r in b.bad_samples]
     assert reasons and all("cannot identify image file" in r for r in reasons), reasons
+    assert len({bad_sample_id(r) for r in reasons}) == 1, "every draw of the one bad sample is that sample"
 
 
 def test_resample_mode_stops_when_no_drawn_shard_can_be_read(shards: Path, tmp_path: Path, local_ray: None) -> None:
