@@ -137,11 +137,49 @@ def quiet_known_noise() -> None:
 
 
 def connect(address: str | None) -> None:
-    """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one."""
+    """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one.
+    Either way Ray Train's autoscaling coordinator starts now, while the caller gets its data ready."""
     if ray.is_initialized():
         return
     ray.init(address=address, log_to_driver=True, runtime_env=RUNTIME_ENV)  # RAY
     quiet_known_noise()
+    if started_here():
+        # Ray Train's PreemptionWatcher (an actor of its own) waits for the autoscaler to drain a
+        # node before preempting it; nothing drains the nodes of a cluster this process started.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    start_autoscaling_coordinator()
+
+
+def started_here() -> bool:
+    """Whether this process started the cluster it is connected to (no RAY_ADDRESS, no `ray start`)."""
+    node = getattr(ray._private.worker, "_global_node", None)  # RAY: internal; the node ray.init started or joined
+    return bool(getattr(node, "head", False))
+
+
+COORDINATOR_START_S = 300.0
+"""How long a run waits for Ray Train's autoscaling coordinator to start before it goes on without."""
+
+
+def start_autoscaling_coordinator() -> Any:
+    """Start Ray's autoscaling coordinator (one detached actor per cluster) unless it runs; returns
+    a ref that is ready when it is, or None in a Ray without one. Ray Train's controller asks it
+    for resources as it starts, with a 5 s timeout that includes the actor's own start, a fresh
+    Python process importing Ray Data: on a busy or slow machine that ran late and printed a
+    GetTimeoutError traceback ("Failed to send resource request") on every run. Started here,
+    it starts while the driver prepares, and `wait_for_coordinator` makes sure it answers."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (  # RAY: internal
+            get_or_create_autoscaling_coordinator,
+        )
+    except ImportError:
+        return None
+    return get_or_create_autoscaling_coordinator().__ray_ready__.remote()  # RAY
+
+
+def wait_for_coordinator(ready: Any) -> None:
+    """Wait (up to COORDINATOR_START_S) until the coordinator that `ready` came from is up."""
+    if ready is not None:
+        ray.wait([ready], timeout=COORDINATOR_START_S)  # RAY
 
 
 def alive_nodes() -> dict[str, str]:

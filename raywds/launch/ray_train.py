@@ -35,6 +35,8 @@ from raywds.launch.cluster import (
     node_ip,
     plan_workers,
     split_storage,
+    start_autoscaling_coordinator,
+    wait_for_coordinator,
 )
 from raywds.launch.raydata import Plane, RayData
 from raywds.plan.checks import check_plan
@@ -148,6 +150,7 @@ def run(
     `worker_resources`: custom Ray resources each training worker reserves (where it may run)."""
     if node_wait_s is not None:  # Ray Train reads it in the driver and hands it to its controller
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(node_wait_s)
+    coordinator = start_autoscaling_coordinator()  # started already where connect() joined the cluster
     cfg, plan, plane = place(cfg, num_workers, data_plane, plane_store_mb)
     manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
     for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
@@ -169,6 +172,7 @@ def run(
     trainer = make_trainer(
         cfg, plan, storage, name, num_checkpoints_to_keep, max_failures, resize_check_s, plane, worker_resources
     )
+    wait_for_coordinator(coordinator)
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:  # RAY
