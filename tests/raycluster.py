@@ -266,6 +266,22 @@ def in_process_ray(prefix: str, *, num_cpus: int = 2) -> Iterator[None]:
             ray.shutdown()
 
 
+def worker_roles(temp_dir: Path) -> list[str]:
+    """What each Python worker process of the clusters in `temp_dir` ran, from the lines Ray writes to
+    its stdout log as work is assigned: the actor class (`TrainController`), `task:` and the first
+    task's name, or "" for a worker that never ran anything (an idle one, prestarted)."""
+    roles = []
+    for out in Path(temp_dir).rglob("logs/worker-*.out"):
+        role = ""
+        for line in out.read_text(errors="replace").splitlines()[:5]:
+            if line.startswith((":actor_name:", ":task_name:")):
+                kind, name = line[1:].split(":", 1)
+                role = name if kind == "actor_name" else f"task:{name}"
+                break
+        roles.append(role)
+    return roles
+
+
 def session_logs(temp_dir: Path, num_lines: int = 20) -> str:
     """The last lines of every non-empty *.err and *.log of the newest session in `temp_dir`."""
     out = []

@@ -4,10 +4,11 @@ nodes, where each node finds the run's storage. Each Ray touchpoint is marked `#
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,12 +137,32 @@ def quiet_known_noise() -> None:
             dispatcher.add_handler(name, functools.partial(_without_noise, handler))
 
 
+LOCAL_CLUSTER_ENV = {"RAY_prestart_worker_first_driver": "0"}
+"""Ray settings for a cluster `connect` starts itself. Its raylet would prestart one idle worker
+per CPU for the first driver, with an empty runtime env; every process a run needs has raywds's
+(RUNTIME_ENV), so none could use them: two Python processes importing Ray, on the CPUs the run's
+own actors are starting on, for nothing."""
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` (where not set already), as it was afterwards."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
 def connect(address: str | None) -> None:
     """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one.
     Either way Ray Train's autoscaling coordinator starts now, while the caller gets its data ready."""
     if ray.is_initialized():
         return
-    ray.init(address=address, log_to_driver=True, runtime_env=RUNTIME_ENV)  # RAY
+    with environ(LOCAL_CLUSTER_ENV):  # read by the processes of a cluster ray.init starts, else unused
+        ray.init(address=address, log_to_driver=True, runtime_env=RUNTIME_ENV)  # RAY
     quiet_known_noise()
     if started_here():
         # Ray Train's PreemptionWatcher (an actor of its own) waits for the autoscaler to drain a

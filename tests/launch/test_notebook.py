@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from raycluster import cluster_processes, describe, write_token
+from raycluster import cluster_processes, describe, worker_roles, write_token
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDGET = "application/vnd.jupyter.widget-view+json"
@@ -63,3 +63,8 @@ def test_the_ray_notebook_draws_its_plot_and_its_kernel_stops_what_it_started(
     assert refuses(url[1]), f"the shard server at {url[1]} outlived the kernel"
     left = cluster_processes(ray_temp)
     assert not left, f"the notebook's Ray cluster outlived the kernel:\n{describe(left.values())}"
+    # The cluster was the notebook's own: no preemption watcher (no autoscaler drains its node) and no
+    # idle workers prestarted (none could serve a run whose every process has raywds's runtime env).
+    roles = worker_roles(ray_temp)
+    assert {"TrainController", "RayTrainWorker", "_AutoscalingCoordinatorActor"} <= set(roles), roles
+    assert "PreemptionWatcher" not in roles and "" not in roles, roles

@@ -8,12 +8,11 @@ import json
 import os
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
 from conftest import assert_charts_hold, small_config, tar_keys
-from raycluster import HeadNode, in_process_ray
 
 from raywds.cli import worker_count
 from raywds.config import TrainConfig
@@ -22,13 +21,7 @@ from raywds.launch import ray_train
 from raywds.launch.cluster import split_storage
 
 
-@pytest.fixture(scope="module")
-def local_cluster(user_cluster: HeadNode) -> Iterator[None]:
-    with in_process_ray("rwt-", num_cpus=2):
-        yield
-
-
-def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_cluster: None) -> None:
+def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_ray: None) -> None:
     cfg = small_config(shards, num_epochs=3, log_every_s=0.0, tensorboard=True)
     run = ray_train.run(
         cfg, storage_path=str(tmp_path), name=f"test-{uuid.uuid4().hex[:8]}", num_checkpoints_to_keep=None
@@ -54,6 +47,14 @@ def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path,
     assert [r["step"] for r in progress] == list(range(1, 13))
     # --tensorboard: rank 0's event file in the run folder, though Ray ends the worker without closing it
     assert_charts_hold(Path(run.path) / "tensorboard", rows, num_ranks=2)
+    # Ray Train's controller asks the autoscaling coordinator for resources as it starts, with a 5 s
+    # timeout: were the coordinator started by that request, its process's start would count against
+    # it (a GetTimeoutError traceback on a busy machine). The run starts it first and waits for it.
+    started = [(a["StartTime"], a["ActorClassName"]) for a in ray.state.actors().values()]
+    coordinator = [t for t, name in started if name == "_AutoscalingCoordinatorActor"]
+    controllers = [t for t, name in started if name == "TrainController"]
+    assert len(coordinator) == 1 and controllers, started
+    assert coordinator[0] <= min(controllers), "the autoscaling coordinator was up before the first controller"
 
 
 def test_worker_plan_follows_the_cluster() -> None:
@@ -111,7 +112,7 @@ def audited(audit: Path, epoch: int) -> Counter:
 
 
 def test_split_mode_on_uneven_shards_finishes_with_every_sample_once(
-    uneven: Path, tmp_path: Path, local_cluster: None
+    uneven: Path, tmp_path: Path, local_ray: None
 ) -> None:
     # 9 shards of 1..30 samples dealt to 2 ranks: different batch counts per rank, finished under Join.
     run = ray_train.run(
@@ -124,7 +125,7 @@ def test_split_mode_on_uneven_shards_finishes_with_every_sample_once(
 
 
 def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(
-    shards: Path, tmp_path: Path, local_cluster: None
+    shards: Path, tmp_path: Path, local_ray: None
 ) -> None:
     """A non-image member in split mode: the failing rank's own line, not Ray's snippets."""
     import re
@@ -157,7 +158,7 @@ def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(
     ), line
 
 
-def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_path: Path, local_cluster: None) -> None:
+def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_path: Path, local_ray: None) -> None:
     audit = tmp_path / "audit"
     cfg = split_config(uneven, audit, num_epochs=2, max_steps=3)
     first = ray_train.run(cfg, storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}")
@@ -177,9 +178,7 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_p
     assert second.history[0]["train_samples"] == 120 - 48, "the resumed run trained only on the rest of epoch 1"
 
 
-def test_a_killed_worker_is_restarted_from_the_last_checkpoint(
-    shards: Path, tmp_path: Path, local_cluster: None
-) -> None:
+def test_a_killed_worker_is_restarted_from_the_last_checkpoint(shards: Path, tmp_path: Path, local_ray: None) -> None:
     import os
     import signal
     import threading

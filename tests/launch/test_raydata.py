@@ -9,7 +9,6 @@ import dataclasses
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import small_config, tar_keys
-from raycluster import HeadNode, in_process_ray
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
@@ -30,12 +28,6 @@ from raywds.world import World
 
 raydata = pytest.importorskip("raywds.launch.raydata")
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def local_ray(user_cluster: HeadNode) -> Iterator[None]:
-    with in_process_ray("rwd-", num_cpus=4):  # 4 logical CPUs on 2: room for 3 training workers and decode tasks
-        yield
 
 
 def plane_config(data: Path, **overrides: object) -> TrainConfig:
