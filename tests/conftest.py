@@ -227,6 +227,15 @@ def user_cluster() -> Iterator[raycluster.HeadNode]:
             )
 
 
+@pytest.fixture(scope="session")
+def local_ray(user_cluster: raycluster.HeadNode) -> Iterator[None]:
+    """One local Ray in this process for the Ray Train and Ray Data plane tests (tests/launch/test_ray.py,
+    test_raydata.py), started once: 4 logical CPUs on 2, room for 3 training workers and the plane's
+    decode tasks. Without a dashboard: nothing here asks for one."""
+    with raycluster.in_process_ray("rwt-", num_cpus=4):
+        yield
+
+
 @pytest.fixture
 def ray_temp(user_cluster: raycluster.HeadNode) -> Iterator[Path]:
     """A private temp dir for a cluster that a test starts some other way (RAY_TMPDIR, a subprocess's
