@@ -19,11 +19,12 @@ as in progressive-resizing schedules), where DCT scaling applies to most crops; 
 in the training process itself (0 workers: no batches cross processes), and with 1 worker
 handing every batch over in a fresh shared-memory block (as before raywds.loader.blocks). Also the
 shards' tar members read by webdataset (tarfile) and by raywds.data.tars, and the crop draw by
-torchvision's get_params and by raywds.loader.decode.draw_crop.
+torchvision's get_params and by raywds.loader.crops.draw_crop.
 
 With `--workers 1,2,4,8,15` it also times raywds's `--decode cpu` loader at each count and
-prints the speed-up over 1 worker and the fraction of linear scaling (speed-up / workers);
-`--scaling-only` times nothing else. Give enough images for the most workers (`--copies 100`:
+prints the speed-up over 1 worker, the fraction of linear scaling (speed-up / workers) and each
+worker's rate against the full-decode limit (per core: the loader / workers / full decode);
+`--scaling-only` times nothing else but the limit. Give enough images for the most workers (`--copies 100`:
 10,000 images, about ten batches of 64 per worker at 15).
 
 Loader passes are timed after their first batch (worker start-up excluded) over `copies` x
@@ -57,7 +58,7 @@ from raywds.config import Decoder, TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.data.tars import members
-from raywds.loader import decode
+from raywds.loader import crops, decode
 from raywds.loader.blocks import Blocks
 from raywds.loader.loader import train_loader
 from raywds.plan.modes import epoch_plan
@@ -180,13 +181,17 @@ def raywds_rate(
     return timed(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0), num_images)
 
 
-def print_scaling(rates: dict[int, float]) -> None:
-    """raywds's loader at each worker count against 1 worker, and against linear scaling."""
-    print("scaling, raywds --decode cpu, 224 px (median images/s; speed-up over 1 worker; speed-up / workers):")
-    print(f"  {'workers':>7s} {'images/s':>9s} {'speed-up':>9s} {'of linear':>10s}")
+def print_scaling(rates: dict[int, float], limit: float) -> None:
+    """raywds's loader at each worker count against 1 worker, against linear scaling, and each
+    worker (each core) against the full-decode rate of one process."""
+    print(
+        "scaling, raywds --decode cpu, 224 px (median images/s; speed-up over 1 worker; speed-up / workers; "
+        "images/s per worker / full decode_jpeg):"
+    )
+    print(f"  {'workers':>7s} {'images/s':>9s} {'speed-up':>9s} {'of linear':>10s} {'per core / full decode':>23s}")
     for workers, value in rates.items():
         speedup = value / rates[1]
-        print(f"  {workers:7d} {value:9.0f} {speedup:8.2f}x {speedup / workers:10.0%}")
+        print(f"  {workers:7d} {value:9.0f} {speedup:8.2f}x {speedup / workers:10.0%} {value / workers / limit:22.2f}x")
 
 
 def main() -> None:
@@ -225,7 +230,7 @@ def main() -> None:
             "loop: same, whole-image decoding": partial(loop_rate, datas, whole_image_crop),
         }
         runs["draw: torchvision get_params (crops/s)"] = partial(draw_rate, torchvision_draw)
-        runs["draw: raywds draw_crop (crops/s)"] = partial(draw_rate, partial(decode.draw_crop, scale=(0.08, 1.0)))
+        runs["draw: raywds draw_crop (crops/s)"] = partial(draw_rate, partial(crops.draw_crop, scale=(0.08, 1.0)))
         tars = sorted((root / "shards").glob("*train-*.tar"))
         runs["tar members, webdataset (samples/s)"] = partial(tar_rate, tars, wds.tariterators.tar_file_iterator)
         runs["tar members, raywds.data.tars (samples/s)"] = partial(tar_rate, tars, members)
@@ -242,7 +247,7 @@ def main() -> None:
         for workers, name in scaling.items():
             runs.setdefault(name, partial(raywds_rate, root / "shards", workers, n, 224, "cpu"))
         if args.scaling_only:
-            runs = {name: runs[name] for name in scaling.values()}
+            runs = {name: runs[name] for name in ["limit: full decode, decode_jpeg", *scaling.values()]}
         measured = defaultdict(list)
         for _ in range(args.rounds):
             for name, run in runs.items():
@@ -251,10 +256,10 @@ def main() -> None:
         for name, value in rate.items():
             spread = f"{min(measured[name]):.0f}-{max(measured[name]):.0f}"
             print(f"{name:34s} {value:7.0f} images/s  (rounds: {spread})")
-        print_scaling({w: rate[name] for w, name in scaling.items()})
+        limit = rate["limit: full decode, decode_jpeg"]
+        print_scaling({w: rate[name] for w, name in scaling.items()}, limit)
         if args.scaling_only:
             return
-        limit = rate["limit: full decode, decode_jpeg"]
         all_w = f"{cores}w"
         print("ratios (per core = 1 worker):")
         print(

@@ -7,19 +7,22 @@ decoding. Most headers need only a name, a size and a checksum; the first header
 more (pax or GNU long names, links, directories, base-256 sizes) hands the rest of the
 stream to tarfile, so any tar tarfile reads is read the same way.
 
-    for sample in group_by_keys(tar_files(sources, handler)): ...
+    for sample in group_by_keys(tar_files(sources, handler), keys=key_and_ext): ...
 """
 
 from __future__ import annotations
 
 import re
 import tarfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
 BLOCK = 512
 SKIP = re.compile(r"__[^/]*__($|/)")
 """webdataset's metadata members (`__key__`-like names), which it skips too."""
+KEY_AND_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+"""webdataset's `base_plus_ext`: the key, then everything after the file name's first dot."""
 
 
 def members(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
@@ -41,6 +44,17 @@ def members(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
             raise tarfile.ReadError("unexpected end of data")
         _read(stream, -size % BLOCK)
         yield name.decode("utf-8", "surrogateescape"), data
+
+
+def key_and_ext(name: str) -> tuple[str | None, str | None]:
+    """A member's sample key and extension as webdataset's `base_plus_ext` splits them (at the
+    file name's first dot), without its regular expression for the usual names (2x faster)."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot > slash:
+        return name[:dot], name[dot + 1 :]
+    match = KEY_AND_EXT.match(name)  # no dot, or a name that starts with one
+    return (match.group(1), match.group(2)) if match else (None, None)
 
 
 def tar_files(sources: Iterable[dict[str, Any]], handler: Callable[[BaseException], bool]) -> Iterator[dict[str, Any]]:
@@ -69,9 +83,12 @@ def _read(stream: BinaryIO, size: int) -> bytes:
 
 
 def _check(header: bytes) -> None:
-    """The header checksum: its bytes summed with the checksum field read as spaces."""
+    """The header checksum: its bytes summed with the checksum field read as spaces. zlib sums
+    them, 5x faster than sum() (a sixth of a sample's reading): Adler-32's low 16 bits are 1 plus
+    the bytes' sum modulo 65521, exact for 256 bytes (at most 65,280), so each half gives its sum."""
     field = header[148:156].split(b"\0", 1)[0].strip()
-    if not field or int(field, 8) != sum(header[:148]) + sum(header[156:]) + 8 * 32:
+    total = (zlib.adler32(header[:256]) & 0xFFFF) + (zlib.adler32(header[256:]) & 0xFFFF) - 2
+    if not field or int(field, 8) != total - sum(header[148:156]) + 8 * 32:
         raise tarfile.ReadError("bad checksum in a tar header: not a tar, or a corrupt one")
 
 

@@ -12,6 +12,7 @@
 
 #include <setjmp.h>
 #include <stdio.h>
+#include <string.h>
 
 #include <jpeglib.h>
 
@@ -70,12 +71,22 @@ PyDoc_STRVAR(decode_region_doc,
 "Raises ValueError for a broken JPEG, and for one libjpeg warns about while decoding the\n"
 "region (corrupt data, a premature end): its pixels would be partly made up.");
 
-static PyObject *decode_region(PyObject *self, PyObject *args) {
+PyDoc_STRVAR(decode_box_doc,
+"decode_box(data, top, left, height, width) -> pixels\n\n"
+"Exactly the box's pixels (top, left, height, width) of a JPEG (RGB or grayscale) at full\n"
+"size, as one contiguous RGB bytearray, height x width x 3: what decode_region(..., 1) gives,\n"
+"cut to the box while decoding, row by row, instead of in a copy afterwards.\n"
+"Raises ValueError as decode_region does.");
+
+/* Decode the box (full-image pixels) at 1/scale. `exact` (scale 1 only): the result is just the
+ * box's pixels, each decoded row cut to the box as it comes out of libjpeg; else the rows of
+ * the region decode_region describes, with where they start. */
+static PyObject *decode(PyObject *args, int exact) {
     Py_buffer data;
     long top, left, height, width;
-    int scale;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*lllli", &data, &top, &left, &height, &width, &scale))
+    int scale = 1;
+    if (exact ? !PyArg_ParseTuple(args, "y*llll", &data, &top, &left, &height, &width)
+              : !PyArg_ParseTuple(args, "y*lllli", &data, &top, &left, &height, &width, &scale))
         return NULL;
     if (scale != 1 && scale != 2 && scale != 4 && scale != 8) {
         PyBuffer_Release(&data);
@@ -88,6 +99,7 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
 
     struct jpeg_decompress_struct cinfo;
     struct error_mgr err;
+    JSAMPROW scratch = NULL; /* exact: one decoded row, before it is cut to the box */
     catch_errors(&cinfo, &err);
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
@@ -125,7 +137,13 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
 
     Py_ssize_t stride = (Py_ssize_t)cinfo.output_width * cinfo.output_components; /* after the crop */
     JDIMENSION rows = y1 - y0;
-    PyObject *pixels = PyByteArray_FromStringAndSize(NULL, stride * rows);
+    Py_ssize_t out_stride = exact ? (Py_ssize_t)width * 3 : stride;
+    Py_ssize_t skip = exact ? (Py_ssize_t)(left - (long)xoffset) * 3 : 0; /* bytes of a row left of the box */
+    PyObject *pixels = PyByteArray_FromStringAndSize(NULL, out_stride * rows);
+    if (exact && pixels != NULL && (scratch = (JSAMPROW)PyMem_RawMalloc((size_t)stride)) == NULL) {
+        Py_DECREF(pixels);
+        pixels = PyErr_NoMemory();
+    }
     if (pixels == NULL) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
@@ -139,11 +157,15 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         if (y0 > 0)
             jpeg_skip_scanlines(&cinfo, y0);
         while (cinfo.output_scanline < y1) {
-            JSAMPROW row = out + (Py_ssize_t)(cinfo.output_scanline - y0) * stride;
+            unsigned char *dest = out + (Py_ssize_t)(cinfo.output_scanline - y0) * out_stride;
+            JSAMPROW row = exact ? scratch : dest;
             jpeg_read_scanlines(&cinfo, &row, 1);
+            if (exact)
+                memcpy(dest, scratch + skip, (size_t)out_stride);
         }
     }
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(scratch);
     if (failed) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
@@ -157,7 +179,19 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         Py_DECREF(pixels);
         return PyErr_Format(PyExc_ValueError, "corrupt JPEG data: %s", err.warning);
     }
+    if (exact)
+        return pixels;
     return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)y0, (unsigned long)xoffset, (unsigned long)rows, (unsigned long)out_width);
+}
+
+static PyObject *decode_region(PyObject *self, PyObject *args) {
+    (void)self;
+    return decode(args, 0);
+}
+
+static PyObject *decode_box(PyObject *self, PyObject *args) {
+    (void)self;
+    return decode(args, 1);
 }
 
 PyDoc_STRVAR(size_doc,
@@ -190,6 +224,7 @@ static PyObject *size(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS, decode_region_doc},
+    {"decode_box", decode_box, METH_VARARGS, decode_box_doc},
     {"size", size, METH_VARARGS, size_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -17,14 +17,15 @@ Three ways, chosen by `--decode`:
 Every way gives uint8 CHW; normalising happens on the device (raywds.train.compute).
 
 Each training sample's crop and flip come from its own generator, seeded by (seed, epoch, sample
-id) (`crop_rng`): the same crop whichever worker, rank or Ray Data task decodes it, in any order.
+id) (raywds.loader.crops): the same crop whichever worker, rank or Ray Data task decodes it, in
+any order.
 """
 
 from __future__ import annotations
 
 import functools
 import io
-import math
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -36,64 +37,15 @@ from torch.utils.data import get_worker_info
 from torchvision import transforms
 from torchvision.transforms.v2 import functional as F
 
+from raywds.loader.crops import Box, draw_crop, reduction
+
 try:
     from raywds.loader import _jpeg
 except ImportError:  # built without a C compiler or libjpeg's headers: decode whole JPEGs
     _jpeg = None  # type: ignore[assignment]
-
-from raywds.plan import seeds
-
-RATIO = (3 / 4, 4 / 3)
-
-Box = tuple[int, int, int, int]
-"""top, left, height, width in the full image."""
-
-
-def reduction(box: Box, size: int) -> int:
-    """The largest libjpeg scale-down (1, 2, 4 or 8) that keeps the crop at least `size` on both sides."""
-    _, _, h, w = box
-    r = 8
-    while r > 1 and min(h, w) < r * size:
-        r //= 2
-    return r
-
-
-_LOG_RATIO = torch.log(torch.tensor(RATIO)).tolist()  # float32-rounded, as get_params has them
-
-
-def crop_rng(seed: int, epoch: int, sample_id: int) -> torch.Generator:
-    """The generator a training sample's crop and flip are drawn from, its own (about 3 us to make)."""
-    rng = torch.Generator()
-    rng.manual_seed(seeds.number(seeds.CROP, seed, epoch, sample_id))
-    return rng
-
-
-def draw_crop(
-    height: int, width: int, scale: tuple[float, float], rng: torch.Generator | None = None
-) -> tuple[Box, bool]:
-    """RandomResizedCrop's box, then RandomHorizontalFlip's coin, drawn from `rng` (torch's
-    global generator when None) exactly as torchvision draws them (`RandomResizedCrop.get_params`:
-    the same calls, in the same order, on the same values), so a seed gives both the same crops.
-    Written out because get_params builds tensors for what is scalar arithmetic, 3.3x slower
-    (benchmarks/loader_bench.py)."""
-    area = height * width
-    for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=rng).item()
-        aspect_ratio = math.exp(torch.empty(1).uniform_(_LOG_RATIO[0], _LOG_RATIO[1], generator=rng).item())
-        w = int(round(math.sqrt(target_area * aspect_ratio)))
-        h = int(round(math.sqrt(target_area / aspect_ratio)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, size=(1,), generator=rng).item())
-            left = int(torch.randint(0, width - w + 1, size=(1,), generator=rng).item())
-            return (top, left, h, w), torch.rand(1, generator=rng).item() < 0.5
-    in_ratio = width / height  # ten misses: the centre crop get_params falls back to
-    if in_ratio < min(RATIO):
-        w, h = width, int(round(width / min(RATIO)))
-    elif in_ratio > max(RATIO):
-        h, w = height, int(round(height * max(RATIO)))
-    else:
-        w, h = width, height
-    return ((height - h) // 2, (width - w) // 2, h, w), torch.rand(1, generator=rng).item() < 0.5
+if _jpeg is not None and not hasattr(_jpeg, "decode_box"):  # built from an older _jpeg.c
+    logging.getLogger(__name__).warning("raywds.loader._jpeg is an old build; `pip install -e .` rebuilds it")
+    _jpeg = None  # type: ignore[assignment]
 
 
 def _as_rgb_tensor(img: Image.Image) -> torch.Tensor:
@@ -114,10 +66,12 @@ def _plain_jpeg(img: Image.Image) -> bool:
 
 def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
     """Crop `box` of a uint8 CHW tensor, resize it to size x size (bilinear, antialiased), flip.
-    The crop is made contiguous channels-last first: torch's vectorised uint8 resize then runs
-    1.7x faster than on the strided view, copy included."""
+    The crop is made contiguous channels-last first (copied only where it is not: `box_pixels`'
+    is), with the strides torch reads as channels-last: its vectorised uint8 resize then runs
+    1.7x faster than on a strided view, copy included. (unsqueeze(0) of a channels-last CHW
+    tensor gives the batch a stride of 3, which torch takes for another layout: 1.7x slower.)"""
     top, left, height, width = box
-    crop = image[:, top : top + height, left : left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
+    crop = image[:, top : top + height, left : left + width].permute(1, 2, 0).contiguous()[None].permute(0, 3, 1, 2)
     uint8_kernel = crop.device.type == "cpu"  # CUDA's antialiased resize takes floating point only
     x = crop if uint8_kernel else crop.float()
     out = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
@@ -133,16 +87,23 @@ def region(data: bytes, box: Box, r: int = 1) -> tuple[torch.Tensor, int, int]:
     return torch.frombuffer(pixels, dtype=torch.uint8).view(rows, cols, 3).permute(2, 0, 1), y0, x0
 
 
+def box_pixels(data: bytes, box: Box) -> torch.Tensor:
+    """Exactly the pixels under `box` at full scale (raywds.loader._jpeg.decode_box): uint8 CHW,
+    its HWC memory already the contiguous channels-last crop that `cropped` resizes."""
+    top, left, height, width = box
+    pixels = _jpeg.decode_box(data, top, left, height, width)
+    return torch.frombuffer(pixels, dtype=torch.uint8).view(height, width, 3).permute(2, 0, 1)
+
+
 def train_crop(data: bytes, size: int, scale: tuple[float, float], rng: torch.Generator | None = None) -> torch.Tensor:
     """The `cpu` decoder: a random crop (drawn from `rng`) of the image in `data`, decoding only what it needs."""
     shape = _jpeg.size(data) if _jpeg is not None else None
     if shape is not None:  # a JPEG the region decoder reads: its header gives the size, no PIL
         box, flip = draw_crop(*shape, scale, rng)
         r = reduction(box, size)
+        if r == 1:  # cut to the box as libjpeg decodes it: no copy of the crop before resizing
+            return cropped(box_pixels(data, box), (0, 0, box[2], box[3]), flip, size)
         image, y0, x0 = region(data, box, r)
-        if r == 1:
-            top, left, h, w = box
-            return cropped(image, (top - y0, left - x0, h, w), flip, size)
         return _resampled(Image.fromarray(image.permute(1, 2, 0).numpy()), box, r, (y0, x0), flip, size)
     with Image.open(io.BytesIO(data)) as img:  # without the extension, or not a plain JPEG
         box, flip = draw_crop(img.height, img.width, scale, rng)

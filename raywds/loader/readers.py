@@ -103,7 +103,7 @@ def shard_samples(
     key = ""
     try:
         for sample in wds.tariterators.group_by_keys(
-            tars.tar_files([{"url": url, "stream": source}], handler=_reraise)
+            tars.tar_files([{"url": url, "stream": source}], handler=_reraise), keys=tars.key_and_ext
         ):
             key = sample["__key__"]
             if key in seen:

@@ -24,7 +24,7 @@ from torch.utils.data import get_worker_info
 from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ConfigError, DataError
-from raywds.loader import decode
+from raywds.loader import crops, decode
 from raywds.loader.decode import Encoded
 from raywds.loader.readers import Failures, ReadPolicy
 from raywds.plan import seeds
@@ -55,7 +55,7 @@ Decoder = Callable[[bytes, int], Any]
 
 
 def train_decoder(cfg: TrainConfig, epoch: int) -> Decoder:
-    """`--decode`'s training crop, each sample's drawn from its own generator (decode.crop_rng)."""
+    """`--decode`'s training crop, each sample's drawn from its own generator (crops.crop_rng)."""
     size, scale = cfg.image_size_px, (cfg.crop_scale_min, 1.0)
     crop: Callable[..., Any]
     if cfg.decode == "pil":
@@ -66,7 +66,7 @@ def train_decoder(cfg: TrainConfig, epoch: int) -> Decoder:
 
 
 def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample_id: int) -> Any:
-    return crop(data, rng=decode.crop_rng(seed, epoch, sample_id))
+    return crop(data, rng=crops.crop_rng(seed, epoch, sample_id))
 
 
 def val_decoder(cfg: TrainConfig) -> Decoder:

@@ -73,9 +73,14 @@ class ProgressLog:
             self.bar.close()
 
 
-def too_many_bad(last: str, draws: int, distinct: int, allowed: int, cfg: TrainConfig, *, where: str) -> DataError:
-    """The error past --max-bad-samples: the last new bad sample's own line, then the counts:
-    the draws skipped and the distinct samples among them, which the bound is on."""
+def too_many_bad(
+    reasons: dict[str, str], draws: int, allowed: int, cfg: TrainConfig, where: str, distinct: int | None = None
+) -> DataError:
+    """The error past --max-bad-samples: the latest distinct bad sample's own line (`reasons`: sample
+    -> reason, oldest first), then the counts: the draws skipped and the distinct samples among them
+    (`distinct`, else as many as `reasons` names), which the bound is on."""
+    last = next(reversed(reasons.values()), "")
+    distinct = len(reasons) if distinct is None else distinct
     return DataError(
         f"{last + ' ' if last else ''}({draws} bad samples skipped this epoch {where}, {distinct} distinct: more "
         f"than the {allowed} that --max-bad-samples {cfg.max_bad_samples:g} allows); "

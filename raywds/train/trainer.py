@@ -115,14 +115,7 @@ class Trainer:
             self.audit.write(index, batch.keys)
             progress.update(step, so_far.seconds, so_far.num_samples, so_far.loss_sum, so_far.data_wait_s, lr(step - 1))
             if len(so_far.distinct_bad) > epoch.bad_allowed:  # this rank alone is past the job's bound
-                raise too_many_bad(
-                    _last(so_far.distinct_bad),
-                    len(so_far.bad_samples),
-                    len(so_far.distinct_bad),
-                    epoch.bad_allowed,
-                    cfg,
-                    where="on this rank",
-                )
+                raise too_many_bad(so_far.distinct_bad, len(so_far.bad_samples), epoch.bad_allowed, cfg, "on this rank")
             return self.maybe_checkpoint(epoch, step)
 
         try:
@@ -245,14 +238,8 @@ class Trainer:
         # distinct ones, job-wide. Every rank sees the same sum, so all gather or none does.
         distinct = dict(gathered(world, [[k, v] for k, v in result.distinct_bad.items()])) if num_bad else {}
         if len(distinct) > epoch.bad_allowed:
-            raise too_many_bad(
-                _last(result.distinct_bad or distinct),
-                int(num_bad),
-                len(distinct),
-                epoch.bad_allowed,
-                self.cfg,
-                where="across ranks",
-            )
+            named = result.distinct_bad or distinct  # a rank names its own latest bad sample where it has one
+            raise too_many_bad(named, int(num_bad), epoch.bad_allowed, self.cfg, "across ranks", len(distinct))
         ranks = per_rank(
             world, [result.num_samples / max(result.seconds, 1e-9), result.data_wait_s / max(result.seconds, 1e-9)]
         )
@@ -286,11 +273,6 @@ class Trainer:
 
     def state(self) -> dict[str, Any]:
         return checkpoint_state(self.model, self.optimizer, self.progress, self.manifest, self.cfg)
-
-
-def _last(distinct_bad: dict[str, str]) -> str:
-    """The reason given for the latest distinct bad sample."""
-    return next(reversed(distinct_bad.values()), "")
 
 
 def train(

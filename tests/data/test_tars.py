@@ -9,7 +9,7 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from raywds.data.tars import BLOCK, members, tar_files
+from raywds.data.tars import BLOCK, key_and_ext, members, tar_files
 
 
 def tar_bytes(
@@ -134,3 +134,8 @@ def test_tar_files_marks_shard_ends_and_hands_failures_to_the_handler() -> None:
     assert list(tar_files(sources, lambda exn: False)) == [], "a handler that says stop stops"
     grouped = list(wds.tariterators.group_by_keys(tar_files([{"url": "one", "stream": io.BytesIO(good)}], go_on)))
     assert [s["__key__"] for s in grouped] == ["a/000", "a/001"] and grouped[1]["cls"] == b"x" * 512
+
+
+def test_keys_split_as_webdatasets() -> None:
+    names = ["a/000.jpg", "a/000.seg.png", "n01/x_1.JPEG", "noext", "a/.hidden", "a.b/c.d", "a.b/noext", ".x", "a/b/"]
+    assert [key_and_ext(n) for n in names] == [wds.tariterators.base_plus_ext(n) for n in names]

@@ -14,8 +14,9 @@ from PIL import Image, ImageFilter, JpegImagePlugin
 from scipy.stats import ks_2samp
 from torchvision import transforms
 
-from raywds.loader import decode
-from raywds.loader.decode import Encoded, encoded_crop, reduction, reference_train, reference_val, train_crop, val_crop
+from raywds.loader import crops, decode
+from raywds.loader.crops import reduction
+from raywds.loader.decode import Encoded, encoded_crop, reference_train, reference_val, train_crop, val_crop
 from raywds.train.compute import Compute
 
 SCALE = (0.08, 1.0)
@@ -81,6 +82,17 @@ def test_cpu_crop_matches_the_reference_for_the_same_seed(
         assert mean_abs(a, other) > 20, "the test image must tell different crops apart"
 
 
+def test_the_region_decoders_crop_is_the_whole_images_crop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At full scale the `cpu` crop that libjpeg cuts to the box as it decodes (decode_box) is,
+    pixel for pixel, the same crop of the whole decoded image: only cheaper."""
+    need_jpeg_extension()
+    data = encoded(photo(500, 375))  # crops of it at 224 px are never DCT-scaled
+    cut = [seeded(lambda d: train_crop(d, 224, SCALE), data, seed) for seed in range(30)]
+    monkeypatch.setattr(decode, "_jpeg", None)
+    whole = [seeded(lambda d: train_crop(d, 224, SCALE), data, seed) for seed in range(30)]
+    assert all(torch.equal(a, b) for a, b in zip(cut, whole))
+
+
 @pytest.mark.parametrize(
     "height,width,scale",
     [
@@ -99,10 +111,10 @@ def test_draw_crop_is_torchvisions_draw(height: int, width: int, scale: tuple[fl
     image = torch.empty(1, 1, 1).expand(3, height, width)
     for seed in range(300):
         torch.manual_seed(seed)
-        box, flip = decode.draw_crop(height, width, scale)
+        box, flip = crops.draw_crop(height, width, scale)
         after = torch.rand(1)
         torch.manual_seed(seed)
-        expected = transforms.RandomResizedCrop.get_params(image, list(scale), list(decode.RATIO))
+        expected = transforms.RandomResizedCrop.get_params(image, list(scale), list(crops.RATIO))
         assert (box, flip) == (expected, bool(torch.rand(1) < 0.5)), f"seed {seed}"
         assert torch.equal(torch.rand(1), after), "the same draws from the generator, no more"
 

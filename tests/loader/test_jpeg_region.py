@@ -16,7 +16,7 @@ from raywds.loader import decode
 
 need_jpeg_extension()
 
-from raywds.loader._jpeg import decode_region  # noqa: E402
+from raywds.loader._jpeg import decode_box, decode_region  # noqa: E402
 
 
 def jpeg(width: int, height: int, mode: str = "RGB", **save: object) -> bytes:
@@ -85,6 +85,19 @@ def test_region_pixels_equal_the_whole_decode(layout: str, scale: int) -> None:
         np.testing.assert_array_equal(got, full[y:y1, x:x1], err_msg=f"box {(top, left, h, w)}")
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_box_pixels_are_exactly_the_box(layout: str) -> None:
+    """decode_box cuts each row to the box as it decodes: the box's pixels of the whole decode, contiguous."""
+    width, height = 333, 251
+    data = jpeg(width, height, **LAYOUTS[layout])  # type: ignore[arg-type]
+    full = whole(data)
+    for top, left, h, w in boxes(width, height, 40, seed=5):
+        pixels = decode_box(data, top, left, h, w)
+        assert len(pixels) == h * w * 3
+        got = np.frombuffer(pixels, dtype=np.uint8).reshape(h, w, 3)
+        np.testing.assert_array_equal(got, full[top : top + h, left : left + w], err_msg=f"box {(top, left, h, w)}")
+
+
 def test_region_crop_equals_decode_jpeg() -> None:
     """At full scale the region is the same pixels torchvision's decode_jpeg gives (both libjpeg-turbo)."""
     data = jpeg(500, 375)
@@ -119,3 +132,9 @@ def test_what_it_refuses() -> None:
         decode_region(b"not a jpeg at all", 0, 0, 10, 10, 1)
     with pytest.raises(ValueError, match="JPEG"):
         decode_region(data[:20], 0, 0, 10, 10, 1)
+    with pytest.raises(ValueError, match="outside"):
+        decode_box(data, 40, 0, 10, 10)
+    with pytest.raises(ValueError, match="bad box"):
+        decode_box(data, 0, 0, 10, 0)
+    with pytest.raises(ValueError, match="corrupt JPEG data"):
+        decode_box(data[: len(data) // 2], 40, 0, 8, 64)  # a cut file: libjpeg would fill in grey
