@@ -176,10 +176,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.multinode)
         if item.get_closest_marker("multinode") and not item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.ray)  # torchrun across namespaces: as slow, kept out of the inner loop
-        if item.get_closest_marker("ray"):
-            # Under `-n 2 --dist loadgroup` (./run-tests) the Ray tests run one after another in one
-            # worker, sharing its clusters and the two-node network; the rest fill the other worker.
-            item.add_marker(pytest.mark.xdist_group("ray"))
     yield
     if os.environ.get("RAYWDS_TEST_REVERSE") == "1":
         items.reverse()  # after everything else has ordered and selected
