@@ -67,9 +67,10 @@ def main() -> None:
         )
     print(f"  from source / bytecode: {median['from source'] / median['bytecode']:.1f}x\n")
     with tempfile.TemporaryDirectory() as folder:
+        no_args: list[str] = []
         kinds = {
-            "as ./run-venv installs": ([], dict(os.environ)),
-            "with rfc3987-syntax": ([], with_rfc3987(Path(folder))),
+            "as ./run-venv installs": (no_args, dict(os.environ)),
+            "with rfc3987-syntax": (no_args, with_rfc3987(Path(folder))),
         }
         median = compare("import ray", kinds, args.rounds)
     print(f"  with / without: {median['with rfc3987-syntax'] / median['as ./run-venv installs']:.1f}x")

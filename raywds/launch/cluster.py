@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -17,6 +19,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raywds.errors import ConfigError
 from raywds.launch import gloo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -164,11 +168,28 @@ def connect(address: str | None) -> None:
     with environ(LOCAL_CLUSTER_ENV):  # read by the processes of a cluster ray.init starts, else unused
         ray.init(address=address, log_to_driver=True, runtime_env=RUNTIME_ENV)  # RAY
     quiet_known_noise()
+    warn_slow_imports()
     if started_here():
         # Ray Train's PreemptionWatcher (an actor of its own) waits for the autoscaler to drain a
         # node before preempting it; nothing drains the nodes of a cluster this process started.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     start_autoscaling_coordinator()
+
+
+SLOW_IMPORTS = {"rfc3987_syntax": "rfc3987-syntax"}
+"""Modules that make every process Ray starts slower to start, by the package to uninstall."""
+
+
+def warn_slow_imports() -> None:
+    """A warning for each SLOW_IMPORTS module this Python can import: Jupyter installs rfc3987-syntax
+    (for jsonschema's `iri` format check), jsonschema imports it in every process Ray starts, and it
+    builds a parser as it is imported (docs/ray.md)."""
+    for module, package in SLOW_IMPORTS.items():
+        if importlib.util.find_spec(module) is not None:
+            log.warning(
+                f"{package} is installed (Jupyter brings it): each process Ray starts spends ~2 s importing it, "
+                f"and a run waits for about ten in a row; `pip uninstall {package}` (nothing here needs it)"
+            )
 
 
 def started_here() -> bool:

@@ -18,7 +18,7 @@ from raywds.cli import worker_count
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.launch import ray_train
-from raywds.launch.cluster import split_storage
+from raywds.launch.cluster import split_storage, warn_slow_imports
 
 
 def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_ray: None) -> None:
@@ -55,6 +55,19 @@ def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path,
     controllers = [t for t, name in started if name == "TrainController"]
     assert len(coordinator) == 1 and controllers, started
     assert coordinator[0] <= min(controllers), "the autoscaling coordinator was up before the first controller"
+
+
+def test_a_package_that_slows_every_ray_process_is_named_with_its_uninstall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    warn_slow_imports()
+    assert not caplog.records, "./run-venv leaves rfc3987-syntax out"
+    (tmp_path / "rfc3987_syntax").mkdir()  # importable, as where Jupyter installed it
+    (tmp_path / "rfc3987_syntax" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    warn_slow_imports()
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "`pip uninstall rfc3987-syntax`" in caplog.records[0].getMessage()
 
 
 def test_worker_plan_follows_the_cluster() -> None:
