@@ -31,9 +31,9 @@ STOP_POLL_S = 0.5
 
 class ShardHandler(http.server.BaseHTTPRequestHandler):
     """GET and HEAD of regular files under `root`, with byte ranges, streamed in chunks.
-    No directory listing, nothing outside `root` (`..`, encoded or not, absolute paths and
-    symlinks that lead out) and nothing hidden (a path part starting with a dot, encoded or
-    not): all 404, as if absent, like every other file a client may not have. `timeout`
+    No directory listing, nothing outside `root` (`..`, encoded or not, absolute paths), no
+    symlink below it (as nginx's `disable_symlinks on`) and nothing hidden (a path part starting
+    with a dot, encoded or not): all 404, as if absent, like every other file a client may not have. `timeout`
     bounds each wait for the client to send or take bytes."""
 
     root: Path
@@ -47,8 +47,8 @@ class ShardHandler(http.server.BaseHTTPRequestHandler):
         parts = [p for p in path.split("/") if p]
         if "\x00" in path or any(p.startswith(".") or "\\" in p for p in parts):
             return None
-        target = Path(os.path.realpath(self.root.joinpath(*parts)))
-        if not target.is_relative_to(self.root) or not target.is_file():
+        target = self.root.joinpath(*parts)  # `root` is resolved and no part is `.` or `..`
+        if os.path.realpath(target) != str(target) or not target.is_file():  # a symlink on the way
             return None
         return target
 

@@ -20,7 +20,9 @@ from raywds.serve.net import hostport
 def nginx_conf(*, root: str, listen: str, run_dir: str, as_root: bool, error_log: str) -> str:
     """One config for the local binary and the Docker image: foreground, no directory listing,
     nothing whose path has a part starting with a dot (a converter's state, journal and
-    half-written shards); nginx decodes `%2e` before it matches locations."""
+    half-written shards); nginx decodes `%2e` before it matches locations. No symlink below the
+    root is followed (`disable_symlinks on`): `if_not_owner` would let a link through whose owner
+    owns its target too, such as root's link to /etc/passwd, and the shards are never links."""
     temp = "\n".join(
         f"    {kind}_temp_path {run_dir}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
     )
@@ -43,6 +45,7 @@ http {{
         listen {listen};
         root {root};
         autoindex off;
+        disable_symlinks on from=$document_root;
         location / {{ try_files $uri =404; }}
         location ~ /\\. {{ return 404; }}
     }}

@@ -236,6 +236,40 @@ def test_embedded_server_never_leaves_its_folder(confined: Path, path: str) -> N
         assert raw_get(server.url, "/manifest.json") == 200
 
 
+LINKS = {
+    "leak.tar": "/etc/passwd",  # absolute, out of the folder
+    "secret.tar": "../secret.txt",  # relative, out of the folder
+    "inside.tar": "imagenet-train-000000.tar",  # a shard of the folder itself
+    "linked": "/etc",  # a folder out of it
+}
+
+
+@pytest.fixture(scope="module")
+def linked(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A shard folder holding symlinks: out of it, to a secret beside it, and to one of its own shards."""
+    root = tmp_path_factory.mktemp("linked")
+    (root / "secret.txt").write_text("not for clients")
+    served = root / "served"
+    shutil.copytree(shards, served)
+    for name, target in LINKS.items():
+        (served / name).symlink_to(target)
+    return served
+
+
+@pytest.fixture(params=["docker", "nginx", "embedded"])
+def linked_server(request: pytest.FixtureRequest, linked: Path) -> Iterator[ShardServer]:
+    yield from serve(request, linked)
+
+
+def test_no_backend_follows_a_symlink(linked_server: ShardServer) -> None:
+    """Not the host's /etc/passwd (Docker: the container's), not a secret beside the folder, and
+    not a link to a shard of its own, so that every backend serves the same files."""
+    url = linked_server.url
+    for path in ("/leak.tar", "/secret.tar", "/inside.tar", "/linked/passwd"):
+        assert raw_get(url, path) == 404, path
+    assert raw_get(url, "/imagenet-train-000000.tar") == 200 and raw_get(url, "/manifest.json") == 200
+
+
 def test_no_backend_serves_hidden_files(hidden_server: ShardServer) -> None:
     """The converter's state, journal and half-written shards start with a dot: 404, as if
     absent, however the dot is spelled."""
