@@ -20,6 +20,11 @@ class ShardError(DataError):
     """A shard that cannot be read (after retries), or whose contents disagree with the manifest."""
 
 
+class StorageError(RaywdsError):
+    """A run folder or checkpoint that cannot be used: a full disk, a damaged checkpoint, one
+    holding code, a folder another run holds."""
+
+
 class ServerError(RaywdsError):
     """A shard server that would not start or answer."""
 

@@ -7,6 +7,7 @@ from RANK, WORLD_SIZE and LOCAL_RANK).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ from raywds.config import TrainConfig
 from raywds.launch import gloo
 from raywds.train.checkpoint import CHECKPOINT_FILE
 from raywds.train.rundir import Metrics, RunDir
+from raywds.train.runlock import RunLock
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -33,6 +35,12 @@ def resuming_in_place(cfg: TrainConfig) -> bool:
 def run_local(cfg: TrainConfig) -> tuple[Metrics, RunDir | None]:
     """Train in this process, or as one rank of a torchrun job; rank 0 returns its run folder."""
     world = World.from_env()
+    # Rank 0 holds the run folder, taken before any rank waits on it: a second run into it is refused.
+    with RunLock(cfg.out_dir) if world.is_main else contextlib.nullcontext():
+        return _run(cfg, world)
+
+
+def _run(cfg: TrainConfig, world: World) -> tuple[Metrics, RunDir | None]:
     if world.distributed:
         backend = "nccl" if world.device.startswith("cuda") else "gloo"
         if world.device.startswith("cuda"):

@@ -6,19 +6,20 @@ ray job submit --address http://127.0.0.1:8265 -- raywds ray --demo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 import ray.train
-import torch
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raywds import console
@@ -41,8 +42,9 @@ from raywds.launch.cluster import (
 from raywds.launch.raydata import Plane, RayData
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
-from raywds.train.checkpoint import CHECKPOINT_FILE, checkpoint_file, load_checkpoint
+from raywds.train.checkpoint import CHECKPOINT_FILE, checkpoint_file, load_checkpoint, save_checkpoint
 from raywds.train.rundir import Metrics, RunDir
+from raywds.train.runlock import RunLock
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -65,7 +67,7 @@ def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDi
         ray.train.report(metrics)  # RAY
         return
     with tempfile.TemporaryDirectory(prefix="raywds-ckpt-") as tmp:
-        torch.save(state, Path(tmp) / CHECKPOINT_FILE)
+        save_checkpoint(state, Path(tmp) / CHECKPOINT_FILE, durable=False)  # Ray copies it to the storage
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))  # RAY
 
 
@@ -166,17 +168,15 @@ def run(
     name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
     # Rank 0 appends metrics.jsonl to the run folder where it is a path (local, shared or file://).
     cfg = dataclasses.replace(cfg, out_dir=os.path.join(local or storage, name))
-    if local is not None:
-        config_file = RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")
-        check_every_node_sees(str(config_file), f"--storage-path {local}")
-    trainer = make_trainer(
-        cfg, plan, storage, name, num_checkpoints_to_keep, max_failures, resize_check_s, plane, worker_resources
-    )
-    wait_for_coordinator(coordinator)
-    try:
-        result = trainer.fit()
-    except ray.train.TrainingFailedError as e:  # RAY
-        raise failure(e, lost_since(nodes), max_failures) from e
+    with hold_run_folder(cfg, local):
+        trainer = make_trainer(
+            cfg, plan, storage, name, num_checkpoints_to_keep, max_failures, resize_check_s, plane, worker_resources
+        )
+        wait_for_coordinator(coordinator)
+        try:
+            result = trainer.fit()
+        except ray.train.TrainingFailedError as e:  # RAY
+            raise failure(e, lost_since(nodes), max_failures) from e
     if not result.metrics:
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
@@ -184,6 +184,19 @@ def run(
         (dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"]
     )
     return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)
+
+
+@contextlib.contextmanager
+def hold_run_folder(cfg: TrainConfig, local: str | None) -> Iterator[None]:
+    """Where the storage is a path (`local`): hold the run's folder while it trains, so a second
+    driver with the same --name is refused, and check that every node sees raywds-config.json there."""
+    if local is None:  # a bucket: Ray Train writes it, nothing here can lock it
+        yield
+        return
+    with RunLock(cfg.out_dir):
+        config_file = RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")
+        check_every_node_sees(str(config_file), f"--storage-path {local}")
+        yield
 
 
 def place(

@@ -30,7 +30,7 @@ from raywds.train.model import build_model
 from raywds.train.optim import lr_at, make_optimizer
 from raywds.train.progress import ProgressLog, epoch_line, too_many_bad
 from raywds.train.rundir import Metrics, RunDir
-from raywds.train.state import Epoch, Progress, checkpoint_state, restore
+from raywds.train.state import Epoch, Progress, check_unfinished, checkpoint_state, restore
 from raywds.world import World
 
 log = logging.getLogger(__name__)
@@ -290,4 +290,5 @@ def train(
     `report` is given. `loaders`: where batches come from (each rank's own loader by default)."""
     if resume is None and cfg.resume_from:
         resume = load_checkpoint(cfg.resume_from)
+        check_unfinished(resume, cfg)
     return Trainer(cfg, world, report, resume, run_dir, loaders).fit()
