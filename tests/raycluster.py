@@ -318,8 +318,15 @@ def head_node(
     token_path = token_path or write_token(temp_dir)
     node_env = token_env(token_path, env)
 
+    taken: set[int] = set()
+
     def free() -> str:
-        return str(free_port("0.0.0.0"))  # free on every address here (a new network namespace has them all)
+        """A port free on every address here (a new network namespace has them all), and not one
+        this start already chose: the OS may hand out the same free port twice in a row."""
+        while (chosen := free_port("0.0.0.0")) in taken:
+            pass
+        taken.add(chosen)
+        return str(chosen)
 
     gcs_port, dashboard_port = str(port) if port else free(), free()
     args = [

@@ -19,10 +19,17 @@ from conftest import tar_keys
 from netnodes import HEAD_IP, RANK, RAYWDS, SUMMARY, WORKER_IP, TwoNodes, ranks, raywds_ray
 from raycluster import RAY, HeadNode
 
+ROOT = Path(__file__).resolve().parents[2]
+
 CLEAN = re.compile(  # a healthy run's console: raywds's lines, the workers' raywds lines, Ray's connect lines
     r"^(raywds: |epochs \d+  top-1|\d{4}-\d\d-\d\d [\d:,]+\tINFO worker\.py:\d+ -- Connect"
     r"|(\x1b\[\d+m)?\(RayTrainWorker pid=\d+(, ip=[\d.]+)?\)(\x1b\[0m)? (rank \d+ of \d+ on node|epoch \d+/\d+  loss))"
 )
+JOB = re.compile(
+    r"^(\d{4}-\d\d-\d\d [\d:,]+\tINFO (job_manager\.py:\d+ -- Runtime env is setting up\."
+    r"|worker\.py:\d+ -- Using address \S+ set in the environment variable RAY_ADDRESS)|Running entrypoint for job )"
+)
+"""What Ray adds to a job's log as it starts the job's driver."""
 AUDIT = re.compile(
     r"epoch(?P<epoch>\d+)-rank(?P<rank>\d+)-from(?P<from>\d+)-attempt(?P<attempt>\d+)-at(?P<at>\d+)-pid\d+\.keys"
 )
@@ -62,63 +69,47 @@ def controller_node(cluster: TwoNodes) -> str:
     return next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("CONTROLLER "))
 
 
-def test_the_demo_runs_a_rank_on_each_node(two_node_cluster: TwoNodes, demo: Path, tmp_path: Path) -> None:
-    out = raywds_ray(
-        two_node_cluster,
-        "--demo",
-        "--demo-dir",
-        str(demo.parent),
-        "--num-workers",
-        "2",
-        "--epochs",
-        "1",
-        "--storage-path",
-        f"file://{tmp_path}/ray",  # a URI goes to Ray untouched
-        "--name",
-        "demo",
+def job_log(output: str) -> list[str]:
+    """The job's own lines in `ray job submit`'s output: those it tails after its "Tailing logs"
+    line, without `ray job submit`'s own (its `cli.py` log lines)."""
+    lines = output.splitlines()
+    begin = next(i for i, line in enumerate(lines) if "Tailing logs until the job exits" in line)
+    return [line for line in lines[begin + 1 :] if line.strip() and not re.search(r"\t\w+ cli\.py:\d+ -- ", line)]
+
+
+def test_the_demo_submitted_as_a_job_runs_a_rank_on_each_node_and_trains_every_sample_once(
+    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+) -> None:
+    """`ray job submit --working-dir .` of the demo in split mode, as a user submits it: a rank on
+    each node reading the head's server, every sample once, a clean console."""
+    audit = tmp_path / "audit"
+    args = ["--demo", "--demo-dir", str(demo.parent), "--mode", "split", "--batch-size", "32", "--epochs", "1"]
+    args += ["--audit-dir", str(audit), "--name", "demo"]
+    args += ["--storage-path", f"file://{tmp_path}/ray"]  # a URI goes to Ray untouched
+    out = two_node_cluster.run(
+        [str(RAY), "job", "submit", "--address", two_node_cluster.head.dashboard_url, "--working-dir", str(ROOT)]
+        + ["--", sys.executable, "-m", "raywds.cli", "ray", *args],
+        timeout=400,
     )
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    output = out.stdout + out.stderr
+    assert out.returncode == 0, output[-4000:]
+    assert re.search(r"Job '\S+' succeeded", output)
     assert "raywds: training on 2 CPU (gloo) workers (2 node(s))" in out.stdout
     assert sorted(ip for _, _, ip in ranks(out.stdout)) == [HEAD_IP, WORKER_IP], out.stdout[-3000:]
     assert re.search(rf"serving \S+ at http://{re.escape(HEAD_IP)}:\d+", out.stdout), "workers read the head's server"
-    match = SUMMARY.search(out.stdout)
-    assert match and match.group(4) == "1216" and float(match.group(2)) > 0.5, out.stdout[-2000:]
-    assert (tmp_path / "ray" / "demo" / "metrics.jsonl").is_file()
-    assert controller_node(two_node_cluster) == HEAD_IP, "Train's controller runs beside the driver, on the head"
-    unexpected = [line for line in (out.stdout + out.stderr).splitlines() if not CLEAN.match(line)]
-    assert not unexpected, "the console holds raywds's lines and Ray's connect lines only:\n" + "\n".join(unexpected)
-
-
-def test_a_job_in_split_mode_trains_every_sample_once_across_nodes(
-    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
-) -> None:
-    audit = tmp_path / "audit"
-    args = [
-        "--recipe",
-        "demo",
-        "--data",
-        str(demo),
-        "--serve",
-        "--server-backend",
-        "embedded",
-        "--mode",
-        "split",
-        "--num-workers",
-        "2",
-    ]
-    args += ["--epochs", "1", "--batch-size", "32", "--audit-dir", str(audit), "--storage-path", str(tmp_path / "ray")]
-    out = two_node_cluster.run(
-        [str(RAY), "job", "submit", "--address", two_node_cluster.head.dashboard_url, "--"]
-        + [sys.executable, "-m", "raywds", "ray", *args],
-        timeout=400,
+    assert re.search(r"RayTrainWorker pid=\d+[^)]*\)(\x1b\[0m)? epoch 1/1  loss", out.stdout), (
+        f"the workers' lines reach the job's:\n{out.stdout[-3000:]}"
     )
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    assert re.search(r"Job '\S+' succeeded", out.stdout + out.stderr)
-    assert sorted(ip for _, _, ip in ranks(out.stdout)) == [HEAD_IP, WORKER_IP], out.stdout[-3000:]
     match = SUMMARY.search(out.stdout)
-    assert match and match.group(4) == "1200", out.stdout[-2000:]
+    assert match and match.group(4) == "1200" and float(match.group(2)) > 0.5, out.stdout[-2000:]
     assert trained_once(audit, 0) == Counter(tar_keys(demo)), "every sample once, none on two nodes"
     assert {AUDIT.fullmatch(f.name)["rank"] for f in audit.glob("*.keys")} == {"00000", "00001"}  # type: ignore[index]
+    assert (tmp_path / "ray" / "demo" / "metrics.jsonl").is_file()
+    assert controller_node(two_node_cluster) == HEAD_IP, "Train's controller runs beside the driver, on the head"
+    # Not even the INFO line Ray Train logs at every report, nor a traceback of any process
+    unexpected = [line for line in job_log(out.stdout) if not (CLEAN.match(line) or JOB.match(line))]
+    assert not unexpected, "the job's log holds raywds's lines and Ray's connect lines only:\n" + "\n".join(unexpected)
+    assert "Traceback" not in output, output[-3000:]
 
 
 class Driver:

@@ -17,7 +17,8 @@ from raycluster import HeadNode
 from raywds.data.manifest import read_manifest
 
 DEMO_TOP1 = 0.99
-"""The demo's validation top-1 with each rank's own loader (README, docs/performance.md: 0.99 to 1.00)."""
+"""The demo's validation top-1 with each rank's own loader (README, docs/performance.md: 0.99 to 1.00 after
+6 epochs; 0.997 after the 3 this test trains, `raywds train --demo --epochs 3`)."""
 DECODED_ON = re.compile(r"rank (\d+)'s epoch (\d+) was decoded on (\d+) node\(s\): (.*)")
 
 
@@ -43,6 +44,8 @@ def test_the_demo_on_the_data_plane_decodes_on_both_nodes_and_trains_on_the_head
         "trainer=1",
         "--num-workers",
         "2",
+        "--epochs",
+        "3",
         "--storage-path",
         str(tmp_path / "ray"),
     )
@@ -50,7 +53,7 @@ def test_the_demo_on_the_data_plane_decodes_on_both_nodes_and_trains_on_the_head
     assert "decoding on Ray Data tasks" in out.stdout
     assert [ip for _, _, ip in ranks(out.stdout)] == [HEAD_IP, HEAD_IP], "both ranks on the node with `trainer`"
     decoded = {(int(rank), int(epoch)): where for rank, epoch, _, where in DECODED_ON.findall(out.stdout)}
-    assert sorted(decoded) == [(r, e) for r in (0, 1) for e in range(1, 7)], out.stdout[-3000:]
+    assert sorted(decoded) == [(r, e) for r in (0, 1) for e in range(1, 4)], out.stdout[-3000:]
     crops: Counter[str] = Counter()
     per_rank_epoch = set()
     for where in decoded.values():
@@ -64,4 +67,4 @@ def test_the_demo_on_the_data_plane_decodes_on_both_nodes_and_trains_on_the_head
     assert 2 * min(per_rank_epoch) >= read_manifest(str(demo)).num_samples("train"), per_rank_epoch
     match = SUMMARY.search(out.stdout)
     assert match, out.stdout[-3000:]
-    assert int(match.group(1)) == 6 and float(match.group(2)) >= DEMO_TOP1 - 0.03, match.group(0)
+    assert int(match.group(1)) == 3 and float(match.group(2)) >= DEMO_TOP1 - 0.03, match.group(0)
