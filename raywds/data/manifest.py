@@ -71,6 +71,10 @@ class Manifest:
         return h.hexdigest()[:16]
 
 
+SHARD_NAME = re.compile(r"[\w+-][\w.+-]*")
+"""A shard's name in a manifest: a plain file name, neither a path nor shell text (see shard_url)."""
+
+
 def is_url(location: str) -> bool:
     return location.startswith(("http://", "https://"))
 
@@ -116,6 +120,12 @@ def read_manifest(data: str, timeout_s: float = 30.0, *, shards_at: str | None =
     if raw.get("format") != FORMAT:
         raise DataError(f"{where} is not a raywds manifest (format {raw.get('format')!r}, expected {FORMAT!r})")
     splits = {split: [ShardInfo(**shard) for shard in info["shards"]] for split, info in raw["splits"].items()}
+    for shard in (s for shards in splits.values() for s in shards):
+        if not SHARD_NAME.fullmatch(shard.name):
+            raise DataError(
+                f"manifest {where} names a shard {shard.name!r}: a shard's name is a plain file name (letters, "
+                "digits, . _ + -, no leading dot), so that it stays in its folder and out of a --shards-at command"
+            )
     return Manifest(base=shards_at or base, classes=list(raw["classes"]), splits=splits, raw=raw)
 
 

@@ -193,3 +193,19 @@ def test_output_beside_the_source_is_fine_whatever_its_name(tree: Path, tmp_path
     (tmp_path / "src").symlink_to(tree)
     manifest = convert(tmp_path / "src", tmp_path / "src-shards")  # shares the prefix "src", not the folder
     assert manifest["splits"]["train"]["num_samples"] == 120
+
+
+@pytest.mark.parametrize("name", ["x.tar; touch {marker} #", "../outside.tar", "/etc/passwd", ".hidden.tar"])
+def test_a_manifest_naming_a_shard_by_a_path_or_shell_text_is_refused(shards: Path, tmp_path: Path, name: str) -> None:
+    """A manifest read from a server or shared folder cannot run a command through a `pipe:`
+    --shards-at template, nor send the reader out of the shard folder."""
+    marker = tmp_path / "ran"
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"][0]["name"] = name.format(marker=marker)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"names a shard '.*': a shard's name is a plain file name"):
+        found = read_manifest(str(tmp_path), shards_at="pipe:cat " + str(shards) + "/{}")
+        for shard in found.shards("train")[:1]:
+            with wds.WebDataset([found.url(shard)], shardshuffle=False) as dataset:
+                list(dataset)
+    assert not marker.exists(), "the manifest ran a command"
