@@ -373,7 +373,8 @@ def test_tensorboard_without_the_package_is_one_line_before_training(
         r"pip install 'raywds\[tensorboard\]', or leave out --tensorboard\n",
         out.stderr,
     ), out.stderr
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "metrics.jsonl"], "nothing trained"
+    written = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert written == [".raywds-lock", "config.json", "metrics.jsonl"], "nothing trained"
 
 
 def test_ray_serve_flag_hands_workers_an_http_url(shards: Path) -> None:
