@@ -42,9 +42,10 @@ from raywds.launch.cluster import (
 from raywds.launch.raydata import Plane, RayData
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
-from raywds.train.checkpoint import CHECKPOINT_FILE, checkpoint_file, load_checkpoint, save_checkpoint
+from raywds.train.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from raywds.train.rundir import Metrics, RunDir
 from raywds.train.runlock import RunLock
+from raywds.train.state import check_unfinished
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -159,8 +160,9 @@ def run(
         check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)
     if cfg.resume_from:
         resume_from = os.path.abspath(cfg.resume_from)
-        checkpoint_file(resume_from)  # fail here, naming the path, rather than in every worker
         cfg = dataclasses.replace(cfg, resume_from=resume_from)
+        # Fail here in one line (no such file, damaged, not ours, nothing left to train), not in every worker.
+        check_unfinished(load_checkpoint(resume_from), cfg)
     nodes = alive_nodes()
     decoding = f", decoding on Ray Data tasks of {PLANE_TASK_CPUS:g} CPU anywhere in the cluster" if plane else ""
     print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s)){decoding}", flush=True)
