@@ -61,11 +61,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def earlier_checkpoints(where: Path) -> list[Path]:
-    """Other checkpoints of the run `where` belongs to, newest first: its best/ (a run folder),
-    then the Ray checkpoint folders beside its own."""
+    """Other checkpoints of the run `where` belongs to: a run folder's best/; for a Ray checkpoint
+    folder (checkpoint_*), the others beside it, newest first, then the run folder's best/."""
     found = [where.parent / "best" / CHECKPOINT_FILE]
-    siblings = where.parent.parent.glob(f"checkpoint_*/{CHECKPOINT_FILE}")
-    found += sorted(siblings, key=lambda p: p.stat().st_mtime, reverse=True)
+    if where.parent.name.startswith("checkpoint_"):
+        siblings = where.parent.parent.glob(f"checkpoint_*/{CHECKPOINT_FILE}")
+        found = [
+            *sorted(siblings, key=lambda p: p.stat().st_mtime, reverse=True),
+            where.parent.parent / "best" / CHECKPOINT_FILE,
+        ]
     return [p for p in found if p.is_file() and p.resolve() != where.resolve()]
 
 

@@ -86,6 +86,19 @@ def test_a_truncated_checkpoint_is_one_line_naming_an_earlier_one(tmp_path: Path
         load_checkpoint(str(tmp_path / "best"))
 
 
+def test_a_damaged_ray_checkpoint_names_the_newest_other_one(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.zeros(10)}, "epoch": 1}
+    for name in ("checkpoint_2026-01-01_00-00-01", "checkpoint_2026-01-01_00-00-02", "best"):
+        (tmp_path / name).mkdir()
+        save_checkpoint(state, tmp_path / name / "checkpoint.pt")
+    damaged = tmp_path / "checkpoint_2026-01-01_00-00-02"
+    os.truncate(damaged / "checkpoint.pt", 100)
+    with pytest.raises(
+        StorageError, match=rf"an earlier checkpoint of this run is {tmp_path}/checkpoint_2026-01-01_00-00-01/"
+    ):
+        load_checkpoint(str(damaged))
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1.2 MB tmpfs, unmounted after the test."""
