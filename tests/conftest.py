@@ -181,6 +181,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.reverse()  # after everything else has ordered and selected
 
 
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (`-n 2`, the default in pyproject.toml): every test in tests/launch/ (those
+    that start Ray are all there) in one worker, one after another, as in one process; the other
+    files each whole in whichever worker is free, beside them. (xdist's own `loadgroup` marks do
+    not take under pytest 9: it renames node ids by a field pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayInOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/launch/" if nodeid.startswith("tests/launch/") else nodeid.split("::", 1)[0]
+
+    return RayInOneWorker(config, log)
+
+
 def home_ray_files() -> dict[str, tuple[int, int]] | None:
     """~/.ray as (size, mtime) by relative path, or None when there is none."""
     home = Path.home() / ".ray"
