@@ -195,14 +195,21 @@ def test_32_clients_stream_every_shard_and_every_byte_checks_out(server: ShardSe
     assert fetch(f"{server.url}/manifest.json")[0] == 200, "the server is still up"
 
 
+def folder_with_links(shards: Path, root: Path, links: dict[str, str]) -> Path:
+    """ROOT/served: a copy of `shards` with `links` (name: target) in it, beside ROOT/secret.txt."""
+    (root / "secret.txt").write_text("not for clients")
+    served = root / "served"
+    shutil.copytree(shards, served)
+    for name, target in links.items():
+        (served / name).symlink_to(target)
+    return served
+
+
 @pytest.fixture(scope="module")
 def confined(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A shard folder holding a symlink that leads out of it, next to a secret."""
     root = tmp_path_factory.mktemp("confined")
-    (root / "secret.txt").write_text("not for clients")
-    served = root / "served"
-    shutil.copytree(shards, served)
-    (served / "escape.txt").symlink_to(root / "secret.txt")
+    served = folder_with_links(shards, root, {"escape.txt": str(root / "secret.txt")})
     (served / "sub").mkdir()
     return served
 
@@ -247,13 +254,7 @@ LINKS = {
 @pytest.fixture(scope="module")
 def linked(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A shard folder holding symlinks: out of it, to a secret beside it, and to one of its own shards."""
-    root = tmp_path_factory.mktemp("linked")
-    (root / "secret.txt").write_text("not for clients")
-    served = root / "served"
-    shutil.copytree(shards, served)
-    for name, target in LINKS.items():
-        (served / name).symlink_to(target)
-    return served
+    return folder_with_links(shards, tmp_path_factory.mktemp("linked"), LINKS)
 
 
 @pytest.fixture(params=["docker", "nginx", "embedded"])
