@@ -61,7 +61,8 @@ class TrainConfig:
     precision: Precision = "auto"
     """`auto` (bf16 autocast on CUDA, float32 on CPU), `bf16` or `fp32`."""
     memory_format: MemoryFormat = "auto"
-    """`auto` (channels_last on CUDA, contiguous on CPU), `channels_last` or `contiguous`."""
+    """`auto` (channels_last on CUDA, contiguous on CPU and for `--compile` under 64 px),
+    `channels_last` or `contiguous`."""
     compile: bool = False
     """Wrap the model in torch.compile."""
     decode: Decoder = "cpu"

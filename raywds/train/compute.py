@@ -7,6 +7,9 @@ On CUDA the defaults are bf16 autocast, channels_last and cudnn.benchmark; on th
 and the default layout. Every choice can be forced, so the CUDA path's plumbing runs on a CPU.
 With `--compile` the batch dimension of every input is marked dynamic, so an epoch's shorter
 last batch (split mode) runs the graph compiled for the full ones instead of compiling another.
+`auto` picks contiguous instead of channels_last for a compiled model on crops under
+COMPILED_CHANNELS_LAST_MIN_PX: torch 2.11's inductor then fails in the first backward pass on an
+H100 (a ResNet's last feature maps are 1x1 and cuDNN returns a weight gradient in the other layout).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from raywds.loader.decode import Encoded
 
 MEAN_255 = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD_255 = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+COMPILED_CHANNELS_LAST_MIN_PX = 64
+"""The smallest crop `auto` compiles channels_last: 64 px ran on an H100, 28 and 32 px failed."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,10 @@ class Compute:
     def for_run(cls, cfg: TrainConfig, device: str) -> Compute:
         cuda = device.startswith("cuda")
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
-        layout = cfg.memory_format if cfg.memory_format != "auto" else ("channels_last" if cuda else "contiguous")
+        layout = cfg.memory_format
+        if layout == "auto":
+            small_compiled = cfg.compile and cfg.image_size_px < COMPILED_CHANNELS_LAST_MIN_PX
+            layout = "channels_last" if cuda and not small_compiled else "contiguous"
         if cuda:
             torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels
         return cls(

@@ -119,7 +119,5 @@ def summary_line(m: Metrics) -> str:
         if m.get("bad_samples_total")
         else ""
     )
-    return (
-        f"epochs {m['epoch']}  top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}"
-        f"  samples seen {m['samples_seen']}  images/s {m['images_per_s']:.1f}{bad}"
-    )
+    val = f"  top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}" if "val_top1" in m else "  (no val split)"
+    return f"epochs {m['epoch']}{val}  samples seen {m['samples_seen']}  images/s {m['images_per_s']:.1f}{bad}"

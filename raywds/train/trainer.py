@@ -214,7 +214,8 @@ class Trainer:
                 f"the manifest has {self.num_samples}; "
                 f"{metrics['epoch_duplicates']} repeated, {metrics['epoch_missing']} missing"
             )
-        if (epoch.index + 1) % cfg.val_every_epochs == 0 or epoch.index + 1 == cfg.num_epochs:
+        validate = (epoch.index + 1) % cfg.val_every_epochs == 0 or epoch.index + 1 == cfg.num_epochs
+        if validate and "val" in self.manifest.splits:  # a train-only manifest trains without validation
             metrics.update(evaluate(self.model, self.loaders.val(self.manifest, cfg, world), world, self.compute))
         self.progress = Progress(
             epoch=epoch.index + 1,

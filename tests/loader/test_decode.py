@@ -269,3 +269,22 @@ def test_the_float_resize_for_devices_matches_the_uint8_one(monkeypatch: pytest.
     assert calls, "the device path resizes in float"
     assert as_on_device.dtype == torch.uint8 and as_on_device.shape == on_cpu.shape
     assert (as_on_device.int() - on_cpu.int()).abs().max() <= 1
+
+
+def test_a_gpu_batch_is_resized_together_as_each_crop_alone() -> None:
+    """`--decode device` on a GPU resizes every crop as floats and rounds, casts and flips the
+    batch at once (decode._resized_together); that must be what `cropped` gives crop by crop
+    (within 1 of 255: on the CPU `cropped` resizes uint8 directly), flips on the right images."""
+    g = torch.Generator().manual_seed(5)
+    images = [
+        torch.from_numpy(np.array(photo(w, h, seed=i))).permute(2, 0, 1)
+        for i, (w, h) in enumerate([(300, 200), (180, 260), (224, 224), (500, 333)])
+    ]
+    drawn = [crops.draw_crop(im.shape[1], im.shape[2], SCALE, g) for im in images]
+    flips = torch.tensor([True, False, True, False])
+    together = decode._resized_together(images, [list(box) for box, _ in drawn], flips, 64)
+    alone = torch.stack([decode.cropped(im, box, bool(flip), 64) for im, (box, _), flip in zip(images, drawn, flips)])
+    assert together.shape == (4, 3, 64, 64) and together.dtype == torch.uint8
+    assert together.is_contiguous(memory_format=torch.channels_last)
+    assert (together.int() - alone.int()).abs().max() <= 1
+    assert (together.int() - alone.flip(-1).int()).abs().float().mean() > 5  # the flips matter on these photos

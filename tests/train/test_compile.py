@@ -10,6 +10,7 @@ import torch
 import torch._dynamo
 from conftest import small_config
 
+from raywds.train.compute import Compute
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -34,3 +35,19 @@ def test_a_short_last_batch_does_not_recompile(shards: Path, tmp_path: Path, mon
     torch._dynamo.reset()
     assert final["train_samples"] == 120 and final["step"] == 4, "the epoch ends on a batch of 24"
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_auto_layout_compiles_small_crops_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, `auto` is channels_last, except for a compiled model on crops under 64 px: there
+    torch's inductor failed on an H100 in the first backward pass of a ResNet-18 (28 and 32 px;
+    64 px ran). A layout the user names is kept."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+
+    def layout(**overrides: object) -> bool:
+        return Compute.for_run(small_config("unused", **overrides), "cuda").channels_last
+
+    assert not layout(compile=True, image_size_px=32)
+    assert layout(compile=True, image_size_px=64)
+    assert layout(image_size_px=32)
+    assert layout(compile=True, image_size_px=32, memory_format="channels_last")
+    assert not Compute.for_run(small_config("unused", compile=True, image_size_px=224), "cpu").channels_last

@@ -62,6 +62,26 @@ def test_local_training_learns_and_checkpoints(shards: Path, tmp_path: Path) -> 
     assert summary_line(final).startswith("epochs 4  top-1 ")
 
 
+def test_a_manifest_without_a_val_split_trains_and_reports_without_validation(shards: Path, tmp_path: Path) -> None:
+    """Shards made of a training set alone (the GPU benchmark's are): every epoch trains, none
+    validates, and the closing line says so. Before, the first epoch's end failed on the missing
+    split, after all of its training, and the summary line needed a top-1."""
+    data = tmp_path / "train-only"
+    data.mkdir()
+    manifest = json.loads((shards / "manifest.json").read_text())
+    del manifest["splits"]["val"]
+    for shard in manifest["splits"]["train"]["shards"]:
+        shutil.copy(shards / shard["name"], data / shard["name"])
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    report = RunDir(tmp_path / "run")
+    final = train(tiny(data, num_epochs=2), World(), run_dir=report)
+    rows = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2] and not any("val_top1" in r for r in rows), rows
+    assert final["samples_seen"] == 2 * 128 and report.checkpoint_path.is_file()
+    assert not (tmp_path / "run" / "best").exists()
+    assert summary_line(final).startswith("epochs 2  (no val split)  samples seen 256"), summary_line(final)
+
+
 def test_device_decoding_trains_on_the_cpu(shards: Path, tmp_path: Path) -> None:
     """`--decode device` on a CPU: the main process decodes the workers' JPEG bytes, and it learns."""
     final = train(tiny(shards, decode="device", num_epochs=3), World(), run_dir=RunDir(tmp_path))
