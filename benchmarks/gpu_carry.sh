@@ -13,6 +13,9 @@
 # PYTHON: the pip to download with (any Python 3; the wheels are for 3.12 whatever it is).
 # DEBS: the packages to fetch; Ubuntu names them DEBS="libjpeg-turbo8 libjpeg-turbo8-dev".
 # DEB_ARCH: the GPU machine's Debian architecture (amd64).
+# RAY=1: also Ray for the `ray` step (OUT/ray): the wheel of the Ray installed here, without its
+# Java jar, RLlib and source maps (80 MB -> 44 MB; raywds uses none of them), and the wheels Ray
+# and Ray Train need beyond what a PyTorch machine has (jsonschema, pydantic, tensorboardX...).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${1:?usage: benchmarks/gpu_carry.sh OUT [IMAGES]}"
@@ -28,6 +31,32 @@ echo "gpu_carry: wheels for CPython 3.12 on x86_64 Linux -> $out/wheels" >&2
     --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -r "$here/gpu_requirements.txt"
+
+if [[ ${RAY:-0} == 1 ]]; then
+    echo "gpu_carry: Ray and what it needs -> $out/ray" >&2
+    mkdir -p "$out/ray"
+    pins="$("$python" - <<'EOF'
+from importlib import metadata
+names = ["ray", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py", "tensorboardX",
+         "pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
+print(" ".join(f"{n}=={metadata.version(n)}" for n in names))
+EOF
+)"
+    # shellcheck disable=SC2086  # one argument per pin
+    "$python" -m pip download --disable-pip-version-check --no-deps --dest "$out/ray" \
+        --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 $pins
+    "$python" - "$out/ray" <<'EOF'
+import pathlib, sys, zipfile
+folder = pathlib.Path(sys.argv[1])
+for wheel in folder.glob("ray-*.whl"):
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(wheel.with_suffix(".stripped.zip"), "w", zipfile.ZIP_DEFLATED) as out:
+        for info in src.infolist():
+            if not info.filename.startswith(("ray/jars/", "ray/rllib/")) and not info.filename.endswith(".js.map"):
+                out.writestr(info, src.read(info))
+    wheel.unlink()
+EOF
+fi
 
 echo "gpu_carry: $debs ($arch) -> $out/debs" >&2
 packages=()

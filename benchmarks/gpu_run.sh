@@ -15,6 +15,8 @@
 #      bench    benchmarks/gpu_bench.py: the rows of docs/performance.md "On a GPU" (JSON beside it)
 #      compile  the same with --compile
 #      scaling  benchmarks/loader_bench.py --scaling-only --workers 1,2,4,8,15 --copies 100
+#      ray      (where CARRY/ray holds Ray: RAY=1 gpu_carry.sh) `raywds ray` on the bench's shards,
+#               2 epochs on the GPU, fed by the per-rank loader (15 workers), then by the Ray Data plane
 #
 # PYTHON: the interpreter with torch (python3). ONLY: the steps to run, e.g. ONLY="tests bench".
 # A failed step does not stop the others; the exit status says whether any failed.
@@ -22,7 +24,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 carry="$(cd "${1:?usage: benchmarks/gpu_run.sh CARRY}" && pwd)"
 python="${PYTHON:-python3}"
-only="${ONLY:-tests bench compile scaling}"
+only="${ONLY:-tests bench compile scaling ray}"
 results="$carry/results/$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$results"
 say() { echo "gpu_run: $*" >&2; }
@@ -104,6 +106,32 @@ step tests tests
 step bench "${bench[@]}" --json "$results/gpu_bench.json"
 step compile "${bench[@]}" --compile --json "$results/gpu_bench_compile.json"
 step scaling "$py" benchmarks/loader_bench.py --images "$carry/images" --scaling-only --workers 1,2,4,8,15 --copies 100
+ray_runs() {  # Ray from CARRY/ray on PYTHONPATH (the machine's Python has none), both data planes
+    [[ -d $carry/ray ]] || { say "ray: no Ray in $carry/ray (make it with RAY=1 benchmarks/gpu_carry.sh)"; return 1; }
+    local site="$carry/raysite"
+    rm -rf "$site" && mkdir -p "$site"
+    "$py" - "$carry"/ray/*.stripped.zip "$site" <<'EOF'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    for info in wheel.infolist():
+        path = wheel.extract(info, sys.argv[2])
+        mode = (info.external_attr >> 16) & 0o777
+        if mode:  # the raylet and GCS binaries must stay executable
+            os.chmod(path, mode)
+EOF
+    "${pip[@]}" install -q --no-index --no-deps --target "$site" "$carry"/ray/*.whl
+    if [[ ! -f $carry/shards/manifest.json ]]; then
+        "$py" -c "import pathlib, sys; sys.path.insert(0, 'benchmarks'); import gpu_bench
+gpu_bench.build_shards(sorted(pathlib.Path('$carry/images').iterdir()), pathlib.Path('$carry/shards'), 20000, 16)"
+    fi
+    local plane status=0
+    for plane in loader ray; do
+        PYTHONPATH="$site" "$venv/bin/raywds" ray --data "$carry/shards" --recipe imagenet-resnet50 --epochs 2 \
+            --loader-workers 15 --data-plane "$plane" --storage-path "$results/ray" --name "$plane" || status=1
+    done
+    return $status
+}
+step ray ray_runs
 nvidia-smi >"$results/nvidia-smi.txt" 2>&1 || true
 say "results in $results"
 if ((${#failed[@]})); then
