@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="ImageNet tree or ImageFolder -> WebDataset shards + manifest.json")
     p.add_argument("src", help="folder holding train/<class>/* and val/<class>/*, or one ImageFolder")
-    p.add_argument("out", help="output folder for the shards")
+    p.add_argument("out", help="output folder for the shards, or s3://BUCKET/PREFIX")
     p.add_argument("--maxcount", type=int, default=1000, help="most samples per shard (default %(default)s)")
     p.add_argument("--maxsize", type=int, default=1 << 30, help="most bytes per shard (default %(default)s)")
     p.add_argument("--workers", type=int, default=1, help="processes writing shards (default %(default)s)")
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable image instead of skipping it")
     p.add_argument("--overwrite", action="store_true", help="replace shards in OUT made with other settings")
+    p.add_argument("--staging", help="with an s3:// OUT: the local folder to convert into first (default: in /tmp)")
+    p.add_argument("--s3-endpoint", help="with an s3:// OUT: the store's URL (default AWS_ENDPOINT_URL, else AWS)")
     p.add_argument(
         "--val-labels",
         type=Path,
@@ -90,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("verify", help="re-read every shard and check it against manifest.json")
-    p.add_argument("shards", help="shard folder (with manifest.json)")
+    p.add_argument("shards", help="shard folder (with manifest.json), or s3://BUCKET/PREFIX")
+    p.add_argument("--s3-endpoint", help="with s3:// shards: the store's URL (default AWS_ENDPOINT_URL, else AWS)")
 
     p = sub.add_parser("shardsum", help="shard names (arguments or stdin) in brace notation")
     p.add_argument("names", nargs="*", help="shard names; read from stdin when none are given")

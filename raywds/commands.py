@@ -70,7 +70,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
+    from raywds.data import s3
     from raywds.data.convert import ConvertOptions, convert
+    from raywds.data.manifest import shard_url
+    from raywds.data.upload import convert_to_bucket
 
     options = ConvertOptions(
         maxcount=args.maxcount,
@@ -84,11 +87,18 @@ def cmd_convert(args: argparse.Namespace) -> None:
         val_wnids=args.val_wnids,
         max_side_px=args.max_side_px,
     )
-    manifest = convert(Path(args.src), Path(args.out), options)
+    if s3.is_s3(args.out):
+        manifest = convert_to_bucket(
+            Path(args.src), args.out, options, staging=args.staging and Path(args.staging), endpoint=args.s3_endpoint
+        )
+    else:
+        manifest = convert(Path(args.src), Path(args.out), options)
     for split, info in manifest["splits"].items():
         print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards ({manifest['layouts'][split]})")
     if manifest["kept_from_earlier_run"]:
         print(f"kept {manifest['kept_from_earlier_run']} finished shards from an earlier run")
+    if manifest.get("kept_in_bucket"):
+        print(f"the bucket held {manifest['kept_in_bucket']} of these shards already")
     if manifest["ignored"]["count"]:
         print(
             f"ignored {manifest['ignored']['count']} files that are not images, e.g. "
@@ -98,13 +108,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
         print(f"skipped {len(manifest['skipped'])} unreadable images (listed in the manifest):")
         for bad in manifest["skipped"][:50]:
             print(f"  {bad['path']}: {bad['reason']}")
-    print(f"raywds: wrote {Path(args.out) / 'manifest.json'} ({len(manifest['classes'])} classes)")
+    print(f"raywds: wrote {shard_url(args.out, 'manifest.json')} ({len(manifest['classes'])} classes)")
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
     from raywds.data.verify import verify
 
-    count, problems = verify(Path(args.shards))
+    count, problems = verify(args.shards, s3_endpoint=args.s3_endpoint)
     if problems:
         raise RaywdsError(f"{len(problems)} problems in {count} shards of {args.shards}:\n" + "\n".join(problems))
     print(f"raywds: {count} shards in {args.shards} match the manifest")

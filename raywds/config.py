@@ -91,7 +91,10 @@ class TrainConfig:
     read_retries: int = 3
     """Retries of a failed shard read (backoff 1, 2, 4 s, resuming where it stopped)."""
     cache_dir: str | None = None
-    """Keep http shards on local disk after their first read (for repeated epochs over slow links)."""
+    """Keep http and s3 shards on local disk after their first read (for repeated epochs over slow links)."""
+    s3_endpoint: str | None = None
+    """The S3-compatible store's URL for s3:// data (MinIO, AIStore, SeaweedFS, R2...); default
+    AWS_ENDPOINT_URL, else AWS. Credentials come from boto3's chain (AWS_* variables, ~/.aws, a role)."""
     verify_hashes: bool = False
     """Hash each shard while reading it and fail at its end, naming it, when its sha256 differs
     from the manifest's: catches corruption no decoder can see (a flipped bit in pixels or a class)."""

@@ -1,7 +1,8 @@
 """Manifests, shard URLs and the dealing of shards to (rank, worker) slots.
 
-A shard location is a local directory, a path to its manifest.json, or an http(s) URL of
-the directory a shard server serves. The loader reads the shards (raywds.loader.http).
+A shard location is a local directory, a path to its manifest.json, an http(s) URL of
+the directory a shard server serves, or an s3:// prefix in a bucket (raywds.data.s3). The
+loader reads the shards (raywds.loader.http).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raywds.data import s3
 from raywds.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -76,7 +78,8 @@ SHARD_NAME = re.compile(r"[\w+-][\w.+-]*")
 
 
 def is_url(location: str) -> bool:
-    return location.startswith(("http://", "https://"))
+    """A location that is not a local path: http(s) or s3."""
+    return location.startswith(("http://", "https://", s3.SCHEME))
 
 
 def shard_url(base: str, name: str) -> str:
@@ -101,12 +104,16 @@ def _split_location(data: str) -> tuple[str, str]:
     return str(path), str(path / MANIFEST)
 
 
-def read_manifest(data: str, timeout_s: float = 30.0, *, shards_at: str | None = None) -> Manifest:
-    """Load the manifest for the shards at `data` (directory, manifest path or URL); with
-    `shards_at` the shards live there instead of beside the manifest (see shard_url)."""
+def read_manifest(
+    data: str, timeout_s: float = 30.0, *, shards_at: str | None = None, s3_endpoint: str | None = None
+) -> Manifest:
+    """Load the manifest for the shards at `data` (directory, manifest path, URL or s3:// prefix);
+    with `shards_at` the shards live there instead of beside the manifest (see shard_url)."""
     base, where = _split_location(data)
     try:
-        if is_url(where):
+        if s3.is_s3(where):
+            raw = json.loads(s3.read_bytes(where, s3_endpoint, timeout_s))
+        elif is_url(where):
             with urllib.request.urlopen(where, timeout=timeout_s) as response:
                 raw = json.loads(response.read())
         else:

@@ -155,7 +155,7 @@ def run(
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(node_wait_s)
     coordinator = start_autoscaling_coordinator()  # started already where connect() joined the cluster
     cfg, plan, plane = place(cfg, num_workers, data_plane, plane_store_mb)
-    manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
+    manifest = read_manifest(cfg.data, shards_at=cfg.shards_at, s3_endpoint=cfg.s3_endpoint)
     for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
         check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)
     if cfg.resume_from:

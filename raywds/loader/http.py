@@ -1,10 +1,11 @@
 """Opening one shard so that a network cannot hang or silently corrupt an epoch.
 
-http(s): connect and read timeouts; a transient failure (refused, reset, timeout, 5xx, a
-short body) is retried with backoff, resuming where it stopped with a Range request; a 404
-or a shard that stays unreadable is an error naming the URL. Local paths open directly;
+http(s) and s3://: connect and read timeouts; a transient failure (refused, reset, timeout,
+5xx, S3's 503 SlowDown, a short body) is retried with backoff (or the store's Retry-After),
+resuming where it stopped with a Range request; a 404, refused credentials or a shard that
+stays unreadable is an error naming the object. Local paths open directly;
 `pipe:` URLs (e.g. `pipe:aws s3 cp s3://bucket/x.tar -`) go to webdataset, which checks the
-command's exit status. With a cache dir, each http shard is kept on local disk after its
+command's exit status. With a cache dir, each http or s3 shard is kept on local disk after its
 first full, size-checked read.
 
     with open_shard("http://head:8080/imagenet-train-000000.tar", ReadPolicy()) as stream: ...
@@ -25,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import urllib3
 import webdataset as wds
 
+from raywds.data import s3
 from raywds.errors import ShardError
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,9 @@ class ReadPolicy:
     max_failures_in_a_row: int = 5
     """Skipping gives up after this many unreadable shards in a row: the source is down."""
     cache_dir: str | None = None
-    """Keep each http shard here after its first complete read, and read it from here after."""
+    """Keep each http or s3 shard here after its first complete read, and read it from here after."""
+    s3_endpoint: str | None = None
+    """The S3-compatible store for s3:// shards (None: AWS_ENDPOINT_URL, else AWS)."""
 
 
 def _status_error(url: str, status: int, reason: str) -> ShardError:
@@ -62,6 +67,8 @@ def _status_error(url: str, status: int, reason: str) -> ShardError:
 class HttpShard(io.RawIOBase):
     """An http(s) shard as a file, resuming with `Range` after a transient failure."""
 
+    transient: tuple[type[BaseException], ...] = TRANSIENT
+
     def __init__(self, url: str, policy: ReadPolicy, size: int | None = None):
         self.url = url
         self.policy = policy
@@ -72,7 +79,7 @@ class HttpShard(io.RawIOBase):
         self._response: http.client.HTTPResponse | None = None
         try:
             self._connect()
-        except TRANSIENT as e:
+        except self.transient as e:
             self._recover(e)
 
     def readable(self) -> bool:
@@ -119,13 +126,16 @@ class HttpShard(io.RawIOBase):
                 raise ShardError(
                     f"shard {self.url}: cannot read it {where}: {last} (after {self.policy.retries} retries)"
                 )
-            time.sleep(self.policy.backoff_s * 2 ** (self.failures - 1))
+            time.sleep(self._wait_s(last))
             self._drop()
             try:
                 self._connect()
                 return
-            except TRANSIENT as e:  # a ShardError (404, 4xx) is not transient and goes up
+            except self.transient as e:  # a ShardError (404, 4xx) is not transient and goes up
                 last = e
+
+    def _wait_s(self, cause: BaseException) -> float:
+        return self.policy.backoff_s * 2 ** (self.failures - 1)
 
     def readinto(self, buffer: Any) -> int:
         while True:
@@ -138,7 +148,7 @@ class HttpShard(io.RawIOBase):
                 if n:
                     self.failures = 0
                 return n
-            except TRANSIENT as e:
+            except self.transient as e:
                 self._recover(e)
 
     def _drop(self) -> None:
@@ -149,6 +159,41 @@ class HttpShard(io.RawIOBase):
     def close(self) -> None:
         self._drop()
         super().close()
+
+
+class StoreBusy(OSError):
+    """A throttled or failing object store, or a broken connection to it: retried."""
+
+    def __init__(self, line: str, retry_after_s: float | None):
+        super().__init__(line)
+        self.retry_after_s = retry_after_s
+
+
+class S3Shard(HttpShard):
+    """An s3:// shard: one streaming GET from the byte it needs (`Range: bytes=POS-`), resumed
+    the same way after a dropped connection or a throttled (503 SlowDown) or failing (5xx)
+    store, after the store's Retry-After when it sends one, else the usual backoff."""
+
+    transient = (*TRANSIENT, urllib3.exceptions.HTTPError)
+
+    def _connect(self) -> None:
+        bucket, key = s3.split(self.url)
+        where = self.policy.s3_endpoint
+        try:
+            answer = s3.client(where, self.policy.read_timeout_s).get_object(
+                Bucket=bucket, Key=key, **({"Range": f"bytes={self.pos}-"} if self.pos else {})
+            )
+        except s3.errors() as e:
+            if s3.transient(e):
+                raise StoreBusy(s3.error_line(e, self.url, where), s3.retry_after_s(e)) from None
+            raise ShardError(f"shard {s3.error_line(e, self.url, where)}") from None
+        if self.size is None:
+            self.size = self.pos + int(answer["ContentLength"])
+        self._conn, self._response = answer["Body"], answer["Body"]._raw_stream  # urllib3's: reads into our buffer
+
+    def _wait_s(self, cause: BaseException) -> float:
+        after = getattr(cause, "retry_after_s", None)
+        return after if after is not None else super()._wait_s(cause)
 
 
 class CachingReader(io.RawIOBase):
@@ -211,16 +256,17 @@ def cache_path(cache_dir: str, url: str) -> Path:
 
 
 def open_shard(url: str, policy: ReadPolicy, *, size: int | None = None, sha256: str | None = None) -> BinaryIO:
-    """A readable binary stream of the shard at `url` (http(s), pipe: or a local path)."""
-    if url.startswith(("http://", "https://")):
+    """A readable binary stream of the shard at `url` (http(s), s3://, pipe: or a local path)."""
+    if url.startswith(("http://", "https://", s3.SCHEME)):
+        kind = S3Shard if s3.is_s3(url) else HttpShard
         if policy.cache_dir:
             cached = cache_path(policy.cache_dir, url)
             if cached.is_file() and (size is None or cached.stat().st_size == size):
                 return open(cached, "rb")
             return io.BufferedReader(
-                CachingReader(io.BufferedReader(HttpShard(url, policy, size)), cached, size, sha256), 1 << 20
+                CachingReader(io.BufferedReader(kind(url, policy, size)), cached, size, sha256), 1 << 20
             )  # type: ignore[arg-type]
-        return io.BufferedReader(HttpShard(url, policy, size), 1 << 20)
+        return io.BufferedReader(kind(url, policy, size), 1 << 20)
     if url.startswith("pipe:"):
         return wds.gopen(url)  # type: ignore[no-any-return]
     try:

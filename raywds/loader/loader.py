@@ -51,6 +51,7 @@ def read_policy(cfg: TrainConfig, *, skip_unreadable: bool) -> ReadPolicy:
         retries=cfg.read_retries,
         skip_unreadable=skip_unreadable,
         cache_dir=cfg.cache_dir,
+        s3_endpoint=cfg.s3_endpoint,
     )
 
 

@@ -57,7 +57,7 @@ class Trainer:
             run_dir.open_tensorboard()
         self.loaders: Loaders = loaders if loaders is not None else PerRank()
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
-        self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
+        self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at, s3_endpoint=cfg.s3_endpoint)
         self.num_samples = self.manifest.num_samples("train")
         self.compute = Compute.for_run(cfg, world.device)
         self.model = self.compute.model(build_model(cfg.model, len(self.manifest.classes)))

@@ -1,0 +1,157 @@
+"""S3-compatible object stores (AWS S3, AIStore's S3 API, MinIO, Ceph, SeaweedFS, R2, GCS
+interoperability), through boto3.
+
+Credentials come from boto3's standard chain (the AWS_* environment variables, ~/.aws, an
+instance or pod role); the endpoint from `--s3-endpoint`, else AWS_ENDPOINT_URL, else AWS.
+boto3 rather than pyarrow's S3FileSystem (installed with Ray): a failed request there is an
+OSError whose text holds the status, and its retries happen inside it, blind to Retry-After;
+boto3 gives the HTTP status, the S3 error code and the headers, which the retries
+(raywds.loader.http) and the one-line errors below need. boto3's own retries are off: every
+retry is ours, counted, with backoff, resuming at the byte where the last attempt stopped.
+
+    bucket, key = split("s3://bucket/imagenet/manifest.json")
+    raw = read_bytes("s3://bucket/imagenet/manifest.json", endpoint=None)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from raywds.errors import DataError
+
+SCHEME = "s3://"
+TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
+TRANSIENT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"})
+
+
+def is_s3(location: str) -> bool:
+    return location.startswith(SCHEME)
+
+
+def split(url: str) -> tuple[str, str]:
+    """("bucket", "key/in/it") of s3://bucket/key/in/it; the key may be empty."""
+    bucket, _, key = url[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise DataError(f"{url}: an S3 address is s3://BUCKET/KEY")
+    return bucket, key
+
+
+def endpoint_of(endpoint: str | None) -> str | None:
+    """The endpoint a client talks to: the flag's, else AWS_ENDPOINT_URL's, else AWS (None)."""
+    return endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+@functools.lru_cache(maxsize=8)
+def client(endpoint: str | None = None, timeout_s: float = 60.0) -> Any:
+    """One boto3 client per process and endpoint (boto3 clients are thread-safe; sessions are not).
+    Path-style addressing for any endpoint but AWS's own, as MinIO, SeaweedFS and AIStore want."""
+    import boto3
+    from botocore.config import Config
+
+    where = endpoint_of(endpoint)
+    config = Config(
+        connect_timeout=min(10.0, timeout_s),
+        read_timeout=timeout_s,
+        retries={"total_max_attempts": 1},
+        s3={"addressing_style": "path" if where else "auto"},
+    )
+    return boto3.session.Session().client("s3", endpoint_url=where, config=config)
+
+
+def errors() -> tuple[type[BaseException], ...]:
+    """What a boto3 call raises (imported only when a call is made: `raywds convert` to a folder
+    and the loader on local shards never import botocore)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return BotoCoreError, ClientError, OSError
+
+
+def status_and_code(error: BaseException) -> tuple[int | None, str]:
+    """The HTTP status and S3 error code of a boto3 ClientError (None, class name otherwise)."""
+    response = getattr(error, "response", None)
+    if not isinstance(response, dict):
+        return None, type(error).__name__
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status, str(response.get("Error", {}).get("Code", ""))
+
+
+def retry_after_s(error: BaseException) -> float | None:
+    """The server's Retry-After, in seconds, on a throttled answer (None when it sent none)."""
+    response = getattr(error, "response", None)
+    headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}) if isinstance(response, dict) else {}
+    try:
+        return float(headers["retry-after"]) if "retry-after" in headers else None
+    except ValueError:  # an HTTP date: fall back to our own backoff
+        return None
+
+
+def transient(error: BaseException) -> bool:
+    """A failure worth retrying: a throttled or failing server, or a connection that broke."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if isinstance(error, ClientError):
+        status, code = status_and_code(error)
+        return status in TRANSIENT_STATUS or code in TRANSIENT_CODES
+    credentials = type(error).__name__ in ("NoCredentialsError", "PartialCredentialsError")
+    return isinstance(error, (BotoCoreError, OSError)) and not credentials
+
+
+def error_line(error: BaseException, url: str, endpoint: str | None = None) -> str:
+    """One line that names the object, what the store answered and what to do about it."""
+    status, code = status_and_code(error)
+    where = endpoint_of(endpoint) or "AWS S3"
+    bucket, key = split(url)
+    if code in ("NoCredentialsError", "PartialCredentialsError"):
+        return (
+            f"{url}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "or AWS_PROFILE with ~/.aws/credentials, or give the machine a role"
+        )
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden"):
+        return (
+            f"{url}: {where} refused the credentials (HTTP {status} {code}): check AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY (or the profile or role) and that they may read this bucket"
+        )
+    if code == "NoSuchBucket":
+        return (
+            f"{url}: bucket {bucket!r} does not exist at {where} (HTTP {status} {code}); "
+            "check the bucket name and --s3-endpoint"
+        )
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return (
+            f"{url}: no object {key!r} in bucket {bucket!r} at {where} (HTTP 404{' NoSuchKey' * (code == 'NoSuchKey')})"
+        )
+    if status in TRANSIENT_STATUS or code in TRANSIENT_CODES:
+        return (
+            f"{url}: {where} answered HTTP {status} {code}: the store is throttling or failing; "
+            "raise --read-retries, read with fewer loader workers, or try again later"
+        )
+    if status is None:
+        return f"{url}: cannot reach {where}: {error}; check --s3-endpoint (or AWS_ENDPOINT_URL)"
+    return f"{url}: {where} answered HTTP {status} {code}"
+
+
+def check_bucket(url: str, endpoint: str | None = None) -> None:
+    """One line before any work when the bucket is missing or the credentials are refused."""
+    bucket, _ = split(url)
+    try:
+        client(endpoint).head_bucket(Bucket=bucket)
+    except errors() as e:
+        if status_and_code(e)[0] == 404:  # a HEAD answer has no body, so no NoSuchBucket code
+            raise DataError(
+                f"{url}: bucket {bucket!r} does not exist at {endpoint_of(endpoint) or 'AWS S3'}; "
+                "create it, or check the bucket name and --s3-endpoint"
+            ) from None
+        raise DataError(error_line(e, url, endpoint)) from None
+
+
+def read_bytes(url: str, endpoint: str | None = None, timeout_s: float = 30.0) -> bytes:
+    """A small object (a manifest) whole; FileNotFoundError when it is not there, DataError otherwise."""
+    bucket, key = split(url)
+    try:
+        return client(endpoint, timeout_s).get_object(Bucket=bucket, Key=key)["Body"].read()  # type: ignore[no-any-return]
+    except errors() as e:
+        if status_and_code(e)[1] in ("NoSuchKey", "404", "NotFound"):
+            raise FileNotFoundError(url) from None
+        raise DataError(error_line(e, url, endpoint)) from None

@@ -1,0 +1,105 @@
+"""`raywds convert SRC s3://bucket/prefix`: convert into a local staging folder, then put the
+shards into the bucket and the manifest last.
+
+The staging folder is the usual converter's output (raywds.data.convert), so an interrupted
+conversion resumes there from its journal. The upload then skips every shard the bucket
+already holds with the same size and sha256 (kept in the object's metadata), uploads the
+others with boto3's transfer manager (multipart above 64 MB), reads each one back from the
+bucket against the manifest's sha256, and only then writes `_info.json` and `manifest.json`.
+An older manifest at the prefix is deleted before the first shard changes, so a half-done
+upload is never mistaken for a dataset.
+
+    manifest = convert_to_bucket(Path("imagenet"), "s3://bucket/imagenet", options)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from raywds.data import s3
+from raywds.data.convert import ConvertOptions, convert
+from raywds.data.manifest import MANIFEST, TIMM_INFO
+from raywds.errors import DataError
+
+log = logging.getLogger(__name__)
+
+MULTIPART_BYTES = 64 << 20
+
+
+def staging_folder(url: str) -> Path:
+    """Where a conversion to `url` is staged unless told: the same folder for the same
+    destination, so that a rerun resumes."""
+    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"raywds-staging-{digest}"
+
+
+def convert_to_bucket(
+    src: Path, url: str, options: ConvertOptions, *, staging: Path | None = None, endpoint: str | None = None
+) -> dict[str, Any]:
+    """Convert `src` and upload the result under `url`; returns the manifest, with the count of
+    shards the bucket already held as `kept_in_bucket`."""
+    s3.check_bucket(url, endpoint)  # a wrong key or bucket is one line before any work
+    folder = staging or staging_folder(url)
+    manifest = convert(src, folder, options)
+    try:
+        manifest["kept_in_bucket"] = upload(folder, manifest, url, endpoint)
+    except s3.errors() as e:
+        raise DataError(s3.error_line(e, url, endpoint)) from None
+    return manifest
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix.rstrip('/')}/{name}" if prefix.rstrip("/") else name
+
+
+def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | None = None) -> int:
+    """Put the shards of `manifest` from `folder` under `url`, then the manifest; returns how
+    many shards were there already."""
+    from boto3.s3.transfer import TransferConfig
+
+    bucket, prefix = s3.split(url)
+    client = s3.client(endpoint)
+    shards = [shard for info in manifest["splits"].values() for shard in info["shards"]]
+    missing = [shard for shard in shards if not _holds(client, bucket, _key(prefix, shard["name"]), shard)]
+    if missing:
+        client.delete_object(Bucket=bucket, Key=_key(prefix, MANIFEST))
+    transfer = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
+    for shard in missing:
+        key = _key(prefix, shard["name"])
+        extra = {"Metadata": {"sha256": shard["sha256"]}}
+        client.upload_file(str(folder / shard["name"]), bucket, key, ExtraArgs=extra, Config=transfer)
+        _check_back(client, bucket, key, shard)
+    for name, value in ((TIMM_INFO, json.loads((folder / TIMM_INFO).read_text())), (MANIFEST, manifest)):
+        client.put_object(Bucket=bucket, Key=_key(prefix, name), Body=json.dumps(value, indent=1).encode())
+    return len(shards) - len(missing)
+
+
+def _holds(client: Any, bucket: str, key: str, shard: dict[str, Any]) -> bool:
+    """Whether the bucket has this very shard (size, and the sha256 our upload recorded)."""
+    try:
+        head = client.head_object(Bucket=bucket, Key=key)
+    except s3.errors() as e:
+        if s3.status_and_code(e)[0] == 404:
+            return False
+        raise
+    return head["ContentLength"] == shard["num_bytes"] and head.get("Metadata", {}).get("sha256") == shard["sha256"]
+
+
+def _check_back(client: Any, bucket: str, key: str, shard: dict[str, Any]) -> None:
+    """Read the uploaded object back whole: the bucket must hold the bytes the manifest describes."""
+    digest, size = hashlib.sha256(), 0
+    body = client.get_object(Bucket=bucket, Key=key)["Body"]
+    for chunk in iter(lambda: body.read(1 << 20), b""):
+        digest.update(chunk)
+        size += len(chunk)
+    if size != shard["num_bytes"] or digest.hexdigest() != shard["sha256"]:
+        client.delete_object(Bucket=bucket, Key=key)
+        raise DataError(
+            f"s3://{bucket}/{key} read back as {size} bytes, sha256 {digest.hexdigest()[:12]}…, not the "
+            f"{shard['num_bytes']} bytes and {shard['sha256'][:12]}… written; removed it: run the conversion again"
+        )
