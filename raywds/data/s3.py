@@ -43,14 +43,19 @@ def endpoint_of(endpoint: str | None) -> str | None:
     return endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-@functools.lru_cache(maxsize=8)
 def client(endpoint: str | None = None, timeout_s: float = 60.0) -> Any:
-    """One boto3 client per process and endpoint (boto3 clients are thread-safe; sessions are not).
-    Path-style addressing for any endpoint but AWS's own, as MinIO, SeaweedFS and AIStore want."""
+    """One boto3 client per process, endpoint and credentials in the environment (boto3 clients
+    are thread-safe; sessions are not). Path-style addressing for any endpoint but AWS's own, as
+    MinIO, SeaweedFS and AIStore want."""
+    keys = tuple(os.environ.get(name) for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"))
+    return _client(endpoint_of(endpoint), timeout_s, keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _client(where: str | None, timeout_s: float, keys: tuple[str | None, ...]) -> Any:
     import boto3
     from botocore.config import Config
 
-    where = endpoint_of(endpoint)
     config = Config(
         connect_timeout=min(10.0, timeout_s),
         read_timeout=timeout_s,

@@ -169,6 +169,19 @@ class StoreBusy(OSError):
         self.retry_after_s = retry_after_s
 
 
+class _Partial:
+    """urllib3's response read as http.client's is: what has arrived, not a full buffer, so the
+    bytes before a broken connection count and the retry resumes after them."""
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.raw.read1(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
 class S3Shard(HttpShard):
     """An s3:// shard: one streaming GET from the byte it needs (`Range: bytes=POS-`), resumed
     the same way after a dropped connection or a throttled (503 SlowDown) or failing (5xx)
@@ -189,7 +202,7 @@ class S3Shard(HttpShard):
             raise ShardError(f"shard {s3.error_line(e, self.url, where)}") from None
         if self.size is None:
             self.size = self.pos + int(answer["ContentLength"])
-        self._conn, self._response = answer["Body"], answer["Body"]._raw_stream  # urllib3's: reads into our buffer
+        self._conn, self._response = answer["Body"], _Partial(answer["Body"]._raw_stream)  # type: ignore[assignment]
 
     def _wait_s(self, cause: BaseException) -> float:
         after = getattr(cause, "retry_after_s", None)
