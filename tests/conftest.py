@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import raycluster
+import s3server
 
 from raywds import console
 from raywds.config import TrainConfig
@@ -115,6 +116,39 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from raywds.data.demo import prepare
 
     return prepare(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def s3_server_session() -> Iterator[s3server.S3Server]:
+    """One private SeaweedFS S3 server for the session (tests/s3server.py), started when a test
+    first asks for it: ~1.5 s to start, ~140-170 MiB resident."""
+    with s3server.s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server_session: s3server.S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[s3server.S3Server]:
+    """The session's S3 server with a fresh, empty bucket of this test's own, found through the
+    standard AWS variables (set here, the user's own that would lead elsewhere unset); the bucket
+    and what the test left in it are deleted afterwards."""
+    import dataclasses
+    import uuid
+
+    server = dataclasses.replace(s3_server_session, bucket=f"t-{uuid.uuid4().hex[:16]}")
+    client = server.client()
+    client.create_bucket(Bucket=server.bucket)
+    for name in s3server.FOREIGN_AWS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    yield server
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=server.bucket, Delete={"Objects": keys, "Quiet": True})
+    for upload in client.list_multipart_uploads(Bucket=server.bucket).get("Uploads", []):
+        client.abort_multipart_upload(Bucket=server.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    client.delete_bucket(Bucket=server.bucket)
 
 
 def tar_keys(shards: Path, split: str = "train") -> list[str]:
