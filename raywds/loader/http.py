@@ -54,6 +54,9 @@ class ReadPolicy:
     """Keep each http or s3 shard here after its first complete read, and read it from here after."""
     s3_endpoint: str | None = None
     """The S3-compatible store for s3:// shards (None: AWS_ENDPOINT_URL, else AWS)."""
+    prefetch_bytes: int = 256 << 20
+    """Fetch the next http or s3 shard whole while the current one is decoded, when it is at
+    most this big (one shard ahead per reader); 0: never."""
 
 
 def _status_error(url: str, status: int, reason: str) -> ShardError:

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -146,6 +147,45 @@ def _reason(e: BaseException) -> str:
     return (text.splitlines() or [""])[0] or type(e).__name__
 
 
+class Prefetch:
+    """A remote shard fetched whole in a thread, while the reader decodes the one before it.
+    What the fetch raises is raised when the shard's turn comes, as if it had been opened then."""
+
+    def __init__(self, url: str, policy: ReadPolicy, shard: Expected):
+        self.url, self.data = url, b""
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._fetch, args=(policy, shard), daemon=True, name="prefetch")
+        self.thread.start()
+
+    def _fetch(self, policy: ReadPolicy, shard: Expected) -> None:
+        try:
+            with open_shard(self.url, policy, size=shard.num_bytes, sha256=shard.sha256) as stream:
+                self.data = stream.read()
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which decides
+            self.error = e
+
+    def stream(self) -> BinaryIO:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return io.BytesIO(self.data)
+
+
+def _with_next(items: Iterable[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Each item with the one after it (None after the last): what to prefetch."""
+    queue = iter(items)
+    current = next(queue, None)
+    while current is not None:
+        following = next(queue, None)
+        yield current, following
+        current = following
+
+
+def _prefetching(url: str, shard: Expected, policy: ReadPolicy) -> bool:
+    remote = url.startswith(("http://", "https://", "s3://"))
+    return remote and 0 < (shard.num_bytes or policy.prefetch_bytes + 1) <= policy.prefetch_bytes
+
+
 def tar_samples(
     sources: Iterable[dict[str, Any]],
     policy: ReadPolicy,
@@ -159,13 +199,17 @@ def tar_samples(
     `expected` (by URL), read by `policy`: an unreadable shard raises or is skipped into `failures`.
     `opening` hears of each shard as it is opened."""
     failures = failures if failures is not None else Failures(policy)
-    for source in sources:
+    ahead: Prefetch | None = None
+    for source, following in _with_next(sources):
         url = source["url"]
         shard = expected[url]
         if opening is not None:
             opening(url)
+        fetched, ahead = ahead if ahead is not None and ahead.url == url else None, None
+        if following is not None and _prefetching(following["url"], expected[following["url"]], policy):
+            ahead = Prefetch(following["url"], policy, expected[following["url"]])
         try:
-            stream = open_shard(url, policy, size=shard.num_bytes, sha256=shard.sha256)
+            stream = fetched.stream() if fetched else open_shard(url, policy, size=shard.num_bytes, sha256=shard.sha256)
         except (ShardError, OSError) as e:
             failures(e if isinstance(e, ShardError) else ShardError(f"shard {url}: cannot open it: {e}"))
             continue

@@ -15,6 +15,7 @@ from raywds.data.manifest import read_manifest
 from raywds.data.upload import upload
 from raywds.errors import ShardError
 from raywds.loader.http import ReadPolicy, open_shard
+from raywds.loader.readers import Expected, tar_samples
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -89,3 +90,27 @@ def test_training_from_a_bucket_matches_training_from_the_folder(
     there = train(small_config(bucket_shards, mode=mode, num_epochs=1), World())
     assert there["samples_seen"] == here["samples_seen"] and there["val_samples"] == here["val_samples"] == 50
     assert there["train_loss"] == pytest.approx(here["train_loss"], rel=1e-5)
+
+
+def test_the_next_shard_is_fetched_while_the_current_one_is_read(s3: S3Server, bucket_shards: str) -> None:
+    """After the first sample of shard 0, shard 1's GET has started (one shard ahead, no more);
+    with prefetching off it starts only when shard 0 is done. Every sample comes once, in order."""
+    manifest = read_manifest(bucket_shards)
+    urls = [manifest.url(s) for s in manifest.shards("train")[:3]]
+    expected = dict(zip(urls, [Expected(s.num_samples, s.num_bytes, s.sha256) for s in manifest.shards("train")]))
+    with S3Proxy(s3) as proxy:
+        for prefetch_bytes, ahead in [(256 << 20, True), (0, False)]:
+            proxy.log.clear()
+            policy = ReadPolicy(
+                read_timeout_s=5.0, backoff_s=0.01, s3_endpoint=proxy.endpoint, prefetch_bytes=prefetch_bytes
+            )
+            samples = tar_samples([{"url": u} for u in urls], policy, expected)
+            first = next(samples)
+            deadline = time.monotonic() + 10
+            while ahead and len(proxy.log) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            asked = [path.rsplit("/", 1)[-1] for method, path, _ in proxy.log if method == "GET"]
+            names = [u.rsplit("/", 1)[-1] for u in urls]
+            assert asked == (names[:2] if ahead else names[:1]), (prefetch_bytes, asked)
+            keys = [first["__key__"], *(s["__key__"] for s in samples)]
+            assert len(keys) == len(set(keys)) == sum(e.num_samples for e in expected.values())
