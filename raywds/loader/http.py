@@ -13,17 +13,14 @@ first full, size-checked read.
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import io
 import logging
-import os
 import socket
-import tempfile
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import urllib3
@@ -31,6 +28,7 @@ import webdataset as wds
 
 from raywds.data import s3
 from raywds.errors import ShardError
+from raywds.loader.cache import CachingReader, cache_path
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +70,12 @@ class HttpShard(io.RawIOBase):
 
     transient: tuple[type[BaseException], ...] = TRANSIENT
 
-    def __init__(self, url: str, policy: ReadPolicy, size: int | None = None):
+    def __init__(
+        self, url: str, policy: ReadPolicy, size: int | None = None, retried: Callable[[], None] | None = None
+    ):
         self.url = url
+        self.retried = retried
+        """Called at each retry (the loader counts them into metrics.jsonl's `read_retries`)."""
         self.policy = policy
         self.size = size
         self.pos = 0
@@ -130,6 +132,8 @@ class HttpShard(io.RawIOBase):
                     f"shard {self.url}: cannot read it {where}: {last} (after {self.policy.retries} retries)"
                 )
             time.sleep(self._wait_s(last))
+            if self.retried is not None:
+                self.retried()
             self._drop()
             try:
                 self._connect()
@@ -212,66 +216,14 @@ class S3Shard(HttpShard):
         return after if after is not None else super()._wait_s(cause)
 
 
-class CachingReader(io.RawIOBase):
-    """Reads `source` and writes a copy; the copy becomes `path` only when complete and intact."""
-
-    def __init__(self, source: BinaryIO, path: Path, size: int | None, sha256: str | None):
-        self.source, self.path, self.size, self.sha256 = source, path, size, sha256
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-        self.tmp = Path(tmp)
-        self.out: BinaryIO | None = os.fdopen(fd, "wb")
-        self.hash = hashlib.sha256()
-        self.written = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        n = self.source.readinto(buffer)  # type: ignore[attr-defined]
-        if self.out is not None:
-            if n:
-                view = memoryview(buffer)[:n]
-                self.out.write(view)
-                self.hash.update(view)
-                self.written += n
-            else:
-                self._finish()
-        return n
-
-    def _finish(self) -> None:
-        assert self.out is not None
-        self.out.close()
-        self.out = None
-        intact = (self.size is None or self.written == self.size) and (
-            not self.sha256 or self.hash.hexdigest() == self.sha256
-        )
-        if intact:
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink(missing_ok=True)
-            log.warning(
-                "not caching %s: %d bytes, sha256 %s… differ from the manifest",
-                self.path.name,
-                self.written,
-                self.hash.hexdigest()[:12],
-            )
-
-    def close(self) -> None:
-        if self.out is not None:
-            self.out.close()
-            self.out = None
-            self.tmp.unlink(missing_ok=True)
-        self.source.close()
-        super().close()
-
-
-def cache_path(cache_dir: str, url: str) -> Path:
-    """A place per URL: the shard's name, prefixed by a hash of the URL, so datasets never collide."""
-    return Path(cache_dir) / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{url.rsplit('/', 1)[-1]}"
-
-
-def open_shard(url: str, policy: ReadPolicy, *, size: int | None = None, sha256: str | None = None) -> BinaryIO:
+def open_shard(
+    url: str,
+    policy: ReadPolicy,
+    *,
+    size: int | None = None,
+    sha256: str | None = None,
+    retried: Callable[[], None] | None = None,
+) -> BinaryIO:
     """A readable binary stream of the shard at `url` (http(s), s3://, pipe: or a local path)."""
     if url.startswith(("http://", "https://", s3.SCHEME)):
         kind = S3Shard if s3.is_s3(url) else HttpShard
@@ -280,9 +232,9 @@ def open_shard(url: str, policy: ReadPolicy, *, size: int | None = None, sha256:
             if cached.is_file() and (size is None or cached.stat().st_size == size):
                 return open(cached, "rb")
             return io.BufferedReader(
-                CachingReader(io.BufferedReader(kind(url, policy, size)), cached, size, sha256), 1 << 20
+                CachingReader(io.BufferedReader(kind(url, policy, size, retried)), cached, size, sha256), 1 << 20
             )  # type: ignore[arg-type]
-        return io.BufferedReader(kind(url, policy, size), 1 << 20)
+        return io.BufferedReader(kind(url, policy, size, retried), 1 << 20)
     if url.startswith("pipe:"):
         return wds.gopen(url)  # type: ignore[no-any-return]
     try:

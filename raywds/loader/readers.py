@@ -29,6 +29,7 @@ from raywds.errors import ShardError
 from raywds.loader.http import ReadPolicy, open_shard
 
 log = logging.getLogger(__name__)
+RETRIES_LOCK = threading.Lock()
 
 
 class Failures:
@@ -40,6 +41,12 @@ class Failures:
         self.skipped: list[str] = []
         """Why each skipped shard was skipped (one line each), for the batches to carry."""
         self.in_a_row = 0
+        self.retries = 0
+        """Reads retried after a transient failure (prefetching threads count here too)."""
+
+    def retried(self) -> None:
+        with RETRIES_LOCK:  # module-level: a Failures travels to loader workers pickled
+            self.retries += 1
 
     def __call__(self, exn: ShardError) -> None:
         if not self.policy.skip_unreadable or isinstance(exn, ShardMismatch):
@@ -151,15 +158,18 @@ class Prefetch:
     """A remote shard fetched whole in a thread, while the reader decodes the one before it.
     What the fetch raises is raised when the shard's turn comes, as if it had been opened then."""
 
-    def __init__(self, url: str, policy: ReadPolicy, shard: Expected):
+    def __init__(self, url: str, policy: ReadPolicy, shard: Expected, failures: Failures):
         self.url, self.data = url, b""
         self.error: Exception | None = None
-        self.thread = threading.Thread(target=self._fetch, args=(policy, shard), daemon=True, name="prefetch")
+        args = (policy, shard, failures)
+        self.thread = threading.Thread(target=self._fetch, args=args, daemon=True, name="prefetch")
         self.thread.start()
 
-    def _fetch(self, policy: ReadPolicy, shard: Expected) -> None:
+    def _fetch(self, policy: ReadPolicy, shard: Expected, failures: Failures) -> None:
         try:
-            with open_shard(self.url, policy, size=shard.num_bytes, sha256=shard.sha256) as stream:
+            with open_shard(
+                self.url, policy, size=shard.num_bytes, sha256=shard.sha256, retried=failures.retried
+            ) as stream:
                 self.data = stream.read()
         except Exception as e:  # noqa: BLE001 - handed to the reader, which decides
             self.error = e
@@ -206,13 +216,17 @@ def tar_samples(
         if opening is not None:
             opening(url)
         fetched, ahead = ahead if ahead is not None and ahead.url == url else None, None
-        if following is not None and _prefetching(following["url"], expected[following["url"]], policy):
-            ahead = Prefetch(following["url"], policy, expected[following["url"]])
         try:
-            stream = fetched.stream() if fetched else open_shard(url, policy, size=shard.num_bytes, sha256=shard.sha256)
+            stream = (
+                fetched.stream()
+                if fetched
+                else open_shard(url, policy, size=shard.num_bytes, sha256=shard.sha256, retried=failures.retried)
+            )
         except (ShardError, OSError) as e:
             failures(e if isinstance(e, ShardError) else ShardError(f"shard {url}: cannot open it: {e}"))
             continue
+        if following is not None and _prefetching(following["url"], expected[following["url"]], policy):
+            ahead = Prefetch(following["url"], policy, expected[following["url"]], failures)  # once this one flows
         try:
             yield from shard_samples(url, stream, shard, verify_hash=verify_hashes)
             stream.close()  # a pipe: command's exit status arrives here

@@ -46,6 +46,8 @@ class Batch(NamedTuple):
     """resample mode: why each sample skipped since the worker's previous batch could not be used."""
     bad_shards: tuple[str, ...] = ()
     """resample mode: why each shard skipped since the worker's previous batch could not be read."""
+    read_retries: int = 0
+    """Shard reads retried (and resumed) since the worker's previous batch."""
 
 
 Sample = tuple[Any, int, int, str]
@@ -106,6 +108,7 @@ class Skips:
         self.samples: list[str] = []
         self.num_logged = 0
         self.shards_sent = 0
+        self.retries_sent = 0
 
     def bad_sample(self, error: SampleError) -> None:
         if not self.shards.policy.skip_unreadable:
@@ -121,7 +124,10 @@ class Skips:
             shards = self.shards.skipped[self.shards_sent :]
             self.shards_sent += len(shards)
             samples, self.samples = self.samples, []
-            yield batch._replace(bad_samples=tuple(samples), bad_shards=tuple(shards)) if samples or shards else batch
+            retries, self.retries_sent = self.shards.retries - self.retries_sent, self.shards.retries
+            if samples or shards or retries:
+                batch = batch._replace(bad_samples=tuple(samples), bad_shards=tuple(shards), read_retries=retries)
+            yield batch
 
 
 def _what(e: BaseException) -> str:
@@ -251,17 +257,21 @@ def rebatched(
     """Main process: unbatch the workers' batches, shuffle across workers, batch again; what the
     workers skipped travels on with the next batch out."""
     skipped: tuple[list[str], list[str]] = ([], [])
+    retries = [0]
 
     def unbatched() -> Iterator[Sample]:
         for batch in batches:
             skipped[0].extend(batch.bad_samples)
             skipped[1].extend(batch.bad_shards)
+            retries[0] += batch.read_retries
             yield from _samples(batch)
 
     def collated(samples: list[Sample]) -> Batch:
         batch = collate(samples, bad_samples=tuple(skipped[0]), bad_shards=tuple(skipped[1]))
+        batch = batch._replace(read_retries=retries[0])
         skipped[0].clear()
         skipped[1].clear()
+        retries[0] = 0
         return batch
 
     out = wds.batched(batch_size, collation_fn=collated, partial=partial)(shuffled(unbatched(), buffer=buffer, rng=rng))

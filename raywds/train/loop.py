@@ -39,6 +39,8 @@ class EpochResult:
     """resample mode: each distinct bad sample (`bad_sample_id`) -> the last reason given for it."""
     num_bad_shards: int = 0
     """resample mode: shards skipped as unreadable."""
+    num_read_retries: int = 0
+    """Shard reads retried after a transient failure (a throttled store, a dropped connection)."""
 
 
 def _is_collective_failure(e: BaseException) -> bool:
@@ -103,6 +105,7 @@ def train_epoch(
                 r.bad_samples += batch.bad_samples
                 r.distinct_bad.update((bad_sample_id(why), why) for why in batch.bad_samples)
                 r.num_bad_shards += len(batch.bad_shards)
+                r.num_read_retries += batch.read_retries
                 r.loss_sum += loss.item() * len(labels)
                 r.seconds = time.perf_counter() - start
                 if after_step is not None and after_step(r.num_steps, batch, r):

@@ -95,7 +95,8 @@ def _skipped(m: Metrics) -> str:
         parts.append(f"{m['bad_samples']} bad samples ({m.get('bad_samples_distinct', m['bad_samples'])} distinct)")
     if m.get("bad_shards"):
         parts.append(f"{m['bad_shards']} bad shards")
-    return f"  skipped {' and '.join(parts)}" if parts else ""
+    retried = f"  {m['read_retries']} shard reads retried" if m.get("read_retries") else ""
+    return (f"  skipped {' and '.join(parts)}" if parts else "") + retried
 
 
 def epoch_line(m: Metrics, num_epochs: int) -> str:

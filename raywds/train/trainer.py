@@ -232,8 +232,9 @@ class Trainer:
     def epoch_metrics(self, epoch: Epoch, result: EpochResult) -> Metrics:
         """The job's numbers for the epoch (collectives: every rank calls this at its end)."""
         world, start = self.world, epoch.start
-        (num_samples, loss_sum, num_bad, bad_shards), seconds = sum_and_max(
-            world, [result.num_samples, result.loss_sum, len(result.bad_samples), result.num_bad_shards], result.seconds
+        sums = [result.num_samples, result.loss_sum, len(result.bad_samples), result.num_bad_shards]
+        (num_samples, loss_sum, num_bad, bad_shards, retries), seconds = sum_and_max(
+            world, [*sums, result.num_read_retries], result.seconds
         )
         # Shards repeat within a resample epoch, and a bad sample with them: the bound is on the
         # distinct ones, job-wide. Every rank sees the same sum, so all gather or none does.
@@ -256,6 +257,7 @@ class Trainer:
             "bad_samples_distinct": len(distinct),
             "bad_samples_distinct_total": start.bad_samples_distinct + len(distinct),
             "bad_shards": int(bad_shards),
+            "read_retries": int(retries),
             "epoch_samples": int(counts.sum()),
             "epoch_distinct": int((counts > 0).sum()),
             "epoch_duplicates": int(np.maximum(counts - 1, 0).sum()),

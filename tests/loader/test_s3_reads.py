@@ -3,6 +3,7 @@ proxy that throttles (503 SlowDown) and resets connections mid-body; and trainin
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from raywds.data.upload import upload
 from raywds.errors import ShardError
 from raywds.loader.http import ReadPolicy, open_shard
 from raywds.loader.readers import Expected, tar_samples
+from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -114,3 +116,19 @@ def test_the_next_shard_is_fetched_while_the_current_one_is_read(s3: S3Server, b
             assert asked == (names[:2] if ahead else names[:1]), (prefetch_bytes, asked)
             keys = [first["__key__"], *(s["__key__"] for s in samples)]
             assert len(keys) == len(set(keys)) == sum(e.num_samples for e in expected.values())
+
+
+def test_a_split_epoch_through_a_throttling_store_is_exact_and_counts_its_retries(
+    s3: S3Server, bucket_shards: str, tmp_path: Path
+) -> None:
+    """Every 3rd GET of a train shard throttled, every 4th reset mid-body: the split epoch still
+    trains each sample once, and metrics.jsonl counts one retry per fault."""
+    with S3Proxy(s3, path=r"-train-\d+\.tar$") as proxy:
+        proxy.slowdown_every, proxy.reset_every, proxy.reset_after_bytes = 3, 4, 2000
+        cfg = small_config(bucket_shards, mode="split", num_epochs=1, s3_endpoint=proxy.endpoint)
+        report = RunDir(tmp_path)
+        train(cfg, World(), run_dir=report)
+    row = json.loads(report.metrics_path.read_text().splitlines()[-1])
+    assert (row["epoch_samples"], row["epoch_duplicates"], row["epoch_missing"]) == (120, 0, 0), row
+    assert proxy.num_slowdowns >= 2 and proxy.num_resets >= 1, (proxy.num_slowdowns, proxy.num_resets)
+    assert row["read_retries"] == proxy.num_slowdowns + proxy.num_resets, row
