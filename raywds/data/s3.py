@@ -65,6 +65,11 @@ def _client(where: str | None, timeout_s: float, keys: tuple[str | None, ...]) -
     return boto3.session.Session().client("s3", endpoint_url=where, config=config)
 
 
+# A forked loader worker must not inherit the parent's clients: their kept-alive connections
+# would then be read by two processes at once, each taking the other's answers.
+os.register_at_fork(after_in_child=_client.cache_clear)
+
+
 def errors() -> tuple[type[BaseException], ...]:
     """What a boto3 call raises (imported only when a call is made: `raywds convert` to a folder
     and the loader on local shards never import botocore)."""

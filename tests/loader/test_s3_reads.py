@@ -132,3 +132,20 @@ def test_a_split_epoch_through_a_throttling_store_is_exact_and_counts_its_retrie
     assert (row["epoch_samples"], row["epoch_duplicates"], row["epoch_missing"]) == (120, 0, 0), row
     assert proxy.num_slowdowns >= 2 and proxy.num_resets >= 1, (proxy.num_slowdowns, proxy.num_resets)
     assert row["read_retries"] == proxy.num_slowdowns + proxy.num_resets, row
+
+
+def test_loader_workers_do_not_share_the_parents_connection(s3: S3Server, bucket_shards: str, tmp_path: Path) -> None:
+    """The training process has read from the store (a kept-alive connection in its cached
+    client) before two loader workers fork: each worker must open its own, or both read
+    answers off one socket (a retry at best, a shard skipped as an invalid tar at worst)."""
+    from raywds.data import s3 as store
+
+    manifest = read_manifest(bucket_shards)
+    first = manifest.shards("train")[0]
+    bucket, key = store.split(manifest.url(first))
+    store.client(None, 60.0).get_object(Bucket=bucket, Key=key)["Body"].read()  # the loader's client, warm
+    report = RunDir(tmp_path)
+    cfg = small_config(bucket_shards, mode="split", num_epochs=4, num_loader_workers_per_rank=2, read_retries=0)
+    train(cfg, World(), run_dir=report)
+    rows = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
+    assert [(r["epoch_samples"], r["epoch_duplicates"], r["read_retries"]) for r in rows] == [(120, 0, 0)] * 4, rows
