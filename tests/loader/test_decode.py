@@ -246,35 +246,11 @@ def test_collate_in_a_worker_uses_shared_memory() -> None:
     assert decode.stack([torch.zeros(3, 2, 2, dtype=torch.uint8)]).is_shared() is False, "outside workers: plain memory"
 
 
-def test_the_float_resize_for_devices_matches_the_uint8_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA's antialiased resize has no uint8 kernel, so off the CPU `cropped` resizes in float and
-    rounds: the same pixels within one grey level (run here by pretending the CPU is a device)."""
-    image = torch.from_numpy(np.array(photo(640, 480))).permute(2, 0, 1)
-    box = (40, 60, 300, 400)
-    on_cpu = decode.cropped(image, box, True, 224)
-    real_float = torch.Tensor.float
-    calls: list[int] = []
-
-    def counted(self: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
-        return real_float(self)
-
-    class FakeDevice:
-        type = "cuda"
-
-    monkeypatch.setattr(torch.Tensor, "float", counted)
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: FakeDevice()))
-    as_on_device = decode.cropped(image, box, True, 224)
-    monkeypatch.undo()
-    assert calls, "the device path resizes in float"
-    assert as_on_device.dtype == torch.uint8 and as_on_device.shape == on_cpu.shape
-    assert (as_on_device.int() - on_cpu.int()).abs().max() <= 1
-
-
 def test_a_gpu_batch_is_resized_together_as_each_crop_alone() -> None:
-    """`--decode device` on a GPU resizes every crop as floats and rounds, casts and flips the
-    batch at once (decode._resized_together); that must be what `cropped` gives crop by crop
-    (within 1 of 255: on the CPU `cropped` resizes uint8 directly), flips on the right images."""
+    """`--decode device` on a GPU resizes every crop as floats (CUDA's antialiased resize has no
+    uint8 kernel) and rounds, casts and flips the batch at once (decode._resized_together); that
+    must be what `cropped` gives crop by crop with the CPU's uint8 kernel, within one grey level,
+    flips on the right images. Run here on CPU tensors: the float path is the same code."""
     g = torch.Generator().manual_seed(5)
     images = [
         torch.from_numpy(np.array(photo(w, h, seed=i))).permute(2, 0, 1)
