@@ -27,6 +27,7 @@ import urllib3
 import webdataset as wds
 
 from raywds.data import s3
+from raywds.data.manifest import is_url
 from raywds.errors import ShardError
 from raywds.loader.cache import CachingReader, cache_path
 
@@ -225,7 +226,7 @@ def open_shard(
     retried: Callable[[], None] | None = None,
 ) -> BinaryIO:
     """A readable binary stream of the shard at `url` (http(s), s3://, pipe: or a local path)."""
-    if url.startswith(("http://", "https://", s3.SCHEME)):
+    if is_url(url):
         kind = S3Shard if s3.is_s3(url) else HttpShard
         if policy.cache_dir:
             cached = cache_path(policy.cache_dir, url)

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 import webdataset as wds
 
 from raywds.data import tars
+from raywds.data.manifest import is_url
 from raywds.errors import ShardError
 from raywds.loader.http import ReadPolicy, open_shard
 
@@ -192,8 +193,7 @@ def _with_next(items: Iterable[dict[str, Any]]) -> Iterator[tuple[dict[str, Any]
 
 
 def _prefetching(url: str, shard: Expected, policy: ReadPolicy) -> bool:
-    remote = url.startswith(("http://", "https://", "s3://"))
-    return remote and 0 < (shard.num_bytes or policy.prefetch_bytes + 1) <= policy.prefetch_bytes
+    return is_url(url) and 0 < (shard.num_bytes or policy.prefetch_bytes + 1) <= policy.prefetch_bytes
 
 
 def tar_samples(
