@@ -67,12 +67,15 @@ def check_shard(path: Path, num_samples: int, num_bytes: int, sha256: str) -> li
     """Problems with one shard: missing, size, hash, unreadable tar, samples lacking image or class."""
     if not path.is_file():
         return [f"{path.name}: missing"]
-    problems = []
-    if path.stat().st_size != num_bytes:
-        problems.append(f"{path.name}: {path.stat().st_size} bytes, manifest says {num_bytes}")
-    if sha256_file(path) != sha256:
-        problems.append(f"{path.name}: sha256 differs from the manifest")
-    return problems + [f"{path.name}: {problem}" for problem in check_members(path, num_samples)]
+    with open(path, "rb") as stream:
+        return _check_stream(path.name, stream, num_samples, num_bytes, sha256)
+
+
+def check_object(url: str, num_samples: int, num_bytes: int, sha256: str, endpoint: str | None = None) -> list[str]:
+    """check_shard for a shard in a bucket."""
+    name = url.rsplit("/", 1)[-1]
+    with _object(url, endpoint) as body:
+        return [f"{name}: missing"] if body is None else _check_stream(name, body, num_samples, num_bytes, sha256)
 
 
 class _Counted:
@@ -88,6 +91,17 @@ class _Counted:
         return data
 
 
+def _check_stream(name: str, stream: BinaryIO, num_samples: int, num_bytes: int, sha256: str) -> list[str]:
+    """Size, hash and members of one shard in a single read of `stream`."""
+    counted = _Counted(stream)
+    problems = [f"{name}: {problem}" for problem in check_members(counted, num_samples)]  # type: ignore[arg-type]
+    for _ in iter(lambda: counted.read(1 << 20), b""):  # the tar's end blocks count too
+        pass
+    size = [f"{name}: {counted.size} bytes, manifest says {num_bytes}"] if counted.size != num_bytes else []
+    digest = [f"{name}: sha256 differs from the manifest"] if counted.digest.hexdigest() != sha256 else []
+    return size + digest + problems
+
+
 @contextlib.contextmanager
 def _object(url: str, endpoint: str | None) -> Iterator[BinaryIO | None]:
     """An s3 shard's body, streamed; None when the bucket has no such object."""
@@ -95,7 +109,8 @@ def _object(url: str, endpoint: str | None) -> Iterator[BinaryIO | None]:
     try:
         body = s3.client(endpoint).get_object(Bucket=bucket, Key=key)["Body"]
     except s3.errors() as e:
-        if s3.status_and_code(e)[0] == 404 and s3.status_and_code(e)[1] != "NoSuchBucket":
+        status, code = s3.status_and_code(e)
+        if status == 404 and code != "NoSuchBucket":
             yield None
             return
         raise DataError(s3.error_line(e, url, endpoint)) from None
@@ -103,21 +118,6 @@ def _object(url: str, endpoint: str | None) -> Iterator[BinaryIO | None]:
         yield body
     finally:
         body.close()
-
-
-def check_object(url: str, num_samples: int, num_bytes: int, sha256: str, endpoint: str | None = None) -> list[str]:
-    """check_shard for a shard in a bucket, read once."""
-    name = url.rsplit("/", 1)[-1]
-    with _object(url, endpoint) as body:
-        if body is None:
-            return [f"{name}: missing"]
-        counted = _Counted(body)
-        problems = [f"{name}: {problem}" for problem in check_members(counted, num_samples)]  # type: ignore[arg-type]
-        for _ in iter(lambda: counted.read(1 << 20), b""):  # the tar's end blocks count too
-            pass
-    size = [f"{name}: {counted.size} bytes, manifest says {num_bytes}"] if counted.size != num_bytes else []
-    digest = [f"{name}: sha256 differs from the manifest"] if counted.digest.hexdigest() != sha256 else []
-    return size + digest + problems
 
 
 def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, list[str]]:
