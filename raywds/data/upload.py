@@ -15,8 +15,6 @@ upload is never mistaken for a dataset.
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,8 +23,6 @@ from raywds.data import s3
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import MANIFEST, TIMM_INFO
 from raywds.errors import DataError
-
-log = logging.getLogger(__name__)
 
 MULTIPART_BYTES = 64 << 20
 
@@ -58,8 +54,8 @@ def _key(prefix: str, name: str) -> str:
 
 
 def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | None = None) -> int:
-    """Put the shards of `manifest` from `folder` under `url`, then the manifest; returns how
-    many shards were there already."""
+    """Put the shards of `manifest` from `folder` under `url`, then `folder`'s manifest files;
+    returns how many shards were there already."""
     from boto3.s3.transfer import TransferConfig
 
     bucket, prefix = s3.split(url)
@@ -74,8 +70,8 @@ def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | Non
         extra = {"Metadata": {"sha256": shard["sha256"]}}
         client.upload_file(str(folder / shard["name"]), bucket, key, ExtraArgs=extra, Config=transfer)
         _check_back(client, bucket, key, shard)
-    for name, value in ((TIMM_INFO, json.loads((folder / TIMM_INFO).read_text())), (MANIFEST, manifest)):
-        client.put_object(Bucket=bucket, Key=_key(prefix, name), Body=json.dumps(value, indent=1).encode())
+    for name in (TIMM_INFO, MANIFEST):  # as the converter wrote them into the staging folder
+        client.put_object(Bucket=bucket, Key=_key(prefix, name), Body=(folder / name).read_bytes())
     return len(shards) - len(missing)
 
 
