@@ -154,8 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(p, only=PLAN_FIELDS, with_defaults=True, aliases={"num_loader_workers_per_rank": ("--workers",)})
 
     p = sub.add_parser("report", help="plot a run's loss, accuracy, throughput and data wait to a PNG")
-    p.add_argument("run_dir", help="the --out folder of a local run, or a Ray run folder (with metrics.jsonl)")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
+    p.add_argument(
+        "run_dir", help="the --out folder of a local run, or a Ray run's folder or s3://… prefix (with metrics.jsonl)"
+    )
+    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png; NAME-report.png here for an s3:// run)")
+    p.add_argument("--s3-endpoint", help="the S3 store's URL, for an s3:// run (default AWS_ENDPOINT_URL, else AWS)")
 
     p = sub.add_parser("train", help="train in this process (or one torchrun rank), no Ray")
     _add_train_flags(p)

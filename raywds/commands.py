@@ -220,10 +220,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from raywds.report import plot, read_epochs
+    from raywds.report import local_copy, plot, read_epochs
 
-    out = plot(Path(args.run_dir), Path(args.out) if args.out else None)
-    last = read_epochs(Path(args.run_dir))[-1]
+    with local_copy(args.run_dir, args.s3_endpoint) as run_dir:
+        default = None if run_dir == Path(args.run_dir) else Path(f"{run_dir.name}-report.png")  # a bucket's: here
+        out = plot(run_dir, Path(args.out) if args.out else default)
+        last = read_epochs(run_dir)[-1]
     print(f"raywds: wrote {out} ({last['epoch']} epochs)")
 
 

@@ -1,16 +1,36 @@
 """`raywds report RUN_DIR`: loss, accuracy, throughput and data-wait plots from a run's
 metrics.jsonl (written by local runs, torchrun and Ray runs alike), as one PNG.
 
-    raywds report runs/demo            # -> runs/demo/report.png
+    raywds report runs/demo                              # -> runs/demo/report.png
+    raywds report s3://bucket/runs/raywds-20261124-1015  # -> ./raywds-20261124-1015-report.png
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from raywds.data import s3
 from raywds.errors import ConfigError
+
+
+@contextlib.contextmanager
+def local_copy(run: str, endpoint: str | None = None) -> Iterator[Path]:
+    """The run folder `run`, or for an s3:// run (`raywds ray --storage-path s3://…`) a temporary
+    folder named as the run, holding its metrics.jsonl."""
+    if not s3.is_s3(run):
+        yield Path(run)
+        return
+    with tempfile.TemporaryDirectory(prefix="raywds-report-") as tmp:
+        folder = Path(tmp) / run.rstrip("/").rsplit("/", 1)[-1]
+        folder.mkdir()
+        if not s3.get_file(s3.join(run, "metrics.jsonl"), folder / "metrics.jsonl", endpoint):
+            raise ConfigError(f"no metrics.jsonl under {run}: give a Ray run's --storage-path and its name")
+        yield folder
 
 
 def read_epochs(run_dir: Path) -> list[dict[str, Any]]:

@@ -165,3 +165,32 @@ def read_bytes(url: str, endpoint: str | None = None, timeout_s: float = 30.0) -
         if status_and_code(e)[1] in ("NoSuchKey", "404", "NotFound"):
             raise FileNotFoundError(url) from None
         raise DataError(error_line(e, url, endpoint)) from None
+
+
+def join(url: str, name: str) -> str:
+    """`name` under the prefix `url` (s3://b/runs + x/y -> s3://b/runs/x/y)."""
+    return f"{url.rstrip('/')}/{name}"
+
+
+def put_file(path: str | os.PathLike[str], url: str, endpoint: str | None = None) -> None:
+    """Upload one file (boto3's transfer manager: multipart when large); DataError in one line."""
+    from boto3.exceptions import S3UploadFailedError
+
+    bucket, key = split(url)
+    try:
+        client(endpoint).upload_file(os.fspath(path), bucket, key)
+    except (*errors(), S3UploadFailedError) as e:
+        cause = e.__context__ if isinstance(e, S3UploadFailedError) and e.__context__ is not None else e
+        raise DataError(error_line(cause, url, endpoint)) from None
+
+
+def get_file(url: str, path: str | os.PathLike[str], endpoint: str | None = None) -> bool:
+    """Download one object to `path`; False when there is no such object, DataError otherwise."""
+    bucket, key = split(url)
+    try:
+        client(endpoint).download_file(bucket, key, os.fspath(path))
+    except errors() as e:
+        if status_and_code(e)[0] == 404 or status_and_code(e)[1] in ("NoSuchKey", "404", "NotFound"):
+            return False
+        raise DataError(error_line(e, url, endpoint)) from None
+    return True

@@ -109,7 +109,14 @@ def worker_setup() -> None:
 
 
 RUNTIME_ENV = {
-    "env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},  # Ray Train's print patch would log every epoch line twice
+    "env_vars": {
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # Ray Train's print patch would log every epoch line twice
+        # Ray starts its workers at nice 15, so that they yield to its own daemons; but a run's workers
+        # are the run (the controller, the ranks, their loader workers, the plane's tasks), and at
+        # nice 15 each gets 1/29 of a core's share beside any process at nice 0: on a busy head node a
+        # worker group took 200-230 s to start instead of about 10. Ray's job supervisor sets the same.
+        "RAY_worker_niceness": "0",
+    },
     "worker_process_setup_hook": f"{__name__}.worker_setup",
 }
 
@@ -120,6 +127,9 @@ NOISE = re.compile(
     # Ray Train 2.60's controller starts its PreemptionWatcher actor in a way Ray's core logs as an
     # error on every run (ray-project/ray#53727); preemption handling works regardless.
     r"Actor with class name: 'PreemptionWatcher' and ID: '\w+' has constructor arguments in the object store"
+    # Its PlacementGroupCleaner asks the state API (the dashboard's) every few seconds whether the
+    # controller lives; where the cluster has no dashboard, or it answers late, it says so each time.
+    r"|Failed to query Ray Train Controller actor state\. State API may be temporarily unavailable"
 )
 
 

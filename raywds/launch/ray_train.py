@@ -6,14 +6,12 @@ ray job submit --address http://127.0.0.1:8265 -- raywds ray --demo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,6 @@ from raywds.errors import ConfigError, RaywdsError, one_line, own_cause
 from raywds.launch.cluster import (
     WorkerPlan,
     alive_nodes,
-    check_every_node_sees,
     connect,
     lost_since,
     node_count,
@@ -40,11 +37,11 @@ from raywds.launch.cluster import (
     wait_for_coordinator,
 )
 from raywds.launch.raydata import Plane, RayData
+from raywds.launch.runstore import hold_run_folder, open_run_dir, ray_storage
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
 from raywds.train.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from raywds.train.rundir import Metrics, RunDir
-from raywds.train.runlock import RunLock
 from raywds.train.state import check_unfinished
 from raywds.train.trainer import train
 from raywds.world import World
@@ -104,9 +101,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             resume = load_checkpoint(where)
         if world.is_main:
             log.info(f"restarted: resuming from the checkpoint at step {resume['steps']} on {world.world_size} rank(s)")
-    # Rank 0 writes the run folder the driver made, where this node sees it (local or shared storage).
-    run_dir = RunDir(cfg.out_dir, append=True) if world.is_main and Path(cfg.out_dir).is_dir() else None
-    train(cfg, world, functools.partial(report_to_ray, run_dir=run_dir), resume, run_dir=run_dir, loaders=loaders)
+    run_dir = open_run_dir(cfg) if world.is_main else None
+    try:
+        train(cfg, world, functools.partial(report_to_ray, run_dir=run_dir), resume, run_dir=run_dir, loaders=loaders)
+    finally:
+        if run_dir is not None:
+            run_dir.close()
 
 
 def worker_error(failed: Exception) -> RaywdsError | None:
@@ -188,19 +188,6 @@ def run(
     return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)
 
 
-@contextlib.contextmanager
-def hold_run_folder(cfg: TrainConfig, local: str | None) -> Iterator[None]:
-    """Where the storage is a path (`local`): hold the run's folder while it trains, so a second
-    driver with the same --name is refused, and check that every node sees raywds-config.json there."""
-    if local is None:  # a bucket: Ray Train writes it, nothing here can lock it
-        yield
-        return
-    with RunLock(cfg.out_dir):
-        config_file = RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")
-        check_every_node_sees(str(config_file), f"--storage-path {local}")
-        yield
-
-
 def place(
     cfg: TrainConfig, num_workers: int | tuple[int, int] | None, data_plane: str, plane_store_mb: int
 ) -> tuple[TrainConfig, WorkerPlan, Plane | None]:
@@ -249,7 +236,7 @@ def make_trainer(
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout_s),
         run_config=ray.train.RunConfig(
             name=name,
-            storage_path=storage,
+            **ray_storage(storage, cfg.s3_endpoint),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_checkpoints_to_keep),
             # After a worker dies, Ray restarts the group and each worker resumes from the latest
             # checkpoint. Starting a group that cannot be placed (a fixed count, a node gone) is a

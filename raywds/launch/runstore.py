@@ -1,0 +1,64 @@
+"""Where a Ray run keeps its folder (`--storage-path`): a local or shared path, which the driver
+holds and every node must see, or an s3:// prefix, where Ray keeps its checkpoints through pyarrow
+and rank 0 puts metrics.jsonl, best/ and TensorBoard's files (raywds.train.bucketrun).
+
+    storage, local = split_storage("s3://bucket/runs")      # ("s3://bucket/runs", None)
+    RunConfig(name=name, **ray_storage(storage, endpoint))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from raywds.config import TrainConfig
+from raywds.data import s3
+from raywds.launch.cluster import check_every_node_sees, split_storage
+from raywds.train.bucketrun import BucketRunDir
+from raywds.train.rundir import RunDir
+from raywds.train.runlock import RunLock
+
+
+def open_run_dir(cfg: TrainConfig) -> RunDir | None:
+    """Rank 0's run folder: the one the driver made, where this node sees it (local or shared
+    storage), or the run's prefix in a bucket; None for storage it cannot write (gs://…)."""
+    if s3.is_s3(cfg.out_dir):
+        return BucketRunDir(cfg.out_dir, cfg.s3_endpoint)
+    return RunDir(cfg.out_dir, append=True) if Path(cfg.out_dir).is_dir() else None
+
+
+@contextlib.contextmanager
+def hold_run_folder(cfg: TrainConfig, local: str | None) -> Iterator[None]:
+    """Where the storage is a path (`local`): hold the run's folder while it trains, so a second
+    driver with the same --name is refused, and check that every node sees raywds-config.json there."""
+    if local is None:  # a bucket: nothing here can lock it
+        if s3.is_s3(cfg.out_dir):  # a wrong key or bucket is one line now, not a failure in every worker
+            s3.check_bucket(cfg.out_dir, cfg.s3_endpoint)
+            with tempfile.TemporaryDirectory(prefix="raywds-") as tmp:
+                config_file = RunDir(tmp, append=True).write_config(cfg, "raywds-config.json")
+                s3.put_file(config_file, s3.join(cfg.out_dir, config_file.name), cfg.s3_endpoint)
+        yield
+        return
+    with RunLock(cfg.out_dir):
+        config_file = RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")
+        check_every_node_sees(str(config_file), f"--storage-path {local}")
+        yield
+
+
+def ray_storage(storage: str, endpoint: str | None) -> dict[str, Any]:
+    """RunConfig's storage: an s3:// URI at a store other than AWS's (--s3-endpoint or
+    AWS_ENDPOINT_URL) goes through pyarrow's S3FileSystem pointed at it, with the URI's scheme
+    stripped as Ray wants it then; credentials come from the standard chain in each process."""
+    where = s3.endpoint_of(endpoint)
+    if not s3.is_s3(storage) or where is None:
+        return {"storage_path": storage}
+    import pyarrow.fs
+
+    filesystem = pyarrow.fs.S3FileSystem(endpoint_override=where)
+    return {"storage_path": storage[len(s3.SCHEME) :], "storage_filesystem": filesystem}
+
+
+__all__ = ["hold_run_folder", "open_run_dir", "ray_storage", "split_storage"]

@@ -1,0 +1,139 @@
+"""`raywds ray` with its data and its run folder in a bucket of a real S3 server (SeaweedFS, tests/s3server.py),
+run as a user runs it: the CLI in a process of its own, which starts a private local Ray cluster
+(RAY_ADDRESS=local, its own temp dir and token) whose workers find the store through the AWS variables."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from raywds.data.upload import upload
+from tests.conftest import small_config, tar_keys
+from tests.raycluster import token_env, write_token
+from tests.s3server import S3Server
+
+RAYWDS = [sys.executable, "-m", "raywds"]
+
+
+def ray_env(ray_temp: Path) -> dict[str, str]:
+    """This process's environment (with the test bucket's AWS variables), for a private local cluster."""
+    env = token_env(write_token(ray_temp))
+    env.update(RAY_ADDRESS="local", RAY_TMPDIR=str(ray_temp), PYTHONUNBUFFERED="1")
+    return env
+
+
+def config_file(tmp_path: Path, data: str, audit: Path, **overrides: object) -> Path:
+    cfg = small_config(data, mode="split", audit_dir=str(audit), batch_size_per_rank=4, pg_timeout_s=60, **overrides)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in ("data", "out_dir")}))
+    return path
+
+
+def objects(s3: S3Server, prefix: str) -> set[str]:
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix=prefix)
+    return {item["Key"][len(prefix) :] for page in pages for item in page.get("Contents", [])}
+
+
+def pid_of(keys_file: Path) -> int:
+    return int(keys_file.name.rsplit("-pid", 1)[1].split(".")[0])
+
+
+def kill_rank1_in(audit: Path, epoch: int, killed: list[int], deadline_s: float = 300.0) -> None:
+    """SIGKILL rank 1's worker as soon as it starts epoch `epoch` (0-based), once: by then Ray has
+    registered an earlier epoch's checkpoint in the bucket (the next may be in flight)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        for f in audit.glob(f"epoch{epoch:04d}-rank00001-*.keys"):
+            pid = pid_of(f)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.05)
+
+
+def test_a_ray_run_in_a_bucket_survives_a_killed_worker_exactly_and_keeps_its_record_there(
+    s3: S3Server, shards: Path, tmp_path: Path, ray_temp: Path
+) -> None:
+    upload(shards, json.loads((shards / "manifest.json").read_text()), s3.url("data"))
+    audit = tmp_path / "audit"
+    config = config_file(tmp_path, s3.url("data"), audit, num_epochs=3, num_loader_workers_per_rank=1)
+    killed: list[int] = []
+    killer = threading.Thread(target=kill_rank1_in, args=(audit, 2, killed), daemon=True)
+    killer.start()
+    run = subprocess.run(
+        [*RAYWDS, "ray", "--data", s3.url("data"), "--config", str(config), "--num-workers", "2", "--tensorboard"]
+        + ["--storage-path", s3.url("runs"), "--name", "r1", "--max-failures", "1"],
+        env=ray_env(ray_temp),
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    killer.join(timeout=5)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert killed, "the test never saw epoch 3 start"
+
+    everything = Counter(tar_keys(shards))
+    first = {pid_of(f) for f in audit.glob("epoch0000-*.keys")}
+    assert killed[0] in first and len(first) == 2
+    for epoch in range(3):  # each epoch as its last group of workers trained it: every sample once
+        files = sorted(audit.glob(f"epoch{epoch:04d}-*.keys"))
+        last = [f for f in files if pid_of(f) not in first] or files
+        assert Counter(k for f in last for k in f.read_text().split()) == everything, f"epoch {epoch + 1}"
+    restarted = sorted(f.name for f in audit.glob("*.keys") if pid_of(f) not in first)
+    assert restarted and not restarted[0].startswith("epoch0000"), f"the restart began at epoch 1: {restarted}"
+
+    held = objects(s3, "runs/r1/")
+    assert {"metrics.jsonl", "raywds-config.json", "best/checkpoint.pt", "best/metrics.json"} <= held
+    assert any(name.startswith("tensorboard/events.out.tfevents.") for name in held)
+    assert any(name.startswith("checkpoint_") for name in held), "Ray's own checkpoints are in the bucket"
+    rows = [
+        json.loads(line)
+        for line in s3.client().get_object(Bucket=s3.bucket, Key="runs/r1/metrics.jsonl")["Body"].read().splitlines()
+    ]
+    assert sorted({r["epoch"] for r in rows if "train_loss" in r}) == [1, 2, 3], (
+        "the restarted rank 0 added to the record"
+    )
+    best = json.loads(s3.client().get_object(Bucket=s3.bucket, Key="runs/r1/best/metrics.json")["Body"].read())
+    assert best["val_top1"] == max(r["val_top1"] for r in rows if "val_top1" in r)
+
+    report = subprocess.run(
+        [*RAYWDS, "report", s3.url("runs/r1"), "--out", str(tmp_path / "report.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    assert "(3 epochs)" in report.stdout and (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_the_ray_data_plane_reads_a_split_epoch_from_a_bucket_exactly(
+    s3: S3Server, shards: Path, tmp_path: Path, ray_temp: Path
+) -> None:
+    """Ray Data's read tasks, in worker processes of the cluster, open the shards in the bucket."""
+    upload(shards, json.loads((shards / "manifest.json").read_text()), s3.url("data"))
+    audit = tmp_path / "audit"
+    config = config_file(tmp_path, s3.url("data"), audit, num_epochs=1)
+    run = subprocess.run(
+        [*RAYWDS, "ray", "--data", s3.url("data"), "--config", str(config), "--num-workers", "2"]
+        + ["--data-plane", "ray", "--storage-path", str(tmp_path / "runs"), "--name", "plane"],
+        env=ray_env(ray_temp),
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "decoding on Ray Data tasks" in run.stdout
+    assert "Traceback" not in run.stdout + run.stderr
+    assert Counter(k for f in audit.glob("epoch0000-*.keys") for k in f.read_text().split()) == Counter(
+        tar_keys(shards)
+    )
+    assert len(list(audit.glob("epoch0000-*.keys"))) == 2, "both ranks trained"
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "plane" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows if "train_loss" in r] == [1] and rows[-1]["epoch_duplicates"] == 0
