@@ -37,7 +37,7 @@ from raywds.launch.cluster import (
     wait_for_coordinator,
 )
 from raywds.launch.raydata import Plane, RayData
-from raywds.launch.runstore import hold_run_folder, open_run_dir, ray_storage
+from raywds.launch.runstore import as_uri, hold_run_folder, open_run_dir, ray_storage
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
 from raywds.train.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
@@ -181,11 +181,11 @@ def run(
             raise failure(e, lost_since(nodes), max_failures) from e
     if not result.metrics:
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    checkpoint = as_uri(result.checkpoint.path, storage) if result.checkpoint is not None else None
     history = sorted(
         (dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"]
     )
-    return RayRun(dict(result.metrics), checkpoint, result.path, plan, history)
+    return RayRun(dict(result.metrics), checkpoint, as_uri(result.path, storage), plan, history)
 
 
 def place(

@@ -61,4 +61,10 @@ def ray_storage(storage: str, endpoint: str | None) -> dict[str, Any]:
     return {"storage_path": storage[len(s3.SCHEME) :], "storage_filesystem": filesystem}
 
 
-__all__ = ["hold_run_folder", "open_run_dir", "ray_storage", "split_storage"]
+def as_uri(path: str, storage: str) -> str:
+    """A path Ray reports inside a bucket's file system (`bucket/runs/NAME/checkpoint_…`) as the
+    s3:// address a user can give back to raywds; any other path as it is."""
+    return s3.SCHEME + path if s3.is_s3(storage) and not s3.is_s3(path) else path
+
+
+__all__ = ["as_uri", "hold_run_folder", "open_run_dir", "ray_storage", "split_storage"]

@@ -78,6 +78,7 @@ def test_a_ray_run_in_a_bucket_survives_a_killed_worker_exactly_and_keeps_its_re
     killer.join(timeout=5)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert killed, "the test never saw epoch 3 start"
+    assert f"results {s3.url('runs/r1')}" in run.stdout and f"checkpoint {s3.url('runs/r1/checkpoint_')}" in run.stdout
 
     everything = Counter(tar_keys(shards))
     first = {pid_of(f) for f in audit.glob("epoch0000-*.keys")}
