@@ -208,8 +208,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.ray)  # before `-m` selects
         if "two_node_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.multinode)
-        if item.get_closest_marker("multinode") and not item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.ray)  # torchrun across namespaces: as slow, kept out of the inner loop
+        slow = item.get_closest_marker("multinode") or item.get_closest_marker("image")
+        if slow and not item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.ray)  # torchrun across namespaces, the image: as slow, out of the inner loop
     yield
     if os.environ.get("RAYWDS_TEST_REVERSE") == "1":
         items.reverse()  # after everything else has ordered and selected

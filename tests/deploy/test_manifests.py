@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import gzip
 import re
-import string
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from manifests import DEPLOY, rayjob_entrypoint, render, shard_server_command, torchrun_command, values
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy" / "kubernetes"
 CRDS = Path(__file__).parent / "crds"
 KUBERNETES = "1.34"
 CUSTOM = {
@@ -31,19 +29,6 @@ CUSTOM = {
     ("kubeflow.org/v1", "PyTorchJob"): "kubeflow.org_pytorchjobs.yaml.gz",
 }
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
-
-
-def values() -> dict[str, str]:
-    """values.env as `set -a; . values.env` reads it: NAME=VALUE lines, comments and blanks skipped."""
-    pairs = (line.split("=", 1) for line in (DEPLOY / "values.env").read_text().splitlines())
-    return {k.strip(): v.strip() for k, v in (p for p in pairs if len(p) == 2) if not k.lstrip().startswith("#")}
-
-
-def render(path: Path) -> list[dict[str, Any]]:
-    """The manifest's documents with every ${NAME} replaced; a name values.env lacks is an error
-    (envsubst would put an empty string there)."""
-    text = string.Template(path.read_text()).substitute(values())
-    return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
 def closed(schema: Any) -> Any:
@@ -97,7 +82,7 @@ def test_every_manifest_is_there_and_every_value_it_uses_is_set() -> None:
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_a_manifest_is_valid_for_its_kind(path: Path) -> None:
-    docs = render(path)
+    docs = render(path.name)
     assert docs
     for doc in docs:
         check(doc)
@@ -114,14 +99,14 @@ def test_a_manifest_is_valid_for_its_kind(path: Path) -> None:
     ],
 )
 def test_a_misspelt_field_is_refused(path: str, where: Any, field: str) -> None:
-    doc = render(DEPLOY / path)[0]
+    doc = render(path)[0]
     where(doc)[field] = "x"
     with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
         check(doc)
 
 
 def test_a_wrong_type_is_refused() -> None:
-    doc = render(DEPLOY / "rayjob.yaml")[0]
+    doc = render("rayjob.yaml")[0]
     doc["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] = "two"
     with pytest.raises(jsonschema.ValidationError):
         check(doc)
@@ -129,10 +114,41 @@ def test_a_wrong_type_is_refused() -> None:
 
 def test_the_ray_workers_get_their_gpus_and_shared_memory() -> None:
     for name in ("rayjob.yaml", "raycluster.yaml"):
-        doc = render(DEPLOY / name)[0]
+        doc = render(name)[0]
         cluster = doc["spec"].get("rayClusterSpec", doc["spec"])
         pod = cluster["workerGroupSpecs"][0]["template"]["spec"]
         container = pod["containers"][0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == values()["GPUS_PER_WORKER"]
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
         assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": values()["SHM_SIZE"]}} in pod["volumes"]
+
+
+@pytest.mark.parametrize(
+    "command, expect",
+    [
+        (rayjob_entrypoint, ["raywds", "ray"]),
+        (shard_server_command, ["raywds", "serve"]),
+        (torchrun_command, ["torchrun", "-m", "raywds", "train"]),
+    ],
+    ids=["rayjob", "shard-server", "pytorchjob"],
+)
+def test_each_command_line_in_the_manifests_is_one_raywds_accepts(command: Any, expect: list[str]) -> None:
+    """raywds's own parser takes each command line the manifests hold, with every value set; the
+    image tests (test_image.py) run the RayJob's and the shard server's lines read from the same
+    manifests, so what `kubectl apply` runs is what the tests ran."""
+    from raywds.cli import build_parser
+
+    args = command(values())
+    assert args[: len(expect)] == expect
+    parsed = build_parser().parse_args(args[len(expect) - 1 :])  # from the subcommand on
+    if expect[-1] == "serve":
+        assert (parsed.shards, parsed.port, parsed.advertise) == ("/shards", 8080, "raywds-shards")
+    else:
+        assert (parsed.data, parsed.mode, parsed.num_epochs) == (values()["DATA"], "split", int(values()["EPOCHS"]))
+
+
+def test_the_image_tests_run_the_manifests_own_command_lines() -> None:
+    """test_image.py takes the RayJob entrypoint and the shard server's command from the manifests."""
+    source = (Path(__file__).parent / "test_image.py").read_text()
+    assert "entrypoint = rayjob_entrypoint(test_values)" in source
+    assert "server = shard_server_command(test_values)" in source
