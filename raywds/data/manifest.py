@@ -8,6 +8,7 @@ loader reads the shards (raywds.loader.http).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import re
@@ -159,17 +160,17 @@ def deal(shards: list[ShardInfo], num_slots: int) -> list[list[ShardInfo]]:
     """Deal shards to `num_slots` slots, balancing sample counts (largest first, to the lightest slot).
 
     The order of `shards` breaks ties, so a shuffled list gives a shuffled deal; every shard
-    lands in exactly one slot.
+    lands in exactly one slot. The lightest slot is the least (samples, shards, index): a heap
+    of those keys finds it in O(log slots), so 400k shards on 32k slots deal in about a second.
     """
     if num_slots < 1:
         raise ValueError(f"num_slots={num_slots} must be at least 1")
     slots: list[list[ShardInfo]] = [[] for _ in range(num_slots)]
-    load = [0] * num_slots
-    order = sorted(range(len(shards)), key=lambda i: -shards[i].num_samples)
-    for i in order:
-        lightest = min(range(num_slots), key=lambda s: (load[s], len(slots[s]), s))
-        slots[lightest].append(shards[i])
-        load[lightest] += shards[i].num_samples
+    lightest = [(0, 0, s) for s in range(num_slots)]  # (samples, shards, slot): sorted, so a heap
+    for shard in sorted(shards, key=lambda s: -s.num_samples):  # stable: ties keep the given order
+        load, count, slot = lightest[0]
+        slots[slot].append(shard)
+        heapq.heapreplace(lightest, (load + shard.num_samples, count + 1, slot))
     return slots
 
 
