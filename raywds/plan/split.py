@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     from raywds.plan.position import Position
 
 T = TypeVar("T")
+SHARDS_PER_RANK = 20
+"""Shards per rank that keep split ranks within about 5% of each other (whole shards are dealt)."""
+
+
+def suggested_maxcount(plan: EpochPlan) -> int:
+    """Samples per shard that give every rank SHARDS_PER_RANK shards and every worker one."""
+    return max(plan.num_samples // max(SHARDS_PER_RANK * plan.num_ranks, plan.num_ranks * plan.num_workers), 1)
 
 
 @dataclass(frozen=True)
@@ -87,15 +94,26 @@ class Split(Mode):
         found: list[Finding] = []
         slots = plan.num_ranks * plan.num_workers
         if not plan.resumed and num_shards < slots:
+            fewer = " or use fewer --loader-workers" if plan.num_workers > 1 else ""
             found.append(
                 Finding(
                     "refuse",
                     (
                         f"split mode needs at least one shard per (rank, loader worker): {num_shards} shards < "
                         f"{plan.num_ranks} ranks x {plan.num_workers} workers, so {slots - num_shards} workers would "
-                        "read nothing; reconvert with a smaller --maxcount "
-                        f"(about {max(plan.num_samples // slots, 1)}) or use fewer --loader-workers"
+                        f"read nothing; reconvert with a smaller --maxcount (about {suggested_maxcount(plan)}, "
+                        f"for {SHARDS_PER_RANK} shards or more per rank and one or more per worker){fewer}"
                     ),
+                )
+            )
+        empty = sum(1 for n in plan.samples_per_rank if n == 0)
+        if plan.resumed and empty:
+            left = sum(len(slot) for slot in plan.slots)
+            found.append(
+                Finding(
+                    "warn",
+                    f"{empty} of {plan.num_ranks} ranks have no samples left in this epoch ({left} shards are); "
+                    "they wait in Join while the others finish it, and all start the next epoch together",
                 )
             )
         idle = sum(1 for slot in plan.slots if not slot)

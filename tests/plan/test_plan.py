@@ -100,6 +100,11 @@ def test_a_resumed_split_plan_deals_only_what_is_left() -> None:
     assert sum(plan.samples_per_rank) == 17 and plan.num_samples == 35
     assert sorted(s.name for slot in plan.slots for s in slot) == ["s-0001.tar", "s-0002.tar"]
     assert refusals(check(plan, num_shards=4)) == [], "idle slots are fine at the end of a resumed epoch"
+    on_three = Split().plan(shards, num_ranks=3, num_workers=1, batch_size=4, seed=0, epoch=0, position=done)
+    assert sorted(on_three.samples_per_rank) == [0, 7, 10]
+    assert "1 of 3 ranks have no samples left in this epoch (2 shards are)" in [
+        f.text.split(";")[0] for f in check(on_three, num_shards=4) if f.level == "warn"
+    ]
 
 
 def test_verdicts_say_what_would_hang_and_the_fix() -> None:
@@ -109,7 +114,10 @@ def test_verdicts_say_what_would_hang_and_the_fix() -> None:
     assert verdict(findings).startswith(
         "REFUSED: split mode needs at least one shard per (rank, loader worker): 8 shards < 3 ranks x 4 workers"
     )
-    assert "reconvert with a smaller --maxcount (about 10)" in refusals(findings)[0]
+    assert "reconvert with a smaller --maxcount (about 2, for 20 shards or more per rank" in refusals(findings)[0]
+    assert refusals(findings)[0].endswith("or use fewer --loader-workers")
+    one_worker = Split().plan(shards_of([16] * 8), num_ranks=12, num_workers=1, batch_size=8, seed=0, epoch=0)
+    assert not refusals(check(one_worker, num_shards=8))[0].endswith("--loader-workers"), "nothing fewer than one"
 
     uneven = Split().plan(shards_of([40, 8, 8]), num_ranks=2, num_workers=1, batch_size=8, seed=0, epoch=0)
     texts = [f.text for f in check(uneven, num_shards=3)]

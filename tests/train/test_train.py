@@ -267,14 +267,15 @@ def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(
     assert [m["step"] for m in epochs] == [8, 16]
 
 
-def _stop_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
+def _stop_rank(rank: int, cfg: TrainConfig, store: str, out: str, world_size: int = 2) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )
     try:
         report = RunDir(Path(out)) if rank == 0 else None
-        Path(out, f"rank{rank}.json").write_text(json.dumps(train(cfg, World(rank=rank, world_size=2), run_dir=report)))
+        world = World(rank=rank, world_size=world_size)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(train(cfg, world, run_dir=report)))
     finally:
         dist.destroy_process_group()
 
@@ -291,6 +292,28 @@ def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_p
     final = train(dataclasses.replace(cfg, max_steps=None, resume_from=str(out)), World())
     assert audited(audit, 0) == Counter(tar_keys(uneven))
     assert final["epoch_samples"] == 120 and final["epoch_missing"] == 0 and final["train_samples"] == 120 - 48
+
+
+def test_three_ranks_resuming_an_epoch_with_two_shards_left_finish_it_exactly(uneven: Path, tmp_path: Path) -> None:
+    """One process, reading its shards in order (largest first, no shuffle buffer), stops 13 steps of 9
+    into the epoch: 117 of 120 samples, the shards of 2 and 1 samples left. Three gloo ranks finish it:
+    one gets nothing and waits in Join, one trains on a batch of one sample. No hang, no repeat."""
+    audit, out = tmp_path / "audit", tmp_path / "run"
+    cfg = tiny(
+        uneven, mode="split", batch_size_per_rank=9, num_epochs=1, max_steps=13, audit_dir=str(audit), out_dir=str(out)
+    )
+    cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=1, shuffle_buffer_samples=1)
+    train(cfg, World(), run_dir=RunDir(out))
+    first, before = audited(audit, 0), set(audit.iterdir())
+    assert sum(first.values()) == 117 and max(first.values()) == 1
+    resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
+    args = (resumed, str(tmp_path / "store"), str(out), 3)
+    mp.start_processes(_stop_rank, args=args, nprocs=3, start_method=RANKS_START)
+    assert audited(audit, 0) == Counter(tar_keys(uneven)), "every sample once over the stop and the resume"
+    later = [f for f in audit.glob("epoch0000-*.keys") if f not in before and f.read_text().split()]
+    assert len({f.name.split("-")[1] for f in later}) == 2, "two shards were left for three ranks"
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    assert results[0]["epoch_missing"] == 0 and results[0]["epoch_samples"] == 120
 
 
 STALL_TIMEOUT_S = 2
