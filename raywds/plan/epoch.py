@@ -10,12 +10,9 @@ import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal, TypeVar
 
 from raywds.data.manifest import ShardInfo
-
-if TYPE_CHECKING:
-    from raywds.plan.position import Position
 
 T = TypeVar("T")
 Level = Literal["refuse", "warn", "note"]
@@ -69,7 +66,18 @@ class EpochPlan:
         return max(self.batches_per_rank)
 
 
-def remaining(shards: list[ShardInfo], consumed_per_shard: list[int]) -> list[ShardInfo]:
+@dataclass(frozen=True)
+class Done:
+    """What an epoch delivered before a resume, as much of it as a plan needs
+    (raywds.plan.position.Position.done makes it)."""
+
+    samples: int
+    """Samples the whole job trained on in this epoch."""
+    per_shard: tuple[int, ...] | None = None
+    """split mode: the samples of each training shard (manifest order) delivered."""
+
+
+def remaining(shards: list[ShardInfo], consumed_per_shard: tuple[int, ...]) -> list[ShardInfo]:
     """The shards with `num_samples` reduced to what an interrupted epoch has not yet delivered."""
     return [dataclasses.replace(s, num_samples=s.num_samples - done) for s, done in zip(shards, consumed_per_shard)]
 
@@ -93,9 +101,9 @@ class Mode:
         seed: int = 0,
         epoch: int = 0,
         batches_per_epoch: int | None = None,
-        position: Position | None = None,
+        done: Done | None = None,
     ) -> EpochPlan:
-        """The epoch's plan, or of what is left of it after `position` (inside this epoch)."""
+        """The epoch's plan, or of what is left of it after `done` (inside this epoch)."""
         raise NotImplementedError
 
     def shards_for(

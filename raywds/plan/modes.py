@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING
 
 from raywds.data.manifest import Manifest
 from raywds.errors import ConfigError
-from raywds.plan.epoch import EpochPlan, Mode
+from raywds.plan.epoch import Done, EpochPlan, Mode
 from raywds.plan.resample import Resample
 from raywds.plan.split import Split
 
 if TYPE_CHECKING:
     from raywds.config import TrainConfig
-    from raywds.plan.position import Position
 
 __all__ = ["MODES", "Mode", "Resample", "Split", "epoch_plan", "loader_slots", "parse"]
 
@@ -42,10 +41,9 @@ def loader_slots(cfg: TrainConfig) -> int:
 
 
 def epoch_plan(
-    manifest: Manifest, cfg: TrainConfig, num_ranks: int, *, epoch: int, position: Position | None = None
+    manifest: Manifest, cfg: TrainConfig, num_ranks: int, *, epoch: int, done: Done | None = None
 ) -> EpochPlan:
-    """A run's plan for `epoch`, or for what is left of it after `position` (same epoch)."""
-    resuming = position is not None and position.epoch == epoch and position.samples_done > 0
+    """A run's plan for `epoch`, or for what is left of it after `done` (raywds.plan.position.done_in)."""
     return parse(cfg.mode).plan(
         manifest.shards("train"),
         num_ranks=num_ranks,
@@ -54,5 +52,5 @@ def epoch_plan(
         seed=cfg.seed,
         epoch=epoch,
         batches_per_epoch=cfg.batches_per_epoch,
-        position=position if resuming else None,
+        done=done,
     )

@@ -16,6 +16,7 @@ import numpy as np
 
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ConfigError
+from raywds.plan.epoch import Done
 from raywds.plan.modes import Mode, parse
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ class Position:
             counts.append(int(self.consumed[start : start + shard.num_samples].sum()))
             start += shard.num_samples
         return counts
+
+    def done(self, shards: list[ShardInfo]) -> Done:
+        """What a plan needs of this position: the samples done, and in split mode per shard."""
+        per_shard = None if self.consumed is None else tuple(self.consumed_per_shard(shards))
+        return Done(self.samples_done, per_shard)
 
     def to_state(self) -> dict[str, Any]:
         packed = None if self.consumed is None else np.packbits(self.consumed).tobytes()
@@ -85,6 +91,13 @@ class Position:
                 f"the checkpoint stopped inside epoch {self.epoch + 1} in {self.mode.name} mode; resume it with --mode "
                 f"{self.mode.name} (the mode may change at an epoch boundary)"
             )
+
+
+def done_in(position: Position | None, epoch: int, manifest: Manifest) -> Done | None:
+    """What `epoch` delivered before `position`, for its plan; None when the epoch starts fresh."""
+    if position is None or position.epoch != epoch or position.samples_done == 0:
+        return None
+    return position.done(manifest.shards("train"))
 
 
 def already_done(position: Position | None, epoch: int) -> tuple[np.ndarray | None, int]:

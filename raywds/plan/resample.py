@@ -9,14 +9,11 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from raywds.data.manifest import ShardInfo
 from raywds.plan import seeds
-from raywds.plan.epoch import EpochPlan, Finding, Mode
-
-if TYPE_CHECKING:
-    from raywds.plan.position import Position
+from raywds.plan.epoch import Done, EpochPlan, Finding, Mode
 
 T = TypeVar("T")
 
@@ -36,15 +33,15 @@ class Resample(Mode):
         seed: int = 0,
         epoch: int = 0,
         batches_per_epoch: int | None = None,
-        position: Position | None = None,
+        done: Done | None = None,
     ) -> EpochPlan:
         """Equal full batches on every rank: ceil((N - samples done) / (R x B)), or `batches_per_epoch`."""
         num_samples = sum(s.num_samples for s in shards)
-        done = position.samples_done if position is not None else 0
+        already = done.samples if done is not None else 0
         if batches_per_epoch is None:
-            batches = math.ceil(max(num_samples - done, 0) / (num_ranks * batch_size))
+            batches = math.ceil(max(num_samples - already, 0) / (num_ranks * batch_size))
         else:
-            batches = max(batches_per_epoch - done // (num_ranks * batch_size), 0)
+            batches = max(batches_per_epoch - already // (num_ranks * batch_size), 0)
         return EpochPlan(
             mode=self,
             num_ranks=num_ranks,
@@ -54,7 +51,7 @@ class Resample(Mode):
             samples_per_rank=[batches * batch_size] * num_ranks,
             batches_per_rank=[batches] * num_ranks,
             slots=[],
-            resumed=done > 0,
+            resumed=already > 0,
         )
 
     def shards_for(

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from raywds.data.manifest import ShardInfo, deal, shardsum
 from raywds.errors import ConfigError
 from raywds.plan import seeds
-from raywds.plan.epoch import EpochPlan, Finding, Mode, remaining, split_batches
-
-if TYPE_CHECKING:
-    from raywds.plan.position import Position
+from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, remaining, split_batches
 
 T = TypeVar("T")
 SHARDS_PER_RANK = 20
@@ -42,12 +39,13 @@ class Split(Mode):
         seed: int = 0,
         epoch: int = 0,
         batches_per_epoch: int | None = None,
-        position: Position | None = None,
+        done: Done | None = None,
     ) -> EpochPlan:
-        """Deal the shards (what is left of them after `position`) to the slots, shuffled by (seed, epoch)."""
+        """Deal the shards (what is left of them after `done`) to the slots, shuffled by (seed, epoch)."""
         num_samples = sum(s.num_samples for s in shards)
-        if position is not None:
-            shards = remaining(shards, position.consumed_per_shard(shards))
+        if done is not None:
+            assert done.per_shard is not None, "a split epoch resumes from its per-shard counts"
+            shards = remaining(shards, done.per_shard)
         order = [s for s in shards if s.num_samples > 0]
         seeds.rng(seeds.SHARD_ORDER, seed, epoch).shuffle(order)
         # Ranks first, then each rank's shards to its workers: ranks wait on each other at every
@@ -66,7 +64,7 @@ class Split(Mode):
             samples_per_rank=per_rank,
             batches_per_rank=[split_batches(n, batch_size) for n in per_rank],
             slots=slots,
-            resumed=position is not None,
+            resumed=done is not None,
         )
 
     def shards_for(

@@ -21,7 +21,7 @@ from raywds.loader.loader import Loaders, PerRank
 from raywds.loader.stages import Batch
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan, parse
-from raywds.plan.position import Position
+from raywds.plan.position import Position, done_in
 from raywds.train.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
 from raywds.train.ledger import Audit, Ledger, gathered, per_rank, sum_and_max
@@ -88,7 +88,9 @@ class Trainer:
         """Plan `index` (or what is left of it) and refuse a plan that would hang."""
         cfg, world = self.cfg, self.world
         position = self.progress.position if self.progress.position and self.progress.position.epoch == index else None
-        plan = epoch_plan(self.manifest, cfg, world.world_size, epoch=index, position=position)
+        plan = epoch_plan(
+            self.manifest, cfg, world.world_size, epoch=index, done=done_in(position, index, self.manifest)
+        )
         check_plan(plan, self.manifest)
         global_batch = world.world_size * cfg.batch_size_per_rank
         size = cfg.batches_per_epoch * global_batch if cfg.batches_per_epoch else self.num_samples

@@ -23,7 +23,7 @@ from raywds.launch import ray_train
 from raywds.loader.loader import PerRank
 from raywds.loader.stages import Batch, bad_sample_id
 from raywds.plan.modes import epoch_plan
-from raywds.plan.position import Position
+from raywds.plan.position import Position, done_in
 from raywds.world import World
 
 raydata = pytest.importorskip("raywds.launch.raydata")
@@ -41,7 +41,7 @@ def run_epoch(
     """Every rank's batches of `epoch` from `loaders` (the plane unless given), checked against the plan's counts."""
     loaders = loaders if loaders is not None else raydata.RayData(raydata.Plane())
     manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
-    plan = epoch_plan(manifest, cfg, world_size, epoch=epoch, position=position)
+    plan = epoch_plan(manifest, cfg, world_size, epoch=epoch, done=done_in(position, epoch, manifest))
     ranks = []
     for rank in range(world_size):
         loader = loaders.train(

@@ -22,7 +22,7 @@ from raywds.loader.readers import ReadPolicy, tar_samples
 from raywds.loader.stages import Batch, fold_single_tail, rebatched
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import Resample, Split, epoch_plan
-from raywds.plan.position import Position
+from raywds.plan.position import Position, done_in
 from raywds.world import World
 
 
@@ -37,7 +37,7 @@ def epoch(
 ) -> list[list[Batch]]:
     """Every rank's batches for epoch `n`, each rank built as training builds it."""
     manifest = read_manifest(str(shards))
-    plan = epoch_plan(manifest, cfg, world_size, epoch=n, position=position)
+    plan = epoch_plan(manifest, cfg, world_size, epoch=n, done=done_in(position, n, manifest))
     check_plan(plan, manifest)
     ranks = []
     for rank in range(world_size):

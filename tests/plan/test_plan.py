@@ -96,11 +96,11 @@ def test_a_resumed_split_plan_deals_only_what_is_left() -> None:
     consumed = np.zeros(35, dtype=bool)
     consumed[[*range(0, 10), *range(10, 13), *range(30, 35)]] = True  # 10, 3, 0 and 5 samples of the four shards
     done = Position(mode=Split(), epoch=0, step=2, samples_done=18, consumed=consumed, dataset="")
-    plan = Split().plan(shards, num_ranks=2, num_workers=2, batch_size=4, seed=0, epoch=0, position=done)
+    plan = Split().plan(shards, num_ranks=2, num_workers=2, batch_size=4, seed=0, epoch=0, done=done.done(shards))
     assert sum(plan.samples_per_rank) == 17 and plan.num_samples == 35
     assert sorted(s.name for slot in plan.slots for s in slot) == ["s-0001.tar", "s-0002.tar"]
     assert refusals(check(plan, num_shards=4)) == [], "idle slots are fine at the end of a resumed epoch"
-    on_three = Split().plan(shards, num_ranks=3, num_workers=1, batch_size=4, seed=0, epoch=0, position=done)
+    on_three = Split().plan(shards, num_ranks=3, num_workers=1, batch_size=4, seed=0, epoch=0, done=done.done(shards))
     assert sorted(on_three.samples_per_rank) == [0, 7, 10]
     assert "1 of 3 ranks have no samples left in this epoch (2 shards are)" in [
         f.text.split(";")[0] for f in check(on_three, num_shards=4) if f.level == "warn"
@@ -187,3 +187,18 @@ def test_shuffle_report_tells_sorted_shards_from_shuffled_ones() -> None:
             plan, shards, sorted_labels(20000, 100), seed=0, epoch=0, worker_buffer=1, cross_buffer=0, num_batches=1
         )[0].ids
     )
+
+
+def test_the_plan_modules_import_no_circle_not_even_for_annotations() -> None:
+    """A mode plans from `Done` (what it needs of a resume), not from `Position`, which imports the
+    modes: no two modules of raywds.plan reach each other, type-checking imports included."""
+    import itertools
+
+    import grimp
+
+    graph = grimp.build_graph("raywds", exclude_type_checking_imports=False)
+    modules = sorted(m for m in graph.modules if m.startswith("raywds.plan."))
+    circles = [
+        (a, b) for a, b in itertools.combinations(modules, 2) if graph.chain_exists(a, b) and graph.chain_exists(b, a)
+    ]
+    assert circles == []
