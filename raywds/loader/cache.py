@@ -17,6 +17,29 @@ from typing import Any, BinaryIO
 log = logging.getLogger(__name__)
 
 
+READ_PIECE = 1 << 20
+
+
+def read_all(raw: io.RawIOBase, size: int | None = None) -> bytes:
+    """What io.RawIOBase.readall returns, read 1 MiB at a time, not 8 KiB as its own readall
+    reads (which io.BufferedReader.read() calls): a 13 MB shard is 13 reads through the HTTP
+    client rather than 1,600. With `size` (the bytes left, when known) the pieces land in place."""
+    out = bytearray(size or 0)
+    got = 0
+    if size:
+        view = memoryview(out)
+        while got < size and (n := raw.readinto(view[got : got + READ_PIECE])):
+            got += n
+        del view
+        del out[got:]
+        if got < size:
+            return bytes(out)
+    piece = memoryview(bytearray(READ_PIECE))
+    while n := raw.readinto(piece):
+        out += piece[:n]
+    return bytes(out)
+
+
 class CachingReader(io.RawIOBase):
     """Reads `source` and writes a copy; the copy becomes `path` only when complete and intact."""
 
@@ -31,6 +54,9 @@ class CachingReader(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    def readall(self) -> bytes:
+        return read_all(self, None if self.size is None else self.size - self.written)
 
     def readinto(self, buffer: Any) -> int:
         n = self.source.readinto(buffer)  # type: ignore[attr-defined]

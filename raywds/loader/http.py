@@ -29,7 +29,7 @@ import webdataset as wds
 from raywds.data import s3
 from raywds.data.manifest import is_url
 from raywds.errors import ShardError
-from raywds.loader.cache import CachingReader, cache_path
+from raywds.loader.cache import CachingReader, cache_path, read_all
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,9 @@ class HttpShard(io.RawIOBase):
 
     def _wait_s(self, cause: BaseException) -> float:
         return self.policy.backoff_s * 2 ** (self.failures - 1)
+
+    def readall(self) -> bytes:
+        return read_all(self, None if self.size is None else self.size - self.pos)
 
     def readinto(self, buffer: Any) -> int:
         while True:
