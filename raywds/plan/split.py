@@ -89,40 +89,7 @@ class Split(Mode):
         return iter(batches)  # the epoch's own end; the loop checks the count against the manifest
 
     def findings(self, plan: EpochPlan, *, num_shards: int) -> list[Finding]:
-        found: list[Finding] = []
-        slots = plan.num_ranks * plan.num_workers
-        if not plan.resumed and num_shards < slots:
-            fewer = " or use fewer --loader-workers" if plan.num_workers > 1 else ""
-            found.append(
-                Finding(
-                    "refuse",
-                    (
-                        f"split mode needs at least one shard per (rank, loader worker): {num_shards} shards < "
-                        f"{plan.num_ranks} ranks x {plan.num_workers} workers, so {slots - num_shards} workers would "
-                        f"read nothing; reconvert with a smaller --maxcount (about {suggested_maxcount(plan)}, "
-                        f"for {SHARDS_PER_RANK} shards or more per rank and one or more per worker){fewer}"
-                    ),
-                )
-            )
-        empty = sum(1 for n in plan.samples_per_rank if n == 0)
-        if plan.resumed and empty:
-            left = sum(len(slot) for slot in plan.slots)
-            found.append(
-                Finding(
-                    "warn",
-                    f"{empty} of {plan.num_ranks} ranks have no samples left in this epoch ({left} shards are); "
-                    "they wait in Join while the others finish it, and all start the next epoch together",
-                )
-            )
-        idle = sum(1 for slot in plan.slots if not slot)
-        if idle and not plan.resumed and num_shards >= slots:
-            found.append(
-                Finding(
-                    "warn",
-                    f"{idle} loader workers get no shard (a few shards are much larger than the rest); "
-                    "smaller shards (--maxcount) keep every worker busy",
-                )
-            )
+        found = _slot_findings(plan, num_shards)
         if plan.min_batches != plan.max_batches:
             late = plan.batches_per_rank.index(plan.max_batches)
             found.append(
@@ -172,3 +139,42 @@ class Split(Mode):
                 more = f" ... ({len(plan.slot(rank, worker))} shards)" if len(names) > 6 else ""
                 lines.append(f"  rank {rank} worker {worker}: " + (" ".join(names[:6]) + more if names else "(none)"))
         return lines
+
+
+def _slot_findings(plan: EpochPlan, num_shards: int) -> list[Finding]:
+    """Whether every (rank, worker) slot gets shards, and every rank samples."""
+    found: list[Finding] = []
+    slots = plan.num_ranks * plan.num_workers
+    if not plan.resumed and num_shards < slots:
+        fewer = " or use fewer --loader-workers" if plan.num_workers > 1 else ""
+        found.append(
+            Finding(
+                "refuse",
+                (
+                    f"split mode needs at least one shard per (rank, loader worker): {num_shards} shards < "
+                    f"{plan.num_ranks} ranks x {plan.num_workers} workers, so {slots - num_shards} workers would "
+                    f"read nothing; reconvert with a smaller --maxcount (about {suggested_maxcount(plan)}, "
+                    f"for {SHARDS_PER_RANK} shards or more per rank and one or more per worker){fewer}"
+                ),
+            )
+        )
+    empty = sum(1 for n in plan.samples_per_rank if n == 0)
+    if plan.resumed and empty:
+        left = sum(len(slot) for slot in plan.slots)
+        found.append(
+            Finding(
+                "warn",
+                f"{empty} of {plan.num_ranks} ranks have no samples left in this epoch ({left} shards are); "
+                "they wait in Join while the others finish it, and all start the next epoch together",
+            )
+        )
+    idle = sum(1 for slot in plan.slots if not slot)
+    if idle and not plan.resumed and num_shards >= slots:
+        found.append(
+            Finding(
+                "warn",
+                f"{idle} loader workers get no shard (a few shards are much larger than the rest); "
+                "smaller shards (--maxcount) keep every worker busy",
+            )
+        )
+    return found
