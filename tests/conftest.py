@@ -112,7 +112,7 @@ def uneven(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's shards (1216 train, 300 val samples), as `raywds ray --demo` makes them in demo.parent."""
+    """The demo's shards (1200 train, 300 val samples), as `raywds ray --demo` makes them in demo.parent."""
     from raywds.data.demo import prepare
 
     return prepare(tmp_path_factory.mktemp("demo"))

@@ -51,7 +51,12 @@ class _Logs:
 
 
 def docker_client() -> Any:
-    """The Docker SDK client for DOCKER_HOST or the default socket; ServerError if no engine answers."""
+    """The Docker SDK client for DOCKER_HOST or the default socket; ServerError if no engine answers
+    (a short line where the engine's socket is not even there, as in a container or on a laptop
+    without Docker)."""
+    where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if where.startswith("unix://") and not Path(where.removeprefix("unix://")).exists():
+        raise ServerError(f"no Docker engine at {where} (no such socket)")
     try:
         import docker
 
