@@ -78,6 +78,7 @@ class Resample(Mode):
         drawn = sum(plan.samples_per_rank)
         coverage = 1 - math.exp(-drawn / max(plan.num_samples, 1))
         return [
+            *_read_ahead(plan),
             Finding(
                 "note",
                 (
@@ -85,7 +86,7 @@ class Resample(Mode):
                     f"{drawn} draws over {plan.num_samples} samples reach about {100 * coverage:.0f}% of them "
                     "(samples repeat or are missed; --mode split gives exact epochs)"
                 ),
-            )
+            ),
         ]
 
     def rank_columns(self, plan: EpochPlan, rank: int) -> tuple[str, int]:
@@ -97,3 +98,27 @@ class Resample(Mode):
             "shards each worker opens: drawn at random with replacement, seeded by (seed, epoch, rank, worker), "
             f"about {per_worker:.0f} samples per worker"
         ]
+
+
+PREFETCH = 2
+"""Batches each DataLoader worker decodes ahead (torch's default prefetch_factor)."""
+
+
+def _read_ahead(plan: EpochPlan) -> list[Finding]:
+    """A warning when the workers decode several times what the epoch takes: each of a rank's
+    workers decodes PREFETCH batches ahead, and an epoch of few batches per rank leaves most of
+    them unused (split mode reads each sample once, so it has no such waste)."""
+    ahead = PREFETCH * plan.num_workers
+    if plan.num_workers < 2 or not plan.max_batches or (plan.max_batches + ahead) / plan.max_batches < 3:
+        return []
+    return [
+        Finding(
+            "warn",
+            (
+                f"the loader workers decode about {(plan.max_batches + ahead) / plan.max_batches:.0f}x what the "
+                f"epoch takes: each of a rank's {plan.num_workers} workers decodes {PREFETCH} batches ahead, and a "
+                f"rank takes {plan.max_batches} per epoch; use fewer --loader-workers, a smaller --batch-size, "
+                "or --mode split"
+            ),
+        )
+    ]

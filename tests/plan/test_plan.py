@@ -128,6 +128,11 @@ def test_verdicts_say_what_would_hang_and_the_fix() -> None:
 
     sampled = Resample().plan(shards_of([1000]), num_ranks=4, num_workers=2, batch_size=25)
     assert any("reach about 63% of them" in f.text for f in check(sampled, num_shards=10))
+    assert not [f for f in check(sampled, num_shards=10) if f.level == "warn"]
+    wide = Resample().plan(shards_of([1000]), num_ranks=4, num_workers=16, batch_size=25)
+    assert [f.text.split(":")[0] for f in check(wide, num_shards=10) if f.level == "warn"] == [
+        "the loader workers decode about 4x what the epoch takes"
+    ], "16 workers x 2 batches ahead, against 10 batches a rank takes"
 
 
 def test_a_batch_larger_than_a_ranks_share_is_warned_in_both_modes() -> None:
