@@ -34,7 +34,8 @@ RUN set -eux; \
     apt-get clean; \
     rm -rf /src /var/lib/apt/lists/* /root/.cache; \
     python3 -c 'from raywds.loader import _jpeg'; \
-    useradd --create-home --uid 1000 --shell /bin/bash raywds
+    useradd --create-home --shell /bin/bash --uid 1000 raywds 2>/dev/null \
+        || useradd --create-home --shell /bin/bash raywds  # Ubuntu 24.04 bases have uid 1000 already
 
 USER raywds
 WORKDIR /home/raywds
