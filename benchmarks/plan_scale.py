@@ -21,6 +21,9 @@ from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "plan"))  # the scan, as the tests keep it
+
+from test_deal import scanned
 
 from raywds.data import manifest
 from raywds.data.manifest import ShardInfo
@@ -28,17 +31,6 @@ from raywds.plan import split
 from raywds.plan.split import Split
 
 WORKERS = 8
-
-
-def scanned(shards: list[ShardInfo], num_slots: int) -> list[list[ShardInfo]]:
-    """The deal before the heap: every shard, largest first, to the least (samples, shards, index) slot."""
-    slots: list[list[ShardInfo]] = [[] for _ in range(num_slots)]
-    load = [0] * num_slots
-    for i in sorted(range(len(shards)), key=lambda i: -shards[i].num_samples):
-        lightest = min(range(num_slots), key=lambda s: (load[s], len(slots[s]), s))
-        slots[lightest].append(shards[i])
-        load[lightest] += shards[i].num_samples
-    return slots
 
 
 def synthetic(count: int) -> list[ShardInfo]:
