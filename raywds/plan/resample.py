@@ -108,14 +108,16 @@ def _read_ahead(plan: EpochPlan) -> list[Finding]:
     """A warning when the workers decode several times what the epoch takes: each of a rank's
     workers decodes PREFETCH batches ahead, and an epoch of few batches per rank leaves most of
     them unused (split mode reads each sample once, so it has no such waste)."""
-    ahead = PREFETCH * plan.num_workers
-    if plan.num_workers < 2 or not plan.max_batches or (plan.max_batches + ahead) / plan.max_batches < 3:
+    if plan.num_workers < 2 or not plan.max_batches:
+        return []
+    decoded = (plan.max_batches + PREFETCH * plan.num_workers) / plan.max_batches  # of what the epoch takes
+    if decoded < 3:
         return []
     return [
         Finding(
             "warn",
             (
-                f"the loader workers decode about {(plan.max_batches + ahead) / plan.max_batches:.0f}x what the "
+                f"the loader workers decode about {decoded:.0f}x what the "
                 f"epoch takes: each of a rank's {plan.num_workers} workers decodes {PREFETCH} batches ahead, and a "
                 f"rank takes {plan.max_batches} per epoch; use fewer --loader-workers, a smaller --batch-size, "
                 "or --mode split"
