@@ -133,6 +133,8 @@ class Nodes:
     def remove(self) -> None:
         for container in self.containers:
             container.remove(force=True)  # the network namespace, and the veth end in it, go too
+        # an end that never reached its container (plumb failed half-way) is still here: the pair goes with it
+        subprocess.run(["ip", "link", "del", f"{self.tag}a"], capture_output=True, timeout=30)
 
 
 @pytest.fixture
