@@ -89,15 +89,15 @@ class ShardSource(Datasource):  # RAY
         cfg: TrainConfig,
         *,
         exact: bool,
-        consumed: np.ndarray | None = None,
+        left_out: dict[str, np.ndarray] | None = None,
     ):
         self.shards = shards
-        self.expected = expected(manifest, split)
+        self.expected = expected(manifest, split, {s.name for s in shards})
         self.urls = [manifest.url(s) for s in shards]
         self.policy = read_policy(cfg, skip_unreadable=not exact)
         self.verify_hashes = cfg.verify_hashes
-        self.consumed = consumed
-        """The split's bool per sample already trained on (a resumed epoch), or None."""
+        self.left_out = left_out or {}
+        """By shard name, a bool per sample already trained on, for the shards a resumed epoch partly trained on."""
 
     def estimate_inmemory_data_size(self) -> int | None:
         return sum(s.num_bytes or 0 for s in self.shards) or None
@@ -106,11 +106,9 @@ class ShardSource(Datasource):  # RAY
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
     ) -> list[ReadTask]:
         tasks = []
-        for url in self.urls:
+        for url, info in zip(self.urls, self.shards):
             shard = self.expected[url]
-            left_out = None
-            if self.consumed is not None:
-                left_out = self.consumed[shard.first_id : shard.first_id + shard.num_samples].copy()
+            left_out = self.left_out.get(info.name)
             read = functools.partial(_read, url, shard, self.policy, self.verify_hashes, left_out)
             rows = shard.num_samples - (int(left_out.sum()) if left_out is not None else 0)
             meta = BlockMetadata(num_rows=rows, size_bytes=shard.num_bytes, exec_stats=None, input_files=(url,))
@@ -153,9 +151,9 @@ class RayData:
         *,
         epoch: int | None,
         exact: bool,
-        consumed: np.ndarray | None = None,
+        left_out: dict[str, np.ndarray] | None = None,
     ) -> ray.data.Dataset:
-        source = ShardSource(manifest, split, shards, cfg, exact=exact, consumed=consumed)
+        source = ShardSource(manifest, split, shards, cfg, exact=exact, left_out=left_out)
         return ray.data.read_datasource(  # RAY
             source, override_num_blocks=max(len(shards), 1), num_cpus=self.plane.task_cpus
         ).map_batches(
@@ -193,7 +191,7 @@ class RayData:
         position: Position | None = None,
     ) -> EpochLoader:
         rank, exact = world.rank, plan.mode.exact
-        consumed, reseed = already_done(position, epoch)
+        left_out, reseed = already_done(position, epoch, manifest.shards("train"))
         draws = plan.mode.shards_for(
             plan, manifest.shards("train"), rank=rank, worker=0, seed=cfg.seed, epoch=epoch, reseed=reseed
         )
@@ -209,7 +207,7 @@ class RayData:
                 shards = list(draws) if exact else _enough(draws, plan.samples_per_rank[rank] - delivered[0])
                 before = batches.num_decoded
                 if shards:
-                    ds = self.dataset(manifest, "train", shards, cfg, epoch=epoch, exact=exact, consumed=consumed)
+                    ds = self.dataset(manifest, "train", shards, cfg, epoch=epoch, exact=exact, left_out=left_out)
                     yield from self.blocks(ds, cfg, shuffle_seed)
                 if exact:
                     return

@@ -30,11 +30,11 @@ from raywds.loader.stages import (
     decoded,
     rebatched,
     shard_urls,
-    slot_urls,
     train_decoder,
     unconsumed,
     val_decoder,
     worker_shuffled,
+    worker_urls,
 )
 from raywds.loader.watch import Whereabouts
 from raywds.plan import seeds
@@ -55,27 +55,35 @@ def read_policy(cfg: TrainConfig, *, skip_unreadable: bool) -> ReadPolicy:
     )
 
 
-def expected(manifest: Manifest, split: str) -> dict[str, Expected]:
-    """Each shard's URL -> what the manifest says reading it must give."""
+def expected(manifest: Manifest, split: str, names: set[str] | None = None) -> dict[str, Expected]:
+    """Each shard's URL -> what the manifest says reading it must give (only the shards in `names`, when given)."""
     offsets = manifest.offsets(split)
     return {
         manifest.url(s): Expected(
             num_samples=s.num_samples, num_bytes=s.num_bytes, sha256=s.sha256, first_id=offsets[s.name]
         )
         for s in manifest.shards(split)
+        if names is None or s.name in names
     }
 
 
 def _read_stages(
-    source: Any, manifest: Manifest, split: str, cfg: TrainConfig, skips: Skips, where: Whereabouts
+    source: Any,
+    manifest: Manifest,
+    split: str,
+    cfg: TrainConfig,
+    skips: Skips,
+    where: Whereabouts,
+    names: set[str] | None = None,
 ) -> list[Any]:
-    """Shard URLs -> samples with ids, each shard checked against the manifest, its URL noted in `where`."""
+    """Shard URLs -> samples with ids, each shard checked against the manifest (`names`: the only
+    shards the source gives, when known), its URL noted in `where`."""
     return [
         source,
         bind(
             tar_samples,
             policy=skips.shards.policy,
-            expected=expected(manifest, split),
+            expected=expected(manifest, split, names),
             verify_hashes=cfg.verify_hashes,
             failures=skips.shards,
             opening=where.note,
@@ -150,23 +158,43 @@ class EpochLoader:
         return self.plan.batches_per_rank[self.rank]
 
 
+def train_stages(
+    manifest: Manifest, cfg: TrainConfig, rank: int, plan: EpochPlan, *, epoch: int, position: Position | None = None
+) -> tuple[list[Any], Skips, Whereabouts]:
+    """The stages every loader worker of `rank` runs (each worker gets a copy): in split mode
+    only the rank's slots, the manifest's entries for their shards and the flags of those partly
+    trained on; resample draws from every shard, so its workers get the shard list."""
+    shards = manifest.shards("train")
+    source: Any
+    if plan.slots:
+        mine = [plan.slot(rank, w) for w in range(plan.num_workers)]
+        names: set[str] | None = {s.name for slot in mine for s in slot}
+        source = bind(worker_urls, [[manifest.url(s) for s in slot] for slot in mine], rank)
+    else:
+        names = None
+        source = bind(shard_urls, plan, shards, manifest, rank=rank, seed=cfg.seed, epoch=epoch)
+    flags, reseed = already_done(position, epoch, shards, names)
+    if reseed and not plan.slots:
+        source = bind(source, reseed=reseed)
+    offsets = manifest.offsets("train") if flags else {}
+    left_out = {manifest.url(s): (offsets[s.name], flags[s.name]) for s in shards if s.name in flags}
+    skips, where = Skips(read_policy(cfg, skip_unreadable=not plan.mode.exact)), Whereabouts()
+    stages = [
+        *_read_stages(source, manifest, "train", cfg, skips, where, names),
+        bind(unconsumed, left_out=left_out),
+        bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
+        bind(decoded, decode=train_decoder(cfg, epoch), skips=skips),
+    ]
+    return stages, skips, where
+
+
 def train_loader(
     manifest: Manifest, cfg: TrainConfig, world: World, plan: EpochPlan, *, epoch: int, position: Position | None = None
 ) -> EpochLoader:
     """This rank's training batches for `epoch` as `plan` deals them; after `position`, only
     what the epoch has not yet delivered (exact mode) or a reseeded stream (resample)."""
     rank, exact = world.rank, plan.mode.exact
-    consumed, reseed = already_done(position, epoch)
-    source = bind(
-        shard_urls, plan, manifest.shards("train"), manifest, rank=rank, seed=cfg.seed, epoch=epoch, reseed=reseed
-    )
-    skips, where = Skips(read_policy(cfg, skip_unreadable=not exact)), Whereabouts()
-    stages = [
-        *_read_stages(source, manifest, "train", cfg, skips, where),
-        bind(unconsumed, consumed=consumed),
-        bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
-        bind(decoded, decode=train_decoder(cfg, epoch), skips=skips),
-    ]
+    stages, skips, where = train_stages(manifest, cfg, rank, plan, epoch=epoch, position=position)
     loader = _loader(stages, cfg, world, where, partial=exact, skips=skips)
     if not exact and cfg.cross_worker_shuffle_samples == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
@@ -187,10 +215,14 @@ def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[Sha
 
 def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
     """This rank's share of the validation split: every sample once across ranks, no padding."""
-    slots = split_slots(manifest, "val", world.world_size * loader_slots(cfg))
+    workers = loader_slots(cfg)
+    slots = split_slots(manifest, "val", world.world_size * workers)
+    mine = slots[world.rank * workers : (world.rank + 1) * workers]
+    urls = [[manifest.url(s) for s in slot] for slot in mine]
     skips, where = Skips(read_policy(cfg, skip_unreadable=False)), Whereabouts()
+    names = {s.name for slot in mine for s in slot}
     stages = [
-        *_read_stages(bind(slot_urls, slots, world.rank, manifest), manifest, "val", cfg, skips, where),
+        *_read_stages(bind(worker_urls, urls, world.rank), manifest, "val", cfg, skips, where, names),
         bind(decoded, decode=val_decoder(cfg), skips=skips),
     ]
     return _loader(stages, cfg, world, where, partial=True)

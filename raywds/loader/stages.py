@@ -177,22 +177,26 @@ def shard_urls(
         yield {"url": manifest.url(shard)}
 
 
-def slot_urls(slots: list[list[ShardInfo]], rank: int, manifest: Manifest) -> Iterator[dict[str, str]]:
-    """The shards dealt to this rank's current DataLoader worker (slot rank x workers + worker)."""
+def worker_urls(urls: list[list[str]], rank: int) -> Iterator[dict[str, str]]:
+    """The shard URLs of this rank's current DataLoader worker: `urls` holds the rank's slots
+    only (one list per worker), so no worker is handed the whole plan."""
     worker, num_workers = _worker()
-    index = rank * num_workers + worker
-    if index >= len(slots):
+    if worker >= len(urls):
         raise ConfigError(
-            f"slot {index} (rank {rank}, worker {worker} of {num_workers}) is not among the {len(slots)} dealt"
+            f"rank {rank}, worker {worker} of {num_workers}: only {len(urls)} slots were dealt to the rank"
         )
-    for shard in slots[index]:
-        yield {"url": manifest.url(shard)}
+    for url in urls[worker]:
+        yield {"url": url}
 
 
-def unconsumed(samples: Iterable[dict[str, Any]], consumed: np.ndarray | None) -> Iterator[dict[str, Any]]:
-    """Drop the samples an interrupted epoch already trained on."""
+def unconsumed(
+    samples: Iterable[dict[str, Any]], left_out: dict[str, tuple[int, np.ndarray]]
+) -> Iterator[dict[str, Any]]:
+    """Drop the samples an interrupted epoch already trained on: `left_out` holds, by shard URL,
+    the shard's first id and a flag per sample, for the shards it partly trained on."""
     for sample in samples:
-        if consumed is None or not consumed[sample["__id__"]]:
+        done = left_out.get(sample["__url__"])
+        if done is None or not done[1][sample["__id__"] - done[0]]:
             yield sample
 
 

@@ -6,7 +6,6 @@ training does. How a plan is made depends on the mode (raywds.plan.modes).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -78,8 +77,13 @@ class Done:
 
 
 def remaining(shards: list[ShardInfo], consumed_per_shard: tuple[int, ...]) -> list[ShardInfo]:
-    """The shards with `num_samples` reduced to what an interrupted epoch has not yet delivered."""
-    return [dataclasses.replace(s, num_samples=s.num_samples - done) for s, done in zip(shards, consumed_per_shard)]
+    """The shards an interrupted epoch has not finished, each with `num_samples` reduced to what
+    it has not yet delivered."""
+    return [
+        s if not done else ShardInfo(s.name, s.num_samples - done, s.num_bytes, s.sha256)
+        for s, done in zip(shards, consumed_per_shard)
+        if done < s.num_samples
+    ]
 
 
 @dataclass(frozen=True)

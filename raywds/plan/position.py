@@ -9,7 +9,7 @@ workers prefetched, or that sat in a shuffle buffer, are not counted as seen.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class Position:
-    """A point inside an epoch that training can resume from."""
+    """A point inside an epoch that training can resume from. Its size does not grow with the
+    samples: a count per training shard, and a flag per sample only for the shards in flight."""
 
     mode: Mode
     epoch: int
@@ -33,52 +34,61 @@ class Position:
     """Steps every rank has taken in this epoch."""
     samples_done: int
     """Samples the whole job has trained on in this epoch."""
-    consumed: np.ndarray | None
-    """split mode: one bool per sample of the split, True when this epoch delivered it."""
+    shards_done: np.ndarray | None
+    """split mode: the samples of each training shard (manifest order) this epoch delivered."""
+    partial: dict[int, np.ndarray] = field(default_factory=dict)
+    """split mode: for each shard (its index in manifest order) partly delivered, a bool per sample."""
     dataset: str
     """The training split's fingerprint; resuming on other shards is refused."""
 
-    def consumed_per_shard(self, shards: list[ShardInfo]) -> list[int]:
-        """Samples of each of the training split's `shards` (in manifest order) delivered so far."""
-        assert self.consumed is not None
-        counts, start = [], 0
-        for shard in shards:
-            counts.append(int(self.consumed[start : start + shard.num_samples].sum()))
-            start += shard.num_samples
-        return counts
+    @classmethod
+    def of_flags(cls, consumed: np.ndarray | None, shards: list[ShardInfo], **fields: Any) -> Position:
+        """A position from one flag per sample of the split (`consumed`; None in resample mode)."""
+        if consumed is None:
+            return cls(shards_done=None, **fields)
+        done, partial = per_shard(consumed, shards)
+        return cls(shards_done=done, partial=partial, **fields)
 
-    def done(self, shards: list[ShardInfo]) -> Done:
+    def done(self) -> Done:
         """What a plan needs of this position: the samples done, and in split mode per shard."""
-        per_shard = None if self.consumed is None else tuple(self.consumed_per_shard(shards))
-        return Done(self.samples_done, per_shard)
+        per = None if self.shards_done is None else tuple(int(n) for n in self.shards_done)
+        return Done(self.samples_done, per)
 
     def to_state(self) -> dict[str, Any]:
-        packed = None if self.consumed is None else np.packbits(self.consumed).tobytes()
-        num = None if self.consumed is None else len(self.consumed)
+        done = None if self.shards_done is None else self.shards_done.astype("<i8").tobytes()
         return {
             "mode": self.mode.name,
             "epoch": self.epoch,
             "step": self.step,
             "samples_done": self.samples_done,
-            "consumed": packed,
-            "num_samples": num,
+            "shards_done": done,
+            "partial": {i: (len(f), np.packbits(f).tobytes()) for i, f in self.partial.items()},
             "dataset": self.dataset,
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Position:
-        consumed = None
-        if state["consumed"] is not None:
-            bits = np.unpackbits(np.frombuffer(state["consumed"], dtype=np.uint8), count=state["num_samples"])
-            consumed = bits.astype(bool)
-        return cls(
-            mode=parse(state["mode"]),
-            epoch=state["epoch"],
-            step=state["step"],
-            samples_done=state["samples_done"],
-            consumed=consumed,
-            dataset=state["dataset"],
-        )
+    def from_state(cls, state: dict[str, Any], shards: list[ShardInfo]) -> Position:
+        """`shards`: the training split's, for a checkpoint written before per-shard positions
+        (one flag per sample of the split), which is converted."""
+        fields = {k: state[k] for k in ("epoch", "step", "samples_done", "dataset")}
+        fields["mode"] = parse(state["mode"])
+        if "consumed" in state:  # the older form
+            consumed = None
+            if state["consumed"] is not None:
+                bits = np.frombuffer(state["consumed"], dtype=np.uint8)
+                consumed = np.unpackbits(bits, count=state["num_samples"]).astype(bool)
+                if len(consumed) != sum(s.num_samples for s in shards):
+                    raise ConfigError(
+                        f"the checkpoint's position covers {len(consumed)} samples, the training shards have "
+                        f"{sum(s.num_samples for s in shards)}; resume with the same --data, or start a new run"
+                    )
+            return cls.of_flags(consumed, shards, **fields)
+        done = None if state["shards_done"] is None else np.frombuffer(state["shards_done"], dtype="<i8").copy()
+        partial = {
+            int(i): np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=n).astype(bool)
+            for i, (n, bits) in state["partial"].items()
+        }
+        return cls(shards_done=done, partial=partial, **fields)
 
     def check_compatible(self, manifest: Manifest, mode: Mode) -> None:
         if self.dataset != manifest.fingerprint("train"):
@@ -93,39 +103,78 @@ class Position:
             )
 
 
-def done_in(position: Position | None, epoch: int, manifest: Manifest) -> Done | None:
+def per_shard(consumed: np.ndarray, shards: list[ShardInfo]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """One flag per sample of the split -> the samples done per shard, and the flags of the
+    shards partly done."""
+    sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
+    ends = np.cumsum(sizes)
+    running = np.concatenate([[0], np.cumsum(consumed, dtype=np.int64)])
+    done = running[ends] - running[ends - sizes]
+    partial = {
+        int(i): consumed[ends[i] - sizes[i] : ends[i]].copy() for i in np.flatnonzero((done > 0) & (done < sizes))
+    }
+    return done, partial
+
+
+def done_in(position: Position | None, epoch: int) -> Done | None:
     """What `epoch` delivered before `position`, for its plan; None when the epoch starts fresh."""
     if position is None or position.epoch != epoch or position.samples_done == 0:
         return None
-    return position.done(manifest.shards("train"))
+    return position.done()
 
 
-def already_done(position: Position | None, epoch: int) -> tuple[np.ndarray | None, int]:
-    """What `epoch` delivered before `position`, for a loader to leave out: (split mode's
-    consumed flags or None, the job's samples done, which reseeds resample's draws); (None, 0)
-    when the epoch starts fresh."""
+def already_done(
+    position: Position | None, epoch: int, shards: list[ShardInfo], wanted: set[str] | None = None
+) -> tuple[dict[str, np.ndarray], int]:
+    """What `epoch` delivered before `position`, for a loader to leave out: the flags of the
+    shards partly done, by shard name (only those named in `wanted`, when given), and the job's
+    samples done, which reseeds resample's draws; ({}, 0) when the epoch starts fresh."""
     if position is None or position.epoch != epoch:
-        return None, 0
-    return position.consumed, position.samples_done
+        return {}, 0
+    left_out = {
+        shards[i].name: flags for i, flags in position.partial.items() if wanted is None or shards[i].name in wanted
+    }
+    return left_out, position.samples_done
 
 
-def shard_entries(manifest: Manifest) -> dict[str, list[list[Any]]]:
-    """Every split's shards as [name, samples, sha256], for a checkpoint to compare at resume."""
-    return {split: [[s.name, s.num_samples, s.sha256] for s in shards] for split, shards in manifest.splits.items()}
+LISTED = 20_000
+"""Splits of up to this many shards are listed in each checkpoint, so that a resume on changed
+data names the shard that changed; larger ones are kept as their fingerprint alone."""
 
 
-def check_same_shards(saved: dict[str, list[list[Any]]], manifest: Manifest) -> None:
+def shard_entries(manifest: Manifest) -> dict[str, Any]:
+    """Every split's shards as [name, samples, sha256] (or, past LISTED shards, the split's
+    fingerprint), for a checkpoint to compare at resume."""
+    return {
+        split: [[s.name, s.num_samples, s.sha256] for s in shards]
+        if len(shards) <= LISTED
+        else {"fingerprint": manifest.fingerprint(split), "shards": len(shards)}
+        for split, shards in manifest.splits.items()
+    }
+
+
+def check_same_shards(saved: dict[str, Any], manifest: Manifest) -> None:
     """Refuse to resume on a training split that changed since the checkpoint, naming what
     changed; a changed validation split only changes what top-1 means, so it is a warning."""
     now = shard_entries(manifest)
     for split in sorted(set(saved) | set(now)):
-        change = _first_change(saved.get(split, []), now.get(split, []))
+        before, after = saved.get(split, []), now.get(split, [])
+        if isinstance(before, list) and isinstance(after, list):
+            change = _first_change(before, after)
+        else:
+            change = None if before == after else f"fingerprint {_summary(before)}, now {_summary(after)}"
         if change is None:
             continue
         text = f"the {split} shards changed since the checkpoint: {change}"
         if split == "train":
             raise ConfigError(f"{text}; resume with the data the run started on, or start a new run")
         log.warning("%s; validation numbers before and after this resume are not comparable", text)
+
+
+def _summary(entries: Any) -> str:
+    if isinstance(entries, dict):
+        return f"{entries['fingerprint']} ({entries['shards']:,} shards)"
+    return f"of {len(entries):,} listed shards"
 
 
 def _first_change(before: list[list[Any]], after: list[list[Any]]) -> str | None:

@@ -105,7 +105,7 @@ def restore(
         check_same_shards(state["shards"], manifest)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    position = Position.from_state(state["position"]) if state.get("position") else None
+    position = Position.from_state(state["position"], manifest.shards("train")) if state.get("position") else None
     if position is not None:
         position.check_compatible(manifest, mode)
         if position.samples_done == 0:

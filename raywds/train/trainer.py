@@ -24,7 +24,7 @@ from raywds.plan.modes import epoch_plan, parse
 from raywds.plan.position import Position, done_in
 from raywds.train.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
-from raywds.train.ledger import Audit, Ledger, gathered, per_rank, sum_and_max
+from raywds.train.ledger import Audit, Ledger, gathered, per_rank, sum_and_max, tally
 from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import build_model
 from raywds.train.optim import lr_at, make_optimizer
@@ -59,6 +59,7 @@ class Trainer:
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
         self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at, s3_endpoint=cfg.s3_endpoint)
         self.num_samples = self.manifest.num_samples("train")
+        self.shard_sizes = np.array([s.num_samples for s in self.manifest.shards("train")], dtype=np.int64)
         self.compute = Compute.for_run(cfg, world.device)
         self.model = self.compute.model(build_model(cfg.model, len(self.manifest.classes)))
         self.wrapped: nn.Module = self.model
@@ -88,14 +89,12 @@ class Trainer:
         """Plan `index` (or what is left of it) and refuse a plan that would hang."""
         cfg, world = self.cfg, self.world
         position = self.progress.position if self.progress.position and self.progress.position.epoch == index else None
-        plan = epoch_plan(
-            self.manifest, cfg, world.world_size, epoch=index, done=done_in(position, index, self.manifest)
-        )
+        plan = epoch_plan(self.manifest, cfg, world.world_size, epoch=index, done=done_in(position, index))
         check_plan(plan, self.manifest)
         global_batch = world.world_size * cfg.batch_size_per_rank
         size = cfg.batches_per_epoch * global_batch if cfg.batches_per_epoch else self.num_samples
         bad_allowed = cfg.bad_samples_allowed(sum(plan.samples_per_rank))  # an exact epoch never skips
-        return Epoch(index, plan, position, self.progress, Ledger(self.num_samples), global_batch, size, bad_allowed)
+        return Epoch(index, plan, position, self.progress, Ledger(self.shard_sizes), global_batch, size, bad_allowed)
 
     def run_epoch(self, index: int) -> bool:
         """Train epoch `index` (or what is left of it), evaluate, report; True when max_steps stopped it."""
@@ -158,26 +157,20 @@ class Trainer:
             self.checkpoint_inside(epoch, step)
         return at_stop
 
-    def consumed(self, epoch: Epoch) -> np.ndarray:
-        """Times each sample was trained on this epoch, over all ranks and earlier runs."""
-        counts = epoch.ledger.total(self.world)
-        if epoch.position is not None and epoch.position.consumed is not None:
-            counts = counts + epoch.position.consumed
-        return counts
-
     def checkpoint_inside(self, epoch: Epoch, step: int) -> None:
         """Save the data position after in-epoch `step` of this run's part of the epoch."""
         done = epoch.done_before + step * epoch.global_batch  # resample: every batch is full
-        consumed = None
+        shards_done, partial = None, {}
         if epoch.plan.mode.exact:  # resample mode resumes from the counts alone: no gather needed
-            consumed = self.consumed(epoch) > 0
-            done = int(consumed.sum())
+            counted = tally(epoch.ledger, self.world, epoch.position, flags=True)
+            shards_done, partial, done = counted.shards_done, counted.partial, counted.distinct
         here = Position(
             mode=epoch.plan.mode,
             epoch=epoch.index,
             step=epoch.step_before + step,
             samples_done=done,
-            consumed=consumed,
+            shards_done=shards_done,
+            partial=partial,
             dataset=self.manifest.fingerprint("train"),
         )
         steps = epoch.start.steps + step
@@ -247,7 +240,7 @@ class Trainer:
         ranks = per_rank(
             world, [result.num_samples / max(result.seconds, 1e-9), result.data_wait_s / max(result.seconds, 1e-9)]
         )
-        counts = self.consumed(epoch)
+        counted = tally(epoch.ledger, world, epoch.position)
         return {
             "epoch": epoch.index + 1,
             "step": start.steps + epoch.plan.max_batches,
@@ -260,10 +253,10 @@ class Trainer:
             "bad_samples_distinct_total": start.bad_samples_distinct + len(distinct),
             "bad_shards": int(bad_shards),
             "read_retries": int(retries),
-            "epoch_samples": int(counts.sum()),
-            "epoch_distinct": int((counts > 0).sum()),
-            "epoch_duplicates": int(np.maximum(counts - 1, 0).sum()),
-            "epoch_missing": int((counts == 0).sum()),
+            "epoch_samples": counted.samples,
+            "epoch_distinct": counted.distinct,
+            "epoch_duplicates": counted.duplicates,
+            "epoch_missing": counted.missing,
             "images_per_s": num_samples / max(seconds, 1e-9),
             "images_per_s_per_rank": [round(r[0], 2) for r in ranks],
             "data_wait_per_rank": [round(r[1], 4) for r in ranks],

@@ -41,7 +41,7 @@ def run_epoch(
     """Every rank's batches of `epoch` from `loaders` (the plane unless given), checked against the plan's counts."""
     loaders = loaders if loaders is not None else raydata.RayData(raydata.Plane())
     manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
-    plan = epoch_plan(manifest, cfg, world_size, epoch=epoch, done=done_in(position, epoch, manifest))
+    plan = epoch_plan(manifest, cfg, world_size, epoch=epoch, done=done_in(position, epoch))
     ranks = []
     for rank in range(world_size):
         loader = loaders.train(
@@ -109,12 +109,13 @@ def test_a_resumed_split_epoch_gives_exactly_the_rest(uneven: Path, local_ray: N
     manifest = read_manifest(str(uneven))
     consumed = np.zeros(120, dtype=bool)
     consumed[np.random.default_rng(0).choice(120, size=50, replace=False)] = True
-    position = Position(
+    position = Position.of_flags(
+        consumed,
+        manifest.shards("train"),
         mode=epoch_plan(manifest, cfg, 2, epoch=0).mode,
         epoch=0,
         step=3,
         samples_done=50,
-        consumed=consumed,
         dataset=manifest.fingerprint("train"),
     )
     ranks = run_epoch(uneven, cfg, 3, 0, position)

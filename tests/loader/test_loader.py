@@ -37,7 +37,7 @@ def epoch(
 ) -> list[list[Batch]]:
     """Every rank's batches for epoch `n`, each rank built as training builds it."""
     manifest = read_manifest(str(shards))
-    plan = epoch_plan(manifest, cfg, world_size, epoch=n, done=done_in(position, n, manifest))
+    plan = epoch_plan(manifest, cfg, world_size, epoch=n, done=done_in(position, n))
     check_plan(plan, manifest)
     ranks = []
     for rank in range(world_size):
@@ -89,7 +89,7 @@ def test_resample_is_seeded_per_epoch_and_reseeded_on_resume(shards: Path) -> No
     assert stream(0) != stream(1)
     manifest = read_manifest(str(shards))
     resumed = Position(
-        mode=Resample(), epoch=0, step=3, samples_done=48, consumed=None, dataset=manifest.fingerprint("train")
+        mode=Resample(), epoch=0, step=3, samples_done=48, shards_done=None, dataset=manifest.fingerprint("train")
     )
     after = stream(0, resumed)
     assert len(after) == 8 * math.ceil((120 - 48) / 16), "a resumed epoch takes only the batches that were left"
@@ -167,8 +167,14 @@ def test_split_resume_trains_on_exactly_the_rest(uneven: Path, new_world_size: i
     cfg = config(uneven, mode="split", num_loader_workers_per_rank=2)
     done = np.zeros(120, dtype=bool)
     done[random.Random(1).sample(range(120), 47)] = True  # what an interrupted epoch delivered
-    position = Position(
-        mode=Split(), epoch=0, step=3, samples_done=47, consumed=done, dataset=manifest.fingerprint("train")
+    position = Position.of_flags(
+        done,
+        manifest.shards("train"),
+        mode=Split(),
+        epoch=0,
+        step=3,
+        samples_done=47,
+        dataset=manifest.fingerprint("train"),
     )
     rest = keys(epoch(uneven, cfg, new_world_size, 0, position))
     all_keys = tar_keys(uneven)

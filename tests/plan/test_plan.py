@@ -95,12 +95,12 @@ def test_a_resumed_split_plan_deals_only_what_is_left() -> None:
     shards = shards_of([10, 10, 10, 5])
     consumed = np.zeros(35, dtype=bool)
     consumed[[*range(0, 10), *range(10, 13), *range(30, 35)]] = True  # 10, 3, 0 and 5 samples of the four shards
-    done = Position(mode=Split(), epoch=0, step=2, samples_done=18, consumed=consumed, dataset="")
-    plan = Split().plan(shards, num_ranks=2, num_workers=2, batch_size=4, seed=0, epoch=0, done=done.done(shards))
+    done = Position.of_flags(consumed, shards, mode=Split(), epoch=0, step=2, samples_done=18, dataset="")
+    plan = Split().plan(shards, num_ranks=2, num_workers=2, batch_size=4, seed=0, epoch=0, done=done.done())
     assert sum(plan.samples_per_rank) == 17 and plan.num_samples == 35
     assert sorted(s.name for slot in plan.slots for s in slot) == ["s-0001.tar", "s-0002.tar"]
     assert refusals(check(plan, num_shards=4)) == [], "idle slots are fine at the end of a resumed epoch"
-    on_three = Split().plan(shards, num_ranks=3, num_workers=1, batch_size=4, seed=0, epoch=0, done=done.done(shards))
+    on_three = Split().plan(shards, num_ranks=3, num_workers=1, batch_size=4, seed=0, epoch=0, done=done.done())
     assert sorted(on_three.samples_per_rank) == [0, 7, 10]
     assert "1 of 3 ranks have no samples left in this epoch (2 shards are)" in [
         f.text.split(";")[0] for f in check(on_three, num_shards=4) if f.level == "warn"

@@ -374,8 +374,14 @@ def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: P
     left = range(sum(UNEVEN_SIZES[:3]), sum(UNEVEN_SIZES[:4]))  # only the 16 samples of shard 3 are left
     consumed = np.ones(120, dtype=bool)
     consumed[list(left)] = False
-    state["position"] = Position(
-        mode=Split(), epoch=0, step=13, samples_done=104, consumed=consumed, dataset=state["position"]["dataset"]
+    state["position"] = Position.of_flags(
+        consumed,
+        read_manifest(str(uneven)).shards("train"),
+        mode=Split(),
+        epoch=0,
+        step=13,
+        samples_done=104,
+        dataset=state["position"]["dataset"],
     ).to_state()
     torch.save(state, tmp_path / "nearly.pt")
     resumed = dataclasses.replace(

@@ -1,0 +1,183 @@
+"""Split epochs at the scale of LAION-400M on thousands of ranks, simulated on synthetic
+manifests: what a checkpoint all-reduces and keeps, what a loader worker is sent, how long a
+resume plan takes, and that an epoch stopped and resumed on other world sizes trains every
+sample exactly once through the loader's own stages. benchmarks/state_scale.py prints the
+same measures as a table."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import random
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from raywds.config import TrainConfig
+from raywds.data.manifest import Manifest, ShardInfo
+from raywds.loader.loader import train_stages
+from raywds.loader.stages import unconsumed, worker_shuffled
+from raywds.plan.epoch import EpochPlan
+from raywds.plan.position import Position, already_done
+from raywds.plan.split import Split
+from raywds.train.ledger import Ledger, _pack, tally
+from raywds.world import World
+
+WORKERS = 8
+
+
+@functools.cache
+def synthetic(count: int, size: int | None = None) -> Manifest:
+    """`count` shards of ~1,000 samples (or exactly `size`)."""
+    rng = random.Random(count)
+    shards = [
+        ShardInfo(f"shard-{i:06d}.tar", size or rng.randint(950, 1050), 150_000_000, "0" * 64) for i in range(count)
+    ]
+    classes = [str(c) for c in range(1000)]
+    return Manifest(base="https://shards.example/laion", classes=classes, splits={"train": shards}, raw={})
+
+
+def stopped(slots: list[list[ShardInfo]], sizes: np.ndarray, index: dict[str, int]) -> Position:
+    """Every slot has read its first shard whole and half of its second: a checkpoint mid-epoch."""
+    done = np.zeros(len(sizes), dtype=np.int64)
+    partial = {}
+    rng = np.random.default_rng(0)
+    for slot in slots:
+        for k, shard in enumerate(slot[:2]):
+            i = index[shard.name]
+            flags = np.ones(sizes[i], dtype=bool) if k == 0 else rng.random(sizes[i]) < 0.5
+            done[i] = int(flags.sum())
+            if k:
+                partial[i] = flags
+    return Position(
+        mode=Split(), epoch=0, step=1, samples_done=int(done.sum()), shards_done=done, partial=partial, dataset=""
+    )
+
+
+def peak(work: Callable[[], object]) -> int:
+    """Peak bytes Python allocated while `work` ran (traced apart from any timing: tracing slows it)."""
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def measure(count: int, ranks: int, *, traced: bool = True) -> dict[str, float]:
+    """A rank's costs at `count` shards on `ranks` x WORKERS slots, resumed from `stopped`
+    (`traced`: also the peak memory of its plan and tally)."""
+    manifest = synthetic(count)
+    shards = manifest.shards("train")
+    sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
+    index = {s.name: i for i, s in enumerate(shards)}
+    cfg = TrainConfig(data=manifest.base, mode="split", num_loader_workers_per_rank=WORKERS, batch_size_per_rank=256)
+    position = stopped(Split().plan(shards, num_ranks=ranks, num_workers=WORKERS, batch_size=256).slots, sizes, index)
+    resume = {"num_ranks": ranks, "num_workers": WORKERS, "batch_size": 256, "done": position.done()}
+    started = time.perf_counter()
+    resumed = Split().plan(shards, **resume)  # type: ignore[arg-type]
+    plan_s = time.perf_counter() - started
+    plan_peak = peak(lambda: Split().plan(shards, **resume)) if traced else 0  # type: ignore[arg-type]
+    ledger = Ledger(sizes)  # rank 0 trains on the rest of its slots' shards, then checkpoints
+    starts = np.cumsum(sizes) - sizes
+    for w in range(WORKERS):
+        for shard in resumed.slot(0, w):
+            i = index[shard.name]
+            left = np.flatnonzero(~position.partial[i]) if i in position.partial else np.arange(sizes[i])
+            for batch in np.array_split(starts[i] + left, max(1, len(left) // 256)):
+                ledger.mark(torch.from_numpy(batch))
+    started = time.perf_counter()
+    counted = tally(ledger, World(), position, flags=True)
+    tally_s = time.perf_counter() - started
+    in_flight = {i: f for i, f in position.partial.items() if i in ledger.seen}
+    stages, *_ = train_stages(manifest, cfg, 0, resumed, epoch=0, position=position)
+    after = Position(
+        mode=Split(), epoch=0, step=2, samples_done=counted.distinct, shards_done=counted.shards_done,
+        partial=position.partial, dataset="",
+    )  # fmt: skip
+    return {
+        "samples": int(sizes.sum()),
+        "reduced": 3 * 4 * count,  # the tally's (shards x 3) int32 table
+        "gathered": ranks * len(_pack(in_flight)),
+        "state": len(pickle.dumps(after.to_state())),
+        "worker": len(pickle.dumps(stages)),
+        "plan_s": plan_s,
+        "plan_peak": plan_peak,
+        "tally_s": tally_s,
+        "tally_peak": peak(lambda: tally(ledger, World(), position, flags=True)) if traced else 0,
+    }
+
+
+def test_a_laion_sized_epoch_on_4096_ranks_keeps_its_state_small_and_plans_in_seconds() -> None:
+    small, big = measure(400_000, 512, traced=False), measure(400_000, 4096)
+    assert big["samples"] > 399_000_000
+    assert big["reduced"] <= 8e6 and big["gathered"] <= 8e6, big
+    assert big["state"] <= 16e6, big
+    assert big["worker"] <= 1e6 and small["worker"] <= 1e6, (small, big)
+    assert big["plan_peak"] <= 64e6 and big["tally_peak"] <= 64e6, big
+    assert big["plan_s"] < 2 * small["plan_s"] + 0.5, (small["plan_s"], big["plan_s"])  # a ratio: no machine flakes
+
+
+def stream(plan: EpochPlan, shards: list[ShardInfo], position: Position | None, rank: int) -> Iterator[np.ndarray]:
+    """Rank `rank`'s batches of sample ids as its loader gives them: each worker's shards in the
+    plan's order, less what the position holds done (`unconsumed`), through the worker's shuffle,
+    in batches; the DataLoader takes the workers' batches in turn."""
+    sizes = [s.num_samples for s in shards]
+    first = dict(zip((s.name for s in shards), (np.cumsum(sizes) - sizes).tolist()))
+    whole = dict(zip((s.name for s in shards), sizes))  # a plan's shards count only what is left
+    flags, _ = already_done(position, 0, shards)
+    left_out = {name: (first[name], f) for name, f in flags.items()}
+    workers = []
+    for w in range(plan.num_workers):
+        names = [s.name for s in plan.slot(rank, w)]
+        samples = ({"__url__": n, "__id__": first[n] + k} for n in names for k in range(whole[n]))
+        kept = worker_shuffled(unconsumed(samples, left_out), buffer=40, seed=1, epoch=0, rank=rank)
+        workers.append(_batches((x["__id__"] for x in kept), plan.batch_size))
+    while workers:
+        for it in list(workers):
+            b = next(it, None)
+            if b is None:
+                workers.remove(it)
+            else:
+                yield b
+
+
+def _batches(ids: Iterator[int], size: int) -> Iterator[np.ndarray]:
+    chunk: list[int] = []
+    for i in ids:
+        chunk.append(i)
+        if len(chunk) == size:
+            yield np.array(chunk)
+            chunk = []
+    if chunk:
+        yield np.array(chunk)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_an_epoch_stopped_and_resumed_on_other_worlds_trains_every_sample_once(seed: int) -> None:
+    """2,000 shards x 50 samples on 64 x 8 slots, stopped at a seeded step, resumed on 48 x 4,
+    stopped again, finished on 96 x 8: every sample once, counted by the ranks' ledgers."""
+    shards = synthetic(2000, size=50).shards("train")
+    sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
+    rng, position, batch = random.Random(seed), None, 16
+    for ranks, workers, last in ((64, 8, False), (48, 4, False), (96, 8, True)):
+        done = position.done() if position is not None else None
+        plan = Split().plan(shards, num_ranks=ranks, num_workers=workers, batch_size=batch, seed=seed, done=done)
+        stop = None if last else rng.randint(1, plan.min_batches)
+        ledger = Ledger(sizes)  # one for all ranks: their tally sums them
+        for rank in range(ranks):
+            for step, ids in enumerate(stream(plan, shards, position, rank)):
+                if stop is not None and step >= stop:
+                    break
+                ledger.mark(torch.from_numpy(ids))
+        counted = tally(ledger, World(), position, flags=True)
+        assert counted.duplicates == 0, (ranks, counted.duplicates)
+        position = Position(
+            mode=Split(), epoch=0, step=stop or 0, samples_done=counted.distinct,
+            shards_done=counted.shards_done, partial=counted.partial, dataset="",
+        )  # fmt: skip
+    assert (counted.distinct, counted.missing, counted.samples) == (100_000, 0, 100_000)
