@@ -35,7 +35,8 @@ class TrainConfig:
     """Shards: a directory or manifest.json path, or an http(s) URL of the directory a shard server serves."""
     shards_at: str | None = None
     """Where the shards are when not beside the manifest: a folder, a base URL, or a template
-    with {} for the shard name, e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`."""
+    with {} for the shard name, e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`. Several base URLs,
+    comma-separated, share the shards between servers of the same folder (a shard always from one)."""
     num_epochs: int = field(default=3, metadata=flag("--epochs"))
     """Passes over the training split."""
     batch_size_per_rank: int = field(default=64, metadata=flag("--batch-size"))

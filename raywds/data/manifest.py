@@ -85,7 +85,12 @@ def is_url(location: str) -> bool:
 
 def shard_url(base: str, name: str) -> str:
     """The address of shard `name` under `base`: a directory, an http(s) URL, or a template in
-    which `{}` stands for the name (e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`)."""
+    which `{}` stands for the name (e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`). An http(s)
+    or s3 `base` may list several places that hold the same shards, comma-separated: each
+    shard is always read from the same one (by a hash of its name), so they share the load."""
+    if "," in base and is_url(base):
+        servers = [b.strip() for b in base.split(",") if b.strip()]
+        base = servers[int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "big") % len(servers)]
     if "{}" in base:
         return base.replace("{}", name)
     if is_url(base):

@@ -16,6 +16,10 @@ from raywds.errors import ServerError
 from raywds.serve.backend import Running, Spec, run_dir
 from raywds.serve.net import hostport
 
+CONNECTIONS = 8192
+"""Connections each nginx worker process takes (one worker per core): 8 of them take the 32,768
+streams of 4,096 ranks x 8 loader workers, about 3.5 MB each. Was 1,024, with 2 workers."""
+
 
 def nginx_conf(*, root: str, listen: str, run_dir: str, as_root: bool, error_log: str) -> str:
     """One config for the local binary and the Docker image: foreground, no directory listing,
@@ -29,11 +33,14 @@ def nginx_conf(*, root: str, listen: str, run_dir: str, as_root: bool, error_log
     # Workers read the shards as the user who started the server (root included): the shard
     # directory is often private to that user, e.g. under pytest's tmp_path.
     user = "user root root;\n" if as_root else ""
+    # Sized for thousands of ranks' loader workers streaming at once (R x W connections): a worker
+    # process per core, each taking up to CONNECTIONS, each holding a socket and a shard open.
     return f"""{user}daemon off;
-worker_processes 2;
+worker_processes auto;
+worker_rlimit_nofile {2 * CONNECTIONS + 64};
 pid {run_dir}/nginx.pid;
 error_log {error_log} warn;
-events {{ worker_connections 1024; }}
+events {{ worker_connections {CONNECTIONS}; multi_accept on; }}
 http {{
     access_log off;
 {temp}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import os
+import re
 import shutil
 import signal
 import socket
@@ -249,3 +250,23 @@ def test_shards_elsewhere_through_a_pipe_template(shards: Path, tmp_path: Path) 
     hashed = dataclasses.replace(c, verify_hashes=True)  # a pipe: stream has no readinto
     assert Counter(k for b in val_loader(manifest, hashed, World()) for k in b.keys) == Counter(tar_keys(shards, "val"))
     assert trained == Counter(tar_keys(shards))
+
+
+def test_shards_at_two_servers_share_the_shards_and_read_every_sample(shards: Path, tmp_path: Path) -> None:
+    """`--shards-at` naming two servers of the same folder: each shard always from the same one,
+    both used, every sample read; with one server gone, its shards fail naming it."""
+    (tmp_path / "manifest.json").write_bytes((shards / "manifest.json").read_bytes())
+    with ShardServer(shards, backend="embedded", host="127.0.0.1") as one:
+        with ShardServer(shards, backend="embedded", host="127.0.0.1") as two:
+            manifest = read_manifest(str(tmp_path), shards_at=f"{one.url}, {two.url}/")
+            urls = [manifest.url(s) for s in manifest.shards("train")]
+            assert urls == [manifest.url(s) for s in manifest.shards("train")], "the same server each time"
+            assert {u.rsplit("/", 1)[0] for u in urls} == {one.url, two.url}, urls
+            c = cfg(str(tmp_path), shards_at=f"{one.url},{two.url}", mode="split")
+            plan = epoch_plan(manifest, c, 1, epoch=0)
+            trained = Counter(k for b in train_loader(manifest, c, World(), plan, epoch=0) for k in b.keys)
+            assert trained == Counter(tar_keys(shards))
+        gone = next(u for u in urls if u.startswith(two.url))
+        quick = dataclasses.replace(c, read_retries=0, read_timeout_s=2)
+        with pytest.raises(ShardError, match=re.escape(gone)):
+            list(train_loader(manifest, quick, World(), plan, epoch=0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -193,6 +194,38 @@ def test_32_clients_stream_every_shard_and_every_byte_checks_out(server: ShardSe
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and bad == []
     assert fetch(f"{server.url}/manifest.json")[0] == 200, "the server is still up"
+
+
+@pytest.fixture(params=["docker", "nginx"])
+def nginx_server(request: pytest.FixtureRequest, shards: Path) -> Iterator[ShardServer]:
+    yield from serve(request, shards)
+
+
+def test_nginx_keeps_3000_streams_open_at_once(nginx_server: ShardServer, shards: Path) -> None:
+    """Thousands of ranks' loader workers each hold a connection: 3,000 open at once, each in
+    the middle of its request (which nginx cannot close to make room, as it may an idle one),
+    then each answered. nginx's old 2 x 1,024 connections left the rest waiting to connect."""
+    streams = 3000
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if min(hard, 8192) < streams + 200:
+        pytest.skip(f"this process may open only {hard} files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    name = read_manifest(str(shards)).shards("train")[0].name
+    host, port = nginx_server.url.removeprefix("http://").rsplit(":", 1)
+    opened: list[socket.socket] = []
+    try:
+        for _ in range(streams):  # a connection nginx cannot take waits in the listen queue, then times out
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            opened.append(sock)
+            sock.sendall(f"GET /{name} HTTP/1.1\r\nHost: {host}\r\nRange: bytes=0-511\r\n".encode())
+        for sock in opened:
+            sock.sendall(b"\r\n")  # the request's end
+        answered = sum(1 for sock in opened if sock.recv(64).startswith(b"HTTP/1.1 206"))
+    finally:
+        for sock in opened:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert answered == streams, f"{streams - answered} of {streams} streams got no answer"
 
 
 def folder_with_links(shards: Path, root: Path, links: dict[str, str]) -> Path:
