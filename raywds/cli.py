@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("shards", help="shard folder (with manifest.json), or s3://BUCKET/PREFIX")
     p.add_argument("--s3-endpoint", help="with s3:// shards: the store's URL (default AWS_ENDPOINT_URL, else AWS)")
 
+    p = sub.add_parser("audit", help="check a run's --audit-dir: every sample trained on once per epoch")
+    p.add_argument("audit_dir", type=Path, help="the run's --audit-dir")
+    p.add_argument("--data", required=True, help="the run's --data (its manifest numbers the samples)")
+    p.add_argument("--epochs", type=int, help="check the first N epochs (default: every epoch the files hold)")
+    p.add_argument("--s3-endpoint", help="with s3:// data: the store's URL (default AWS_ENDPOINT_URL, else AWS)")
+
     p = sub.add_parser("shardsum", help="shard names (arguments or stdin) in brace notation")
     p.add_argument("names", nargs="*", help="shard names; read from stdin when none are given")
 

@@ -30,14 +30,11 @@ def _config(args: argparse.Namespace, data: str) -> Any:
 def _served(root: Any, args: argparse.Namespace, host: str, advertise: str | None) -> Iterator[str]:
     from raywds.serve import ShardServer
 
-    with ShardServer(
-        root, backend=args.server_backend, host=host, advertise=advertise
-    ) as server:  # workers read it over HTTP
+    with ShardServer(root, backend=args.server_backend, host=host, advertise=advertise) as server:  # over HTTP
         for line in server.skipped:
             print(f"raywds: skipped {line}", flush=True)
-        print(
-            f"raywds: serving {server.root if not args.demo else root} at {server.url} ({server.backend})", flush=True
-        )
+        shown = server.root if not args.demo else root
+        print(f"raywds: serving {shown} at {server.url} ({server.backend})", flush=True)
         yield server.url
 
 
@@ -118,6 +115,18 @@ def cmd_verify(args: argparse.Namespace) -> None:
     if problems:
         raise RaywdsError(f"{len(problems)} problems in {count} shards of {args.shards}:\n" + "\n".join(problems))
     print(f"raywds: {count} shards in {args.shards} match the manifest")
+
+
+def cmd_audit(args: argparse.Namespace) -> None:
+    from raywds.data.manifest import read_manifest
+    from raywds.train.audit import audit
+
+    checks = audit(args.audit_dir, read_manifest(args.data, s3_endpoint=args.s3_endpoint), args.epochs)
+    print("\n".join(c.line for c in checks))
+    failed = [str(c.epoch) for c in checks if c.first_problem]
+    if failed:
+        raise RaywdsError(f"epochs {', '.join(failed)} of {len(checks)} did not train every sample exactly once")
+    print(f"raywds: {len(checks)} epochs in {args.audit_dir}: every sample exactly once in each")
 
 
 def cmd_shardsum(args: argparse.Namespace) -> None:
@@ -281,6 +290,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "convert": cmd_convert,
     "verify": cmd_verify,
+    "audit": cmd_audit,
     "shardsum": cmd_shardsum,
     "serve": cmd_serve,
     "plan": cmd_plan,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import raycluster
 import s3server
@@ -163,6 +165,13 @@ def tar_keys(shards: Path, split: str = "train") -> list[str]:
         with tarfile.open(shards / shard["name"]) as tar:
             keys += list(dict.fromkeys(m.name.split(".", 1)[0] for m in tar.getmembers()))  # tar order
     return keys
+
+
+def audited(files: Iterable[Path], shards: Path) -> Counter:
+    """The keys of the samples in audit files (raywds.train.audit: int64 ids numbered through the
+    training split in manifest order), named by the tars' own keys (`tar_keys`)."""
+    keys = tar_keys(shards)
+    return Counter(keys[i] for f in files for i in np.fromfile(f, dtype="<i8").tolist())
 
 
 def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:

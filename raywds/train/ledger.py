@@ -1,5 +1,5 @@
 """Collectives over the job's ranks: the ledger of samples trained on and its tally, sums,
-per-rank tables and gathered rows of strings or bytes.
+per-rank tables, gathered rows of strings or bytes, and the attempt's id.
 Each is a collective where the job is distributed: every rank must call it at the same point.
 
 Every batch carries its samples' ids (shard offset in manifest order + place in the shard).
@@ -10,10 +10,8 @@ workers prefetched, or that sat in a shuffle buffer, are not counted as seen.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -193,33 +191,3 @@ def attempt_id(world: World) -> int:
     if world.distributed:
         dist.broadcast(t, 0)
     return int(t.item())
-
-
-class Audit:
-    """With `audit_dir`: the key of every sample trained on, in files named by epoch, rank, attempt
-    and segment: `epoch0000-rank00001-from0000012-attempt1763900000000-at0000017-pid42.keys` holds
-    what rank 1 trained in epoch 1 from global step 17 on, in the attempt that started from the
-    checkpoint at step 12 (at that time). Each checkpoint starts a segment: of an attempt, the
-    segments that begin before the next attempt's `from` are what that checkpoint holds; the
-    others were redone."""
-
-    def __init__(self, audit_dir: str | None, world: World, start_step: int = 0):
-        self.dir = Path(audit_dir) if audit_dir else None
-        self.rank = world.rank
-        self.start = self.at = start_step
-        self.attempt = attempt_id(world) if self.dir is not None else 0
-        if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-
-    def segment(self, step: int) -> None:
-        """A checkpoint after global step `step`: later keys go to a new file."""
-        self.at = step
-
-    def write(self, epoch: int, keys: list[str]) -> None:
-        if self.dir is not None:
-            name = (
-                f"epoch{epoch:04d}-rank{self.rank:05d}-from{self.start:07d}-attempt{self.attempt}"
-                f"-at{self.at:07d}-pid{os.getpid()}.keys"
-            )
-            with (self.dir / name).open("a") as f:
-                f.write("".join(k + "\n" for k in keys))

@@ -22,9 +22,10 @@ from raywds.loader.stages import Batch
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan, parse
 from raywds.plan.position import Position, done_in
+from raywds.train.audit import Audit
 from raywds.train.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
-from raywds.train.ledger import Audit, Ledger, gathered, per_rank, sum_and_max, tally
+from raywds.train.ledger import Ledger, gathered, per_rank, sum_and_max, tally
 from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import build_model
 from raywds.train.optim import lr_at, make_optimizer
@@ -113,7 +114,7 @@ class Trainer:
 
         def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
             epoch.ledger.mark(batch.ids)
-            self.audit.write(index, batch.keys)
+            self.audit.write(index, batch.ids)
             progress.update(step, so_far.seconds, so_far.num_samples, so_far.loss_sum, so_far.data_wait_s, lr(step - 1))
             if len(so_far.distinct_bad) > epoch.bad_allowed:  # this rank alone is past the job's bound
                 raise too_many_bad(so_far.distinct_bad, len(so_far.bad_samples), epoch.bad_allowed, cfg, "on this rank")

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import netnodes
 import pytest
-from conftest import tar_keys
+from conftest import audited, tar_keys
 from netnodes import HEAD_IP, RANK, RAYWDS, SUMMARY, WORKER_IP, TwoNodes, ranks, raywds_ray
 from raycluster import RAY, HeadNode
+
+from raywds.train.audit import NAME, kept
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,9 +32,6 @@ JOB = re.compile(
     r"|worker\.py:\d+ -- Using address \S+ set in the environment variable RAY_ADDRESS)|Running entrypoint for job )"
 )
 """What Ray adds to a job's log as it starts the job's driver."""
-AUDIT = re.compile(
-    r"epoch(?P<epoch>\d+)-rank(?P<rank>\d+)-from(?P<from>\d+)-attempt(?P<attempt>\d+)-at(?P<at>\d+)-pid\d+\.keys"
-)
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +41,9 @@ def two_node_cluster(user_cluster: HeadNode) -> Iterator[TwoNodes]:
         yield cluster
 
 
-def trained_once(audit: Path, epoch: int) -> Counter:
-    """The keys of `epoch` that the run's final line of checkpoints holds: of each attempt (the
-    audit files that share `from` and `attempt`, in that order), the segments that begin before
-    the next attempt's `from`; what an attempt trained after that checkpoint was redone."""
-    files = [(m, f) for f in audit.glob("*.keys") if (m := AUDIT.fullmatch(f.name))]
-    attempts = sorted({(int(m["from"]), int(m["attempt"])) for m, _ in files})
-    kept: Counter = Counter()
-    for m, f in files:
-        later = attempts[attempts.index((int(m["from"]), int(m["attempt"]))) + 1 :]
-        if int(m["epoch"]) == epoch and (not later or int(m["at"]) < later[0][0]):
-            kept.update(f.read_text().split())
-    return kept
+def trained_once(audit: Path, epoch: int, demo: Path) -> Counter:
+    """The keys of `epoch` that the run's final line of checkpoints holds (raywds.train.audit.kept)."""
+    return audited(kept(audit).get(epoch, []), demo)
 
 
 def controller_node(cluster: TwoNodes) -> str:
@@ -102,8 +92,8 @@ def test_the_demo_submitted_as_a_job_runs_a_rank_on_each_node_and_trains_every_s
     )
     match = SUMMARY.search(out.stdout)
     assert match and match.group(4) == "1200" and float(match.group(2)) > 0.5, out.stdout[-2000:]
-    assert trained_once(audit, 0) == Counter(tar_keys(demo)), "every sample once, none on two nodes"
-    assert {AUDIT.fullmatch(f.name)["rank"] for f in audit.glob("*.keys")} == {"00000", "00001"}  # type: ignore[index]
+    assert trained_once(audit, 0, demo) == Counter(tar_keys(demo)), "every sample once, none on two nodes"
+    assert {NAME.fullmatch(f.name)["rank"] for f in audit.glob("*.ids")} == {"00000", "00001"}  # type: ignore[index]
     assert (tmp_path / "ray" / "demo" / "metrics.jsonl").is_file()
     assert controller_node(two_node_cluster) == HEAD_IP, "Train's controller runs beside the driver, on the head"
     # Not even the INFO line Ray Train logs at every report, nor a traceback of any process
@@ -179,13 +169,18 @@ def split_run(demo: Path, tmp_path: Path, workers: str, *extra: str) -> list[str
 
 
 def assert_every_epoch_exact(audit: Path, demo: Path, epochs: int) -> None:
+    """Every sample once in each epoch by the tars' keys, and `raywds audit` agrees."""
     everything = Counter(tar_keys(demo))
     for epoch in range(epochs):
-        kept = trained_once(audit, epoch)
-        assert kept == everything, (
-            f"epoch {epoch + 1}: {sum((kept - everything).values())} repeated, "
-            f"{sum((everything - kept).values())} missing after the node loss"
+        trained = trained_once(audit, epoch, demo)
+        assert trained == everything, (
+            f"epoch {epoch + 1}: {sum((trained - everything).values())} repeated, "
+            f"{sum((everything - trained).values())} missing after the node loss"
         )
+    out = subprocess.run(
+        [RAYWDS, "audit", str(audit), "--data", str(demo), "--epochs", str(epochs)], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and f"{epochs} epochs in {audit}: every sample exactly once" in out.stdout, out
 
 
 def test_a_lost_node_with_a_fixed_worker_count_restarts_when_it_returns(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import assert_charts_hold, small_config, tar_keys
+from conftest import assert_charts_hold, audited, small_config, tar_keys
 
 from raywds.cli import worker_count
 from raywds.config import TrainConfig
@@ -120,8 +120,8 @@ def split_config(data: Path, audit: Path, **overrides: object) -> TrainConfig:
     )
 
 
-def audited(audit: Path, epoch: int) -> Counter:
-    return Counter(k for f in sorted(audit.glob(f"epoch{epoch:04d}-*.keys")) for k in f.read_text().split())
+def epoch_keys(audit: Path, epoch: int, data: Path) -> Counter:
+    return audited(audit.glob(f"epoch{epoch:04d}-*.ids"), data)
 
 
 def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(
@@ -163,7 +163,7 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_p
     cfg = split_config(uneven, audit, num_epochs=2, max_steps=3)
     first = ray_train.run(cfg, storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}")
     assert first.metrics["inside_epoch"] and first.metrics["step"] == 3 and first.checkpoint is not None
-    assert sum(audited(audit, 0).values()) == 2 * 3 * 8
+    assert sum(epoch_keys(audit, 0, uneven).values()) == 2 * 3 * 8
 
     second = ray_train.run(
         dataclasses.replace(cfg, max_steps=None, resume_from=first.checkpoint),
@@ -171,10 +171,10 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_p
         name=f"resume-{uuid.uuid4().hex[:8]}",
     )
     everything = Counter(tar_keys(uneven))
-    assert audited(audit, 0) == everything, "epoch 1 over both runs: every key once"
+    assert epoch_keys(audit, 0, uneven) == everything, "epoch 1 over both runs: every key once"
     # Epoch 2, whole: 9 shards of 1..30 samples dealt to 2 ranks, different batch counts per rank, under Join
-    assert audited(audit, 1) == everything
-    assert len(list(audit.glob("epoch0001-*.keys"))) == 2, "both ranks trained"
+    assert epoch_keys(audit, 1, uneven) == everything
+    assert len(list(audit.glob("epoch0001-*.ids"))) == 2, "both ranks trained"
     assert second.metrics["epoch_samples"] == second.metrics["train_samples"] == 120
     assert second.metrics["epoch_duplicates"] == second.metrics["epoch_missing"] == 0
     assert second.metrics["epoch"] == 2 and second.metrics["samples_seen"] == 240
@@ -196,7 +196,7 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(shards: Path, tmp
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not killed:
             # Epoch 3 began, so Ray has registered epoch 1's checkpoint at least (epoch 2's may be in flight).
-            for f in audit.glob("epoch0002-rank00001-*.keys"):
+            for f in audit.glob("epoch0002-rank00001-*.ids"):
                 pid = int(f.name.rsplit("-pid", 1)[1].split(".")[0])
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -214,7 +214,7 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(shards: Path, tmp
     )
     killer.join(timeout=5)
     assert killed, "the test never saw epoch 3 start"
-    replacement = {f.name.rsplit("-pid", 1)[1] for f in audit.glob("*-rank00001-*.keys")} - {f"{killed[0]}.keys"}
+    replacement = {f.name.rsplit("-pid", 1)[1] for f in audit.glob("*-rank00001-*.ids")} - {f"{killed[0]}.ids"}
     assert len(replacement) == 1, "rank 1 ran in two processes: the killed one and its replacement"
     first = min(f.name for f in audit.glob(f"*-rank00001-*-pid{replacement.pop()}"))
     assert not first.startswith("epoch0000"), f"the replacement resumed from a checkpoint, not from epoch 1: {first}"

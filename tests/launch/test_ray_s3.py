@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from raywds.data.upload import upload
-from tests.conftest import small_config, tar_keys
+from tests.conftest import audited, small_config, tar_keys
 from tests.raycluster import token_env, write_token
 from tests.s3server import S3Server
 
@@ -50,7 +50,7 @@ def kill_rank1_in(audit: Path, epoch: int, killed: list[int], deadline_s: float 
     registered an earlier epoch's checkpoint in the bucket (the next may be in flight)."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        for f in audit.glob(f"epoch{epoch:04d}-rank00001-*.keys"):
+        for f in audit.glob(f"epoch{epoch:04d}-rank00001-*.ids"):
             pid = pid_of(f)
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
@@ -81,13 +81,13 @@ def test_a_ray_run_in_a_bucket_survives_a_killed_worker_exactly_and_keeps_its_re
     assert f"results {s3.url('runs/r1')}" in run.stdout and f"checkpoint {s3.url('runs/r1/checkpoint_')}" in run.stdout
 
     everything = Counter(tar_keys(shards))
-    first = {pid_of(f) for f in audit.glob("epoch0000-*.keys")}
+    first = {pid_of(f) for f in audit.glob("epoch0000-*.ids")}
     assert killed[0] in first and len(first) == 2
     for epoch in range(3):  # each epoch as its last group of workers trained it: every sample once
-        files = sorted(audit.glob(f"epoch{epoch:04d}-*.keys"))
+        files = sorted(audit.glob(f"epoch{epoch:04d}-*.ids"))
         last = [f for f in files if pid_of(f) not in first] or files
-        assert Counter(k for f in last for k in f.read_text().split()) == everything, f"epoch {epoch + 1}"
-    restarted = sorted(f.name for f in audit.glob("*.keys") if pid_of(f) not in first)
+        assert audited(last, shards) == everything, f"epoch {epoch + 1}"
+    restarted = sorted(f.name for f in audit.glob("*.ids") if pid_of(f) not in first)
     assert restarted and not restarted[0].startswith("epoch0000"), f"the restart began at epoch 1: {restarted}"
 
     held = objects(s3, "runs/r1/")
@@ -132,9 +132,7 @@ def test_the_ray_data_plane_reads_a_split_epoch_from_a_bucket_exactly(
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "decoding on Ray Data tasks" in run.stdout
     assert "Traceback" not in run.stdout + run.stderr
-    assert Counter(k for f in audit.glob("epoch0000-*.keys") for k in f.read_text().split()) == Counter(
-        tar_keys(shards)
-    )
-    assert len(list(audit.glob("epoch0000-*.keys"))) == 2, "both ranks trained"
+    assert audited(audit.glob("epoch0000-*.ids"), shards) == Counter(tar_keys(shards))
+    assert len(list(audit.glob("epoch0000-*.ids"))) == 2, "both ranks trained"
     rows = [json.loads(line) for line in (tmp_path / "runs" / "plane" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows if "train_loss" in r] == [1] and rows[-1]["epoch_duplicates"] == 0

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import small_config, tar_keys
+from conftest import audited, small_config, tar_keys
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
@@ -135,9 +135,9 @@ def test_three_ray_train_workers_on_the_plane_train_every_sample_once(
     assert [m["epoch_samples"] for m in run.history] == [120, 120]
     assert all(m["epoch_duplicates"] == m["epoch_missing"] == 0 for m in run.history)
     for epoch in (0, 1):
-        files = sorted(audit.glob(f"epoch{epoch:04d}-*.keys"))
+        files = sorted(audit.glob(f"epoch{epoch:04d}-*.ids"))
         assert len({f.name.split("-")[1] for f in files}) == 3, "all three ranks trained"
-        assert Counter(k for f in files for k in f.read_text().split()) == Counter(tar_keys(uneven))
+        assert audited(files, uneven) == Counter(tar_keys(uneven))
     assert run.metrics["val_samples"] == 50
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import netnodes
 import pytest
-from conftest import tar_keys
+from conftest import audited, tar_keys
 from netnodes import HEAD_IP, WORKER_IP
 
 pytestmark = pytest.mark.multinode
@@ -68,7 +68,7 @@ def test_torchrun_on_two_machines_trains_a_split_epoch_exactly_once(
             process.wait()
     assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(out[-3000:] for out in outputs)
     everything = Counter(tar_keys(uneven))
-    audited = Counter(k for f in (tmp_path / "audit").glob("epoch0000-*.keys") for k in f.read_text().split())
-    assert audited == everything, "the two machines together trained every sample once"
-    assert {f.name.split("-")[1] for f in (tmp_path / "audit").glob("*.keys")} == {"rank00000", "rank00001"}
+    trained = audited((tmp_path / "audit").glob("epoch0000-*.ids"), uneven)
+    assert trained == everything, "the two machines together trained every sample once"
+    assert {f.name.split("-")[1] for f in (tmp_path / "audit").glob("*.ids")} == {"rank00000", "rank00001"}
     assert "samples seen 120" in "".join(outputs), "rank 0 counted the whole split"

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FORKSERVER_PRELOAD, UNEVEN_SIZES, small_config, tar_keys
+from conftest import FORKSERVER_PRELOAD, UNEVEN_SIZES, audited, small_config, tar_keys
 from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
@@ -136,9 +136,9 @@ def test_config_errors_name_the_value_and_fix() -> None:
     assert TrainConfig(data="x", batch_size_per_rank=64).peak_lr(world_size=8) == pytest.approx(0.2)
 
 
-def audited(audit: Path, epoch: int) -> Counter:
+def epoch_keys(audit: Path, epoch: int, data: Path) -> Counter:
     """Keys trained on in `epoch`, over every rank and process that wrote to `audit`."""
-    return Counter(k for f in sorted(audit.glob(f"epoch{epoch:04d}-*.keys")) for k in f.read_text().split())
+    return audited(audit.glob(f"epoch{epoch:04d}-*.ids"), data)
 
 
 def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(uneven: Path, tmp_path: Path) -> None:
@@ -149,15 +149,15 @@ def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(uneven: Path
     report = RunDir(out)
     stopped = train(cfg, World(), run_dir=report)
     assert stopped["inside_epoch"] and stopped["step"] == 5 and stopped["epoch_samples_done"] == 40
-    assert sum(audited(audit, 0).values()) == 40 and not audited(audit, 1)
+    assert sum(epoch_keys(audit, 0, uneven).values()) == 40 and not epoch_keys(audit, 1, uneven)
     state = torch.load(out / "checkpoint.pt", weights_only=False)
     assert state["position"]["step"] == 5 and state["epoch"] == 0
 
     resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
     final = train(resumed, World(), run_dir=RunDir(out, append=True))
     everything = Counter(tar_keys(uneven))
-    assert audited(audit, 0) == everything, "the two runs together saw epoch 1 exactly once"
-    assert audited(audit, 1) == everything
+    assert epoch_keys(audit, 0, uneven) == everything, "the two runs together saw epoch 1 exactly once"
+    assert epoch_keys(audit, 1, uneven) == everything
     assert final["epoch"] == 2 and final["samples_seen"] == 240 and final["epoch_duplicates"] == 0
     assert final["step"] == 30  # 15 batches of 8 in each epoch
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -257,7 +257,7 @@ def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(
     assert [m["step"] for m in rows if m.get("inside_epoch")] == [2, 4, 5, 6, 10, 12, 14]
     assert stopped["inside_epoch"] and stopped["epoch"] == 0 and stopped["step"] == 5
     if mode == "split":
-        assert audited(audit, 0) == audited(audit, 1) == Counter(tar_keys(uneven))
+        assert epoch_keys(audit, 0, uneven) == epoch_keys(audit, 1, uneven) == Counter(tar_keys(uneven))
         assert [m["epoch_samples"] for m in epochs] == [120, 120] and [m["epoch_duplicates"] for m in epochs] == [0, 0]
         assert [m["samples_seen"] for m in epochs] == [120, 240] and final["samples_seen"] == 240
     else:  # ceil(120 / 16) = 8 full batches of 8 on each rank, each epoch
@@ -304,13 +304,13 @@ def test_three_ranks_resuming_an_epoch_with_two_shards_left_finish_it_exactly(un
     )
     cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=1, shuffle_buffer_samples=1)
     train(cfg, World(), run_dir=RunDir(out))
-    first, before = audited(audit, 0), set(audit.iterdir())
+    first, before = epoch_keys(audit, 0, uneven), set(audit.iterdir())
     assert sum(first.values()) == 117 and max(first.values()) == 1
     resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
     args = (resumed, str(tmp_path / "store"), str(out), 3)
     mp.start_processes(_stop_rank, args=args, nprocs=3, start_method=RANKS_START)
-    assert audited(audit, 0) == Counter(tar_keys(uneven)), "every sample once over the stop and the resume"
-    later = [f for f in audit.glob("epoch0000-*.keys") if f not in before and f.read_text().split()]
+    assert epoch_keys(audit, 0, uneven) == Counter(tar_keys(uneven)), "every sample once over the stop and the resume"
+    later = [f for f in audit.glob("epoch0000-*.ids") if f not in before and f.stat().st_size]
     assert len({f.name.split("-")[1] for f in later}) == 2, "two shards were left for three ranks"
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
     assert results[0]["epoch_missing"] == 0 and results[0]["epoch_samples"] == 120
