@@ -7,11 +7,13 @@ same measures as a table."""
 from __future__ import annotations
 
 import functools
+import itertools
 import pickle
 import random
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +26,7 @@ from raywds.loader.stages import unconsumed, worker_shuffled
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position, already_done
 from raywds.plan.split import Split
+from raywds.train.audit import audit
 from raywds.train.ledger import Ledger, _pack, tally
 from raywds.world import World
 
@@ -158,26 +161,36 @@ def _batches(ids: Iterator[int], size: int) -> Iterator[np.ndarray]:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_an_epoch_stopped_and_resumed_on_other_worlds_trains_every_sample_once(seed: int) -> None:
+def test_an_epoch_stopped_and_resumed_on_other_worlds_trains_every_sample_once(seed: int, tmp_path: Path) -> None:
     """2,000 shards x 50 samples on 64 x 8 slots, stopped at a seeded step, resumed on 48 x 4,
-    stopped again, finished on 96 x 8: every sample once, counted by the ranks' ledgers."""
-    shards = synthetic(2000, size=50).shards("train")
+    stopped again, finished on 96 x 8: every sample once, counted by the ranks' ledgers. Each
+    rank also writes audit files as training does, with the two steps it took past each stop
+    (lost with it, redone by the next attempt) in a later segment: `raywds audit` agrees."""
+    manifest = synthetic(2000, size=50)
+    shards = manifest.shards("train")
     sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
-    rng, position, batch = random.Random(seed), None, 16
-    for ranks, workers, last in ((64, 8, False), (48, 4, False), (96, 8, True)):
+    rng, position, start = random.Random(seed), None, 0
+    for attempt, (ranks, workers, last) in enumerate(((64, 8, False), (48, 4, False), (96, 8, True))):
         done = position.done() if position is not None else None
-        plan = Split().plan(shards, num_ranks=ranks, num_workers=workers, batch_size=batch, seed=seed, done=done)
+        plan = Split().plan(shards, num_ranks=ranks, num_workers=workers, batch_size=16, seed=seed, done=done)
         stop = None if last else rng.randint(1, plan.min_batches)
         ledger = Ledger(sizes)  # one for all ranks: their tally sums them
         for rank in range(ranks):
-            for step, ids in enumerate(stream(plan, shards, position, rank)):
-                if stop is not None and step >= stop:
-                    break
-                ledger.mark(torch.from_numpy(ids))
+            for step, ids in enumerate(itertools.islice(stream(plan, shards, position, rank), stop and stop + 2)):
+                # past the stop: a segment the next attempt redoes
+                at = start if stop is None or step < stop else start + stop
+                name = f"epoch0000-rank{rank:05d}-from{start:07d}-attempt{attempt}-at{at:07d}-pid1.ids"
+                with (tmp_path / name).open("ab") as f:
+                    f.write(ids.astype("<i8").tobytes())
+                if stop is None or step < stop:
+                    ledger.mark(torch.from_numpy(ids))
         counted = tally(ledger, World(), position, flags=True)
         assert counted.duplicates == 0, (ranks, counted.duplicates)
+        start += stop or 0
         position = Position(
-            mode=Split(), epoch=0, step=stop or 0, samples_done=counted.distinct,
+            mode=Split(), epoch=0, step=start, samples_done=counted.distinct,
             shards_done=counted.shards_done, partial=counted.partial, dataset="",
         )  # fmt: skip
     assert (counted.distinct, counted.missing, counted.samples) == (100_000, 0, 100_000)
+    (check,) = audit(tmp_path, manifest)
+    assert (check.samples, check.first_problem) == (100_000, None)
