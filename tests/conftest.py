@@ -6,7 +6,6 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -226,35 +225,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.reverse()  # after everything else has ordered and selected
 
 
-FIRST = ("tests/deploy/test_image.py", "tests/launch/ nodes", "tests/launch/")
-"""The longest groups, started first so that no worker is left with one of them at the end: the
-image (its build waits mostly on the network and the disk), the two-node tests, the other Ray tests."""
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under pytest-xdist (`-n 2`, the default in pyproject.toml): the tests on
-    network namespaces (tests/launch/*node*.py: test_multinode's two-node cluster, the data plane's
-    and torchrun's) in one worker, one after another, as they share the link's addresses; the other
-    tests in tests/launch/ (one local Ray each worker, started once) in one worker; every other file
-    whole in whichever worker is free. FIRST go first, then the rest by number of tests (xdist's
-    order). (xdist's own `loadgroup` marks do not take under pytest 9: it renames node ids by a
-    field pytest no longer reads.)"""
+    """Under pytest-xdist (`-n 2`, the default in pyproject.toml): every test in tests/launch/ (those
+    that start Ray are all there) in one worker, one after another, as in one process; the other
+    files each whole in whichever worker is free, beside them. (xdist's own `loadgroup` marks do
+    not take under pytest 9: it renames node ids by a field pytest no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class SlowGroupsFirst(LoadScopeScheduling):
+    class RayInOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            if path.startswith("tests/launch/"):
-                return "tests/launch/ nodes" if "node" in Path(path).name else "tests/launch/"
-            return path
+            return "tests/launch/" if nodeid.startswith("tests/launch/") else nodeid.split("::", 1)[0]
 
-        def _assign_work_unit(self, node: Any) -> None:
-            for scope in reversed(FIRST):
-                if scope in self.workqueue:
-                    self.workqueue.move_to_end(scope, last=False)
-            super()._assign_work_unit(node)
-
-    return SlowGroupsFirst(config, log)
+    return RayInOneWorker(config, log)
 
 
 def home_ray_files() -> dict[str, tuple[int, int]] | None:
