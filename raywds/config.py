@@ -117,7 +117,7 @@ class TrainConfig:
     resume_from: str | None = field(default=None, metadata=flag("--resume"))
     """A checkpoint (file, or Ray checkpoint directory) to continue from: weights, optimizer and data position."""
     audit_dir: str | None = None
-    """Write the id of every sample trained on, per epoch, rank and segment, to files here; `raywds audit` checks them."""
+    """Write the id of every sample trained on, per epoch, rank and segment, here (`raywds audit` checks them)."""
 
     def __post_init__(self) -> None:
         if not self.data:
