@@ -11,6 +11,8 @@ validation: shards dealt in manifest order, no shuffle, no padding, partial last
 
 from __future__ import annotations
 
+import itertools
+import math
 import multiprocessing
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial as bind
@@ -29,7 +31,6 @@ from raywds.loader.stages import (
     collate,
     decoded,
     rebatched,
-    shard_urls,
     train_decoder,
     unconsumed,
     val_decoder,
@@ -41,6 +42,7 @@ from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.modes import loader_slots
 from raywds.plan.position import Position, already_done
+from raywds.plan.resample import PREFETCH
 from raywds.world import World
 
 
@@ -158,26 +160,38 @@ class EpochLoader:
         return self.plan.batches_per_rank[self.rank]
 
 
+def drawn(
+    plan: EpochPlan, shards: list[ShardInfo], cfg: TrainConfig, rank: int, *, epoch: int, reseed: int = 0
+) -> list[list[ShardInfo]]:
+    """resample: each of `rank`'s workers' shard draws for the epoch, made here: what a worker can
+    read (its share of the rank's batches, PREFETCH batches ahead, its shuffle buffer and the
+    cross-worker one), three times over for samples skipped, in shards of the fewest samples any
+    has. The same draws, in the same order, as the worker would make itself."""
+    per_worker = (math.ceil(plan.max_batches / plan.num_workers) + PREFETCH + 1) * plan.batch_size
+    samples = per_worker + cfg.shuffle_buffer_samples + cfg.cross_worker_shuffle_samples
+    count = 3 * math.ceil(samples / max(1, min(s.num_samples for s in shards))) + 8
+    draws = bind(plan.mode.shards_for, plan, shards, rank=rank, seed=cfg.seed, epoch=epoch, reseed=reseed)
+    return [list(itertools.islice(draws(worker=w), count)) for w in range(plan.num_workers)]
+
+
 def train_stages(
     manifest: Manifest, cfg: TrainConfig, rank: int, plan: EpochPlan, *, epoch: int, position: Position | None = None
 ) -> tuple[list[Any], Skips, Whereabouts]:
-    """The stages every loader worker of `rank` runs (each worker gets a copy): in split mode
-    only the rank's slots, the manifest's entries for their shards and the flags of those partly
-    trained on; resample draws from every shard, so its workers get the shard list."""
+    """The stages every loader worker of `rank` runs (each worker gets a copy): only the rank's
+    slots (split) or draws (resample), the manifest's entries for those shards and the flags of
+    those partly trained on; never the plan, the manifest or the position."""
     shards = manifest.shards("train")
-    source: Any
+    flags, reseed = already_done(position, epoch, shards)
     if plan.slots:
         mine = [plan.slot(rank, w) for w in range(plan.num_workers)]
-        names: set[str] | None = {s.name for slot in mine for s in slot}
-        source = bind(worker_urls, [[manifest.url(s) for s in slot] for slot in mine], rank)
     else:
-        names = None
-        source = bind(shard_urls, plan, shards, manifest, rank=rank, seed=cfg.seed, epoch=epoch)
-    flags, reseed = already_done(position, epoch, shards, names)
-    if reseed and not plan.slots:
-        source = bind(source, reseed=reseed)
+        mine = drawn(plan, shards, cfg, rank, epoch=epoch, reseed=reseed)
+    names = {s.name for slot in mine for s in slot}
+    source = bind(worker_urls, [[manifest.url(s) for s in slot] for slot in mine], rank)
     offsets = manifest.offsets("train") if flags else {}
-    left_out = {manifest.url(s): (offsets[s.name], flags[s.name]) for s in shards if s.name in flags}
+    left_out = {
+        manifest.url(s): (offsets[s.name], flags[s.name]) for s in shards if s.name in flags and s.name in names
+    }
     skips, where = Skips(read_policy(cfg, skip_unreadable=not plan.mode.exact)), Whereabouts()
     stages = [
         *_read_stages(source, manifest, "train", cfg, skips, where, names),

@@ -22,13 +22,11 @@ import webdataset as wds
 from torch.utils.data import get_worker_info
 
 from raywds.config import TrainConfig
-from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ConfigError, DataError
 from raywds.loader import crops, decode
 from raywds.loader.decode import Encoded
 from raywds.loader.readers import Failures, ReadPolicy
 from raywds.plan import seeds
-from raywds.plan.epoch import EpochPlan
 
 IMAGE_KEYS = ("jpg", "png", "webp", "jpeg")
 log = logging.getLogger(__name__)
@@ -168,18 +166,9 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def shard_urls(
-    plan: EpochPlan, shards: list[ShardInfo], manifest: Manifest, *, rank: int, seed: int, epoch: int, reseed: int = 0
-) -> Iterator[dict[str, str]]:
-    """The shards this DataLoader worker of `rank` reads, as the plan's mode gives them."""
-    worker, _ = _worker()
-    for shard in plan.mode.shards_for(plan, shards, rank=rank, worker=worker, seed=seed, epoch=epoch, reseed=reseed):
-        yield {"url": manifest.url(shard)}
-
-
 def worker_urls(urls: list[list[str]], rank: int) -> Iterator[dict[str, str]]:
-    """The shard URLs of this rank's current DataLoader worker: `urls` holds the rank's slots
-    only (one list per worker), so no worker is handed the whole plan."""
+    """The shard URLs of this rank's current DataLoader worker: `urls` holds one list per worker
+    of the rank (its slot, or its draws), so no worker is handed the plan or the shard list."""
     worker, num_workers = _worker()
     if worker >= len(urls):
         raise ConfigError(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from raywds.data.manifest import ShardInfo
+from raywds.errors import DataError
 from raywds.plan import seeds
 from raywds.plan.epoch import Done, EpochPlan, Finding, Mode
 
@@ -72,7 +73,15 @@ class Resample(Mode):
             yield rng.choice(shards)
 
     def epoch_batches(self, batches: Iterable[T], plan: EpochPlan, rank: int) -> Iterator[T]:
-        return itertools.islice(batches, plan.batches_per_rank[rank])
+        wanted, taken = plan.batches_per_rank[rank], 0
+        for batch in itertools.islice(batches, wanted):
+            taken += 1
+            yield batch
+        if taken < wanted:  # every rank takes `wanted`: one short would leave the others waiting
+            raise DataError(
+                f"rank {rank}: its loader workers' shard draws ran out after {taken} of {wanted} batches "
+                "(more samples were skipped than the draws leave room for)"
+            )
 
     def findings(self, plan: EpochPlan, *, num_shards: int) -> list[Finding]:
         drawn = sum(plan.samples_per_rank)

@@ -21,10 +21,12 @@ import torch
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo
-from raywds.loader.loader import train_stages
+from raywds.errors import DataError
+from raywds.loader.loader import drawn, train_stages
 from raywds.loader.stages import unconsumed, worker_shuffled
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position, already_done
+from raywds.plan.resample import Resample
 from raywds.plan.split import Split
 from raywds.train.audit import audit
 from raywds.train.ledger import Ledger, _pack, tally
@@ -113,6 +115,26 @@ def measure(count: int, ranks: int, *, traced: bool = True) -> dict[str, float]:
         "tally_s": tally_s,
         "tally_peak": peak(lambda: tally(ledger, World(), position, flags=True)) if traced else 0,
     }
+
+
+def test_a_resample_worker_is_sent_its_own_draws_only() -> None:
+    """At 400,000 shards a resample worker gets the draws it can read this epoch, not the list."""
+    manifest = synthetic(400_000)
+    cfg = TrainConfig(data=manifest.base, num_loader_workers_per_rank=WORKERS, batch_size_per_rank=256)
+    plan = Resample().plan(manifest.shards("train"), num_ranks=4096, num_workers=WORKERS, batch_size=256)
+    stages, *_ = train_stages(manifest, cfg, 4095, plan, epoch=0)
+    assert len(pickle.dumps(stages)) <= 1e6
+    mine = drawn(plan, manifest.shards("train"), cfg, 4095, epoch=0)
+    endless = Resample().shards_for(plan, manifest.shards("train"), rank=4095, worker=3, seed=cfg.seed, epoch=0)
+    assert mine[3] == list(itertools.islice(endless, len(mine[3]))), "the draws the worker would make itself"
+    per_worker = plan.max_batches * 256 / WORKERS
+    assert sum(s.num_samples for s in mine[3]) >= 3 * per_worker, "room for what a worker reads, three times"
+
+
+def test_a_resample_rank_whose_draws_run_out_stops_with_an_error_not_a_short_epoch() -> None:
+    plan = Resample().plan(synthetic(20).shards("train"), num_ranks=2, num_workers=1, batch_size=8)
+    with pytest.raises(DataError, match=r"rank 1: its loader workers' shard draws ran out after 3 of \d+ batches"):
+        list(plan.mode.epoch_batches(iter(range(3)), plan, 1))
 
 
 def test_a_laion_sized_epoch_on_4096_ranks_keeps_its_state_small_and_plans_in_seconds() -> None:
