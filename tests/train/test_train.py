@@ -263,7 +263,7 @@ def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(
     else:  # ceil(120 / 16) = 8 full batches of 8 on each rank, each epoch
         assert stopped["samples_seen"] == 5 * 16
         assert [m["samples_seen"] for m in epochs] == [128, 256] and final["samples_seen"] == 256
-        assert sum(audited(audit, 0).values()) == sum(audited(audit, 1).values()) == 128
+        assert sum(epoch_keys(audit, 0, uneven).values()) == sum(epoch_keys(audit, 1, uneven).values()) == 128
     assert [m["step"] for m in epochs] == [8, 16]
 
 
@@ -287,10 +287,10 @@ def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_p
         uneven, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=3, audit_dir=str(audit), out_dir=str(out)
     )
     mp.start_processes(_stop_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method=RANKS_START)
-    first = audited(audit, 0)
+    first = epoch_keys(audit, 0, uneven)
     assert sum(first.values()) == 2 * 3 * 8 and max(first.values()) == 1
     final = train(dataclasses.replace(cfg, max_steps=None, resume_from=str(out)), World())
-    assert audited(audit, 0) == Counter(tar_keys(uneven))
+    assert epoch_keys(audit, 0, uneven) == Counter(tar_keys(uneven))
     assert final["epoch_samples"] == 120 and final["epoch_missing"] == 0 and final["train_samples"] == 120 - 48
 
 
