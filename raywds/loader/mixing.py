@@ -17,6 +17,7 @@ import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
 
 Labels = Callable[[ShardInfo, int], list[int]]
+
+T = TypeVar("T")
 
 
 def _worker_stream(
@@ -60,7 +63,7 @@ def _worker_stream(
         yield collate(batch)
 
 
-def _round_robin(streams: list[Iterator[Batch]]) -> Iterator[Batch]:
+def round_robin(streams: list[Iterator[T]]) -> Iterator[T]:
     """The order in which a DataLoader hands over its workers' batches."""
     live = list(streams)
     while live:
@@ -97,7 +100,7 @@ def replay(
         streams.append(
             _worker_stream(source, offsets, labels, buffer=worker_buffer, rng=rng, batch_size=plan.batch_size)
         )
-    batches: Iterator[Batch] = _round_robin(streams)
+    batches: Iterator[Batch] = round_robin(streams)
     if plan.mode.exact or cross_buffer:
         rng = seeds.rng(seeds.CROSS_SHUFFLE, seed, epoch, rank)
         batches = rebatched(batches, batch_size=plan.batch_size, buffer=cross_buffer, rng=rng, partial=plan.mode.exact)

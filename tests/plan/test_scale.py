@@ -23,6 +23,7 @@ from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import DataError
 from raywds.loader.loader import drawn, train_stages
+from raywds.loader.mixing import round_robin
 from raywds.loader.stages import unconsumed, worker_shuffled
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position, already_done
@@ -162,13 +163,7 @@ def stream(plan: EpochPlan, shards: list[ShardInfo], position: Position | None, 
         samples = ({"__url__": n, "__id__": first[n] + k} for n in names for k in range(whole[n]))
         kept = worker_shuffled(unconsumed(samples, left_out), buffer=40, seed=1, epoch=0, rank=rank)
         workers.append(_batches((x["__id__"] for x in kept), plan.batch_size))
-    while workers:
-        for it in list(workers):
-            b = next(it, None)
-            if b is None:
-                workers.remove(it)
-            else:
-                yield b
+    yield from round_robin(workers)
 
 
 def _batches(ids: Iterator[int], size: int) -> Iterator[np.ndarray]:
