@@ -123,18 +123,13 @@ def done_in(position: Position | None, epoch: int) -> Done | None:
     return position.done()
 
 
-def already_done(
-    position: Position | None, epoch: int, shards: list[ShardInfo], wanted: set[str] | None = None
-) -> tuple[dict[str, np.ndarray], int]:
+def already_done(position: Position | None, epoch: int, shards: list[ShardInfo]) -> tuple[dict[str, np.ndarray], int]:
     """What `epoch` delivered before `position`, for a loader to leave out: the flags of the
-    shards partly done, by shard name (only those named in `wanted`, when given), and the job's
+    shards partly done, by shard name, and the job's
     samples done, which reseeds resample's draws; ({}, 0) when the epoch starts fresh."""
     if position is None or position.epoch != epoch:
         return {}, 0
-    left_out = {
-        shards[i].name: flags for i, flags in position.partial.items() if wanted is None or shards[i].name in wanted
-    }
-    return left_out, position.samples_done
+    return {shards[i].name: flags for i, flags in position.partial.items()}, position.samples_done
 
 
 LISTED = 20_000
