@@ -173,6 +173,11 @@ def audited(files: Iterable[Path], shards: Path) -> Counter:
     return Counter(keys[i] for f in files for i in np.fromfile(f, dtype="<i8").tolist())
 
 
+def epoch_keys(audit: Path, epoch: int, data: Path) -> Counter:
+    """Keys trained on in `epoch`, over every rank and process that wrote audit files to `audit`."""
+    return audited(audit.glob(f"epoch{epoch:04d}-*.ids"), data)
+
+
 def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar of the TensorBoard event files in `folder`, as TensorBoard's own reader
     loads them: tag -> [(step, value)] in the order written (values are float32 there)."""

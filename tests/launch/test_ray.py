@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import assert_charts_hold, audited, small_config, tar_keys
+from conftest import assert_charts_hold, epoch_keys, small_config, tar_keys
 
 from raywds.cli import worker_count
 from raywds.config import TrainConfig
@@ -118,10 +118,6 @@ def split_config(data: Path, audit: Path, **overrides: object) -> TrainConfig:
             **overrides,
         },
     )
-
-
-def epoch_keys(audit: Path, epoch: int, data: Path) -> Counter:
-    return audited(audit.glob(f"epoch{epoch:04d}-*.ids"), data)
 
 
 def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(

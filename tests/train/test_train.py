@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FORKSERVER_PRELOAD, UNEVEN_SIZES, audited, small_config, tar_keys
+from conftest import FORKSERVER_PRELOAD, UNEVEN_SIZES, epoch_keys, small_config, tar_keys
 from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
@@ -134,11 +134,6 @@ def test_config_errors_name_the_value_and_fix() -> None:
     with pytest.raises(ConfigError, match="mode='exact' is not one of resample, split"):
         TrainConfig(data="x", mode="exact")  # type: ignore[arg-type]
     assert TrainConfig(data="x", batch_size_per_rank=64).peak_lr(world_size=8) == pytest.approx(0.2)
-
-
-def epoch_keys(audit: Path, epoch: int, data: Path) -> Counter:
-    """Keys trained on in `epoch`, over every rank and process that wrote to `audit`."""
-    return audited(audit.glob(f"epoch{epoch:04d}-*.ids"), data)
 
 
 def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(uneven: Path, tmp_path: Path) -> None:
