@@ -181,7 +181,7 @@ def _plan_shards(args: argparse.Namespace) -> list[Any]:
     from raywds.data.manifest import ShardInfo, read_manifest
 
     if args.data:
-        return read_manifest(args.data).shards("train")
+        return list(read_manifest(args.data).shards("train"))
     if not (args.num_shards and args.samples_per_shard):
         raise RaywdsError("plan needs --data SHARDS, or --num-shards N --samples-per-shard K")
     sizes = [args.samples_per_shard] * args.num_shards

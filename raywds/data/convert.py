@@ -25,7 +25,7 @@ import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from raywds.data.layout import IMAGE_EXTENSIONS, Found, Source, scan
-from raywds.data.manifest import FORMAT, MANIFEST, TIMM_INFO, ShardInfo, write_json_atomic
+from raywds.data.manifest import FORMAT, TIMM_INFO, ShardInfo, write_json_atomic, write_manifest
 from raywds.data.resume import JOURNAL, STATE, Journal, prepare_output, still_good  # noqa: F401 - the names of the files convert writes, for its callers
 from raywds.data.tarwriter import TAR_END_BYTES, TarWriter, tar_cost
 from raywds.data.verify import check_members, sha256_file
@@ -167,7 +167,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
         )
     info = ShardInfo(job.path.name, num_samples, tmp.stat().st_size, sha256_file(tmp))
     tmp.replace(job.path)
-    return {"shard": asdict(info), "skipped": skipped, "kept": False}
+    return {"shard": info._asdict(), "skipped": skipped, "kept": False}
 
 
 def fingerprint(found: Found, options: ConvertOptions) -> str:
@@ -284,5 +284,5 @@ def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) ->
         shards = [records[job.path.name]["shard"] for s, job in jobs if s == split]
         manifest["splits"][split] = {"num_samples": sum(s["num_samples"] for s in shards), "shards": shards}
     write_json_atomic(out / TIMM_INFO, timm_info(manifest))
-    write_json_atomic(out / MANIFEST, manifest)
+    write_manifest(out, manifest)
     return manifest

@@ -15,11 +15,13 @@ import re
 import secrets
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raywds.data import s3
+from raywds.data import columns, s3
+from raywds.data.columns import ShardInfo, ShardTable
 from raywds.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -29,31 +31,23 @@ FORMAT = "raywds-shards/1"
 
 
 @dataclass(frozen=True)
-class ShardInfo:
-    """One tar file: its name beside the manifest, samples, bytes and sha256."""
-
-    name: str
-    num_samples: int
-    num_bytes: int
-    sha256: str
-
-
-@dataclass(frozen=True)
 class Manifest:
     """What `raywds convert` wrote, plus where the shards live (`base`)."""
 
     base: str
     classes: list[str]
-    splits: dict[str, list[ShardInfo]]
-    raw: dict[str, Any]
+    splits: dict[str, Sequence[ShardInfo]]
+    """Each split's shards: a list, or a ShardTable when read from manifest.npz."""
+    fingerprints: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
-    def shards(self, split: str) -> list[ShardInfo]:
+    def shards(self, split: str) -> Sequence[ShardInfo]:
         if split not in self.splits or not self.splits[split]:
             raise DataError(f"no {split!r} shards in the manifest at {self.base}; it has {sorted(self.splits)}")
         return self.splits[split]
 
     def num_samples(self, split: str) -> int:
-        return sum(s.num_samples for s in self.shards(split))
+        shards = self.shards(split)
+        return int(shards.samples.sum()) if isinstance(shards, ShardTable) else sum(s.num_samples for s in shards)
 
     def url(self, shard: ShardInfo) -> str:
         return shard_url(self.base, shard.name)
@@ -67,11 +61,13 @@ class Manifest:
         return offsets
 
     def fingerprint(self, split: str) -> str:
-        """A short hash of the split's shard names, counts and contents."""
-        h = hashlib.sha256()
-        for s in self.shards(split):
-            h.update(f"{s.name} {s.num_samples} {s.sha256}\n".encode())
-        return h.hexdigest()[:16]
+        """A short hash of the split's shard names, counts and contents (kept: every checkpoint asks)."""
+        if split not in self.fingerprints:
+            h = hashlib.sha256()
+            for s in self.shards(split):
+                h.update(f"{s.name} {s.num_samples} {s.sha256}\n".encode())
+            self.fingerprints[split] = h.hexdigest()[:16]
+        return self.fingerprints[split]
 
 
 SHARD_NAME = re.compile(r"[\w+-][\w.+-]*")
@@ -98,7 +94,7 @@ def shard_url(base: str, name: str) -> str:
     return str(Path(base) / name)
 
 
-def _split_location(data: str) -> tuple[str, str]:
+def split_location(data: str) -> tuple[str, str]:
     """(base, manifest location) for a directory, a manifest path, or a URL."""
     if is_url(data):
         if data.endswith(".json"):
@@ -111,19 +107,27 @@ def _split_location(data: str) -> tuple[str, str]:
 
 
 def read_manifest(
-    data: str, timeout_s: float = 30.0, *, shards_at: str | None = None, s3_endpoint: str | None = None
+    data: str,
+    timeout_s: float = 30.0,
+    *,
+    shards_at: str | None = None,
+    s3_endpoint: str | None = None,
+    use_columns: bool = True,
 ) -> Manifest:
     """Load the manifest for the shards at `data` (directory, manifest path, URL or s3:// prefix);
-    with `shards_at` the shards live there instead of beside the manifest (see shard_url)."""
-    base, where = _split_location(data)
+    with `shards_at` the shards live there instead of beside the manifest (see shard_url). The
+    columns beside it (`manifest.npz`, raywds.data.columns) are read instead of the JSON while
+    they were made from a JSON of the size the JSON has (unless `use_columns` is False)."""
+    base, where = split_location(data)
     try:
-        if s3.is_s3(where):
-            raw = json.loads(s3.read_bytes(where, s3_endpoint, timeout_s))
-        elif is_url(where):
-            with urllib.request.urlopen(where, timeout=timeout_s) as response:
-                raw = json.loads(response.read())
+        found = _read_columns(where, timeout_s, s3_endpoint) if use_columns else None
+        if found is None:
+            raw = json.loads(read_location(where, timeout_s, s3_endpoint))
+            splits: dict[str, Sequence[ShardInfo]] = {
+                split: [ShardInfo(**shard) for shard in info["shards"]] for split, info in raw["splits"].items()
+            }
         else:
-            raw = json.loads(Path(where).read_text())
+            raw, splits = found
     except FileNotFoundError:
         raise DataError(f"no manifest at {where}: run `raywds convert SRC {base}` first, or check --data") from None
     except (urllib.error.URLError, OSError) as e:
@@ -132,27 +136,95 @@ def read_manifest(
         raise DataError(f"manifest {where} is not valid JSON ({e}); rerun `raywds convert`") from None
     if raw.get("format") != FORMAT:
         raise DataError(f"{where} is not a raywds manifest (format {raw.get('format')!r}, expected {FORMAT!r})")
-    splits = {split: [ShardInfo(**shard) for shard in info["shards"]] for split, info in raw["splits"].items()}
-    for shard in (s for shards in splits.values() for s in shards):
-        if not SHARD_NAME.fullmatch(shard.name):
-            raise DataError(
-                f"manifest {where} names a shard {shard.name!r}: a shard's name is a plain file name (letters, "
-                "digits, . _ + -, no leading dot), so that it stays in its folder and out of a --shards-at command"
-            )
-    return Manifest(base=shards_at or base, classes=list(raw["classes"]), splits=splits, raw=raw)
+    bad = next((name for shards in splits.values() for name in _odd_names(shards)), None)
+    if bad is not None:
+        raise DataError(
+            f"manifest {where} names a shard {bad!r}: a shard's name is a plain file name (letters, "
+            "digits, . _ + -, no leading dot), so that it stays in its folder and out of a --shards-at command"
+        )
+    return Manifest(base=shards_at or base, classes=list(raw["classes"]), splits=splits)
+
+
+def _odd_names(shards: Sequence[ShardInfo]) -> Iterator[str]:
+    """The names that SHARD_NAME refuses (a table's are looked at one by one only if one is)."""
+    if isinstance(shards, ShardTable) and shards.plain_names():
+        return iter(())
+    return (s.name for s in shards if not SHARD_NAME.fullmatch(s.name))
+
+
+def read_location(where: str, timeout_s: float, s3_endpoint: str | None) -> bytes:
+    """The bytes at a local path, an http(s) URL or an s3:// URL; FileNotFoundError when absent."""
+    if s3.is_s3(where):
+        return s3.read_bytes(where, s3_endpoint, timeout_s)
+    if is_url(where):
+        try:
+            with urllib.request.urlopen(where, timeout=timeout_s) as response:
+                return response.read()  # type: ignore[no-any-return]
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise FileNotFoundError(where) from None
+            raise
+    return Path(where).read_bytes()
+
+
+def _size(where: str, timeout_s: float, s3_endpoint: str | None) -> int:
+    """The size in bytes of what `_read` would read."""
+    if s3.is_s3(where):
+        return s3.size_of(where, s3_endpoint, timeout_s)
+    if is_url(where):
+        with urllib.request.urlopen(urllib.request.Request(where, method="HEAD"), timeout=timeout_s) as response:
+            return int(response.headers["Content-Length"])
+    return os.stat(where).st_size
+
+
+def _read_columns(
+    where: str, timeout_s: float, s3_endpoint: str | None
+) -> tuple[dict[str, Any], dict[str, Sequence[ShardInfo]]] | None:
+    """The manifest from the columns beside the JSON at `where`, or None when there are none or
+    they were made from another JSON (one of another size)."""
+    if not where.endswith(".json"):
+        return None
+    beside = where[: -len(".json")] + ".npz"
+    try:  # a local file is loaded from its path: one copy in memory, not two
+        npz = beside if not is_url(beside) and os.path.isfile(beside) else read_location(beside, timeout_s, s3_endpoint)
+    except FileNotFoundError:
+        return None
+    try:
+        rest, splits, json_size = columns.load(npz)
+    except ValueError:  # unreadable: the JSON is the manifest
+        return None
+    if json_size != _size(where, timeout_s, s3_endpoint):
+        return None
+    return rest, dict(splits)
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """`manifest.json` and its columns (`manifest.npz`, raywds.data.columns) in `folder`: the
+    columns first, so that a reader never finds them made from a JSON other than the one there."""
+    text = _json_text(manifest).encode()
+    write_atomic(folder / columns.COLUMNS, columns.to_bytes(manifest, len(text)))
+    write_atomic(folder / MANIFEST, text)
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
-    """Write JSON so that a reader sees either the old file or the whole new one.
+    """Write JSON so that a reader sees either the old file or the whole new one."""
+    write_atomic(path, _json_text(value).encode())
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, indent=1) + "\n"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file so that a reader sees either the old file or the whole new one.
 
     The file gets 0666 less the umask, as open() gives the shards beside it: mkstemp's 0600
     hid the manifest from other users and from nginx in Docker."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, indent=1)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -161,7 +233,7 @@ def write_json_atomic(path: Path, value: Any) -> None:
         raise
 
 
-def deal(shards: list[ShardInfo], num_slots: int) -> list[list[ShardInfo]]:
+def deal(shards: Sequence[ShardInfo], num_slots: int) -> list[list[ShardInfo]]:
     """Deal shards to `num_slots` slots, balancing sample counts (largest first, to the lightest slot).
 
     The order of `shards` breaks ties, so a shuffled list gives a shuffled deal; every shard

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from raywds.data.columns import COLUMNS
 from raywds.data.manifest import MANIFEST, TIMM_INFO, write_json_atomic
 from raywds.data.verify import sha256_file
 from raywds.errors import DataError
@@ -32,7 +33,7 @@ def still_good(path: Path, done: dict[str, Any]) -> bool:
 
 
 def _ours(out: Path, prefix: str) -> list[Path]:
-    names = [MANIFEST, TIMM_INFO, STATE, JOURNAL]
+    names = [MANIFEST, COLUMNS, TIMM_INFO, STATE, JOURNAL]
     return [
         p
         for p in out.iterdir()

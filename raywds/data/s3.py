@@ -189,6 +189,17 @@ def read_bytes(url: str, endpoint: str | None = None, timeout_s: float = 30.0) -
         raise DataError(error_line(e, url, endpoint)) from None
 
 
+def size_of(url: str, endpoint: str | None = None, timeout_s: float = 30.0) -> int:
+    """An object's size in bytes (a HEAD); FileNotFoundError when it is not there, DataError otherwise."""
+    bucket, key = split(url)
+    try:
+        return int(client(endpoint, timeout_s).head_object(Bucket=bucket, Key=key)["ContentLength"])
+    except errors() as e:
+        if status_and_code(e)[1] in ("NoSuchKey", "404", "NotFound"):
+            raise FileNotFoundError(url) from None
+        raise DataError(error_line(e, url, endpoint)) from None
+
+
 def join(url: str, name: str) -> str:
     """`name` under the prefix `url` (s3://b/runs + x/y -> s3://b/runs/x/y)."""
     return f"{url.rstrip('/')}/{name}"

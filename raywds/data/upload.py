@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from raywds.data import s3
+from raywds.data.columns import COLUMNS
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import MANIFEST, TIMM_INFO
 from raywds.errors import DataError
@@ -70,8 +71,9 @@ def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | Non
         extra = {"Metadata": {"sha256": shard["sha256"]}}
         client.upload_file(str(folder / shard["name"]), bucket, key, ExtraArgs=extra, Config=transfer)
         _check_back(client, bucket, key, shard)
-    for name in (TIMM_INFO, MANIFEST):  # as the converter wrote them into the staging folder
-        client.put_object(Bucket=bucket, Key=_key(prefix, name), Body=(folder / name).read_bytes())
+    for name in (TIMM_INFO, COLUMNS, MANIFEST):  # as the converter wrote them into the staging folder
+        if (folder / name).is_file():  # (no columns from a conversion staged by an older raywds)
+            client.put_object(Bucket=bucket, Key=_key(prefix, name), Body=(folder / name).read_bytes())
     return len(shards) - len(missing)
 
 

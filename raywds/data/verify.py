@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import tarfile
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from raywds.data import s3
+from raywds.data import columns, s3
 from raywds.data.layout import IMAGE_EXTENSIONS
-from raywds.data.manifest import read_manifest, shard_url
+from raywds.data.manifest import read_location, read_manifest, shard_url, split_location, write_atomic
 from raywds.data.tars import members
 from raywds.errors import DataError
 
@@ -122,8 +123,9 @@ def _object(url: str, endpoint: str | None) -> Iterator[BinaryIO | None]:
 
 def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, list[str]]:
     """(shards checked, problems) for every shard the manifest at `location` (a folder or an
-    s3:// prefix) lists."""
-    manifest = read_manifest(str(location), s3_endpoint=s3_endpoint)
+    s3:// prefix) lists in `manifest.json`; when they all match, `manifest.npz` is (re)written
+    from the JSON if it is missing or lists other shards (`in_step`)."""
+    manifest = read_manifest(str(location), s3_endpoint=s3_endpoint, use_columns=False)
     problems: list[str] = []
     count = 0
     for split in manifest.splits:
@@ -135,4 +137,29 @@ def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, l
                 where = Path(location) / shard.name
                 problems += check_shard(where, shard.num_samples, shard.num_bytes, shard.sha256)
             count += 1
-    return count, problems
+    return count, problems or in_step(str(location), s3_endpoint)
+
+
+def in_step(location: str, s3_endpoint: str | None = None) -> list[str]:
+    """Write the columns of the manifest at `location` (raywds.data.columns) unless those there
+    were made from this very JSON; problems when they cannot be written."""
+    _, where = split_location(location)
+    text = read_location(where, 30.0, s3_endpoint)
+    raw = json.loads(text)
+    wanted = columns.to_bytes(raw, len(text))
+    target = where[: -len(".json")] + ".npz"
+    try:
+        if columns.same(read_location(target, 30.0, s3_endpoint), wanted):
+            return []
+    except FileNotFoundError:
+        pass
+    failures: tuple[type[BaseException], ...] = (OSError, *s3.errors())
+    try:
+        if s3.is_s3(target):
+            bucket, key = s3.split(target)
+            s3.client(s3_endpoint).put_object(Bucket=bucket, Key=key, Body=wanted)
+        else:
+            write_atomic(Path(target), wanted)
+    except failures as e:
+        return [f"{target}: out of step with {where} and cannot be rewritten: {e}"]
+    return []

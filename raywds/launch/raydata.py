@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +85,7 @@ class ShardSource(Datasource):  # RAY
         self,
         manifest: Manifest,
         split: str,
-        shards: list[ShardInfo],
+        shards: Sequence[ShardInfo],
         cfg: TrainConfig,
         *,
         exact: bool,
@@ -146,7 +146,7 @@ class RayData:
         self,
         manifest: Manifest,
         split: str,
-        shards: list[ShardInfo],
+        shards: Sequence[ShardInfo],
         cfg: TrainConfig,
         *,
         epoch: int | None,

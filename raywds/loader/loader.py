@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import multiprocessing
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial as bind
 from typing import Any, Protocol
 
@@ -22,6 +22,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader
 
 from raywds.config import TrainConfig
+from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest, ShardInfo, deal
 from raywds.loader.blocks import Blocks, HandedOver
 from raywds.loader.readers import Expected, ReadPolicy, tar_samples
@@ -161,7 +162,7 @@ class EpochLoader:
 
 
 def drawn(
-    plan: EpochPlan, shards: list[ShardInfo], cfg: TrainConfig, rank: int, *, epoch: int, reseed: int = 0
+    plan: EpochPlan, shards: Sequence[ShardInfo], cfg: TrainConfig, rank: int, *, epoch: int, reseed: int = 0
 ) -> list[list[ShardInfo]]:
     """resample: each of `rank`'s workers' shard draws for the epoch, made here: what a worker can
     read (its share of the rank's batches, PREFETCH batches ahead, its shuffle buffer and the
@@ -169,7 +170,7 @@ def drawn(
     has. The same draws, in the same order, as the worker would make itself."""
     per_worker = (math.ceil(plan.max_batches / plan.num_workers) + PREFETCH + 1) * plan.batch_size
     samples = per_worker + cfg.shuffle_buffer_samples + cfg.cross_worker_shuffle_samples
-    count = 3 * math.ceil(samples / max(1, min(s.num_samples for s in shards))) + 8
+    count = 3 * math.ceil(samples / max(1, int(sample_counts(shards).min()))) + 8
     draws = bind(plan.mode.shards_for, plan, shards, rank=rank, seed=cfg.seed, epoch=epoch, reseed=reseed)
     return [list(itertools.islice(draws(worker=w), count)) for w in range(plan.num_workers)]
 

@@ -15,7 +15,7 @@ import itertools
 import random
 import tarfile
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -77,7 +77,7 @@ def round_robin(streams: list[Iterator[T]]) -> Iterator[T]:
 
 def replay(
     plan: EpochPlan,
-    shards: list[ShardInfo],
+    shards: Sequence[ShardInfo],
     labels: Labels,
     *,
     seed: int,
@@ -144,7 +144,7 @@ def tar_labels(base: str) -> Labels:
 
 def report(
     plan: EpochPlan,
-    shards: list[ShardInfo],
+    shards: Sequence[ShardInfo],
     *,
     data: str | None,
     num_classes: int,

@@ -7,7 +7,7 @@ training does. How a plan is made depends on the mode (raywds.plan.modes).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal, TypeVar
 
@@ -76,7 +76,7 @@ class Done:
     """split mode: the samples of each training shard (manifest order) delivered."""
 
 
-def remaining(shards: list[ShardInfo], consumed_per_shard: tuple[int, ...]) -> list[ShardInfo]:
+def remaining(shards: Sequence[ShardInfo], consumed_per_shard: tuple[int, ...]) -> list[ShardInfo]:
     """The shards an interrupted epoch has not finished, each with `num_samples` reduced to what
     it has not yet delivered."""
     return [
@@ -97,7 +97,7 @@ class Mode:
 
     def plan(
         self,
-        shards: list[ShardInfo],
+        shards: Sequence[ShardInfo],
         *,
         num_ranks: int,
         num_workers: int,
@@ -113,7 +113,7 @@ class Mode:
     def shards_for(
         self,
         plan: EpochPlan,
-        shards: list[ShardInfo],
+        shards: Sequence[ShardInfo],
         *,
         rank: int,
         worker: int,

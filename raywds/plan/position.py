@@ -9,11 +9,13 @@ workers prefetched, or that sat in a shuffle buffer, are not counted as seen.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ConfigError
 from raywds.plan.epoch import Done
@@ -42,7 +44,7 @@ class Position:
     """The training split's fingerprint; resuming on other shards is refused."""
 
     @classmethod
-    def of_flags(cls, consumed: np.ndarray | None, shards: list[ShardInfo], **fields: Any) -> Position:
+    def of_flags(cls, consumed: np.ndarray | None, shards: Sequence[ShardInfo], **fields: Any) -> Position:
         """A position from one flag per sample of the split (`consumed`; None in resample mode)."""
         if consumed is None:
             return cls(shards_done=None, **fields)
@@ -67,7 +69,7 @@ class Position:
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], shards: list[ShardInfo]) -> Position:
+    def from_state(cls, state: dict[str, Any], shards: Sequence[ShardInfo]) -> Position:
         """`shards`: the training split's, for a checkpoint written before per-shard positions
         (one flag per sample of the split), which is converted."""
         fields = {k: state[k] for k in ("epoch", "step", "samples_done", "dataset")}
@@ -103,10 +105,10 @@ class Position:
             )
 
 
-def per_shard(consumed: np.ndarray, shards: list[ShardInfo]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+def per_shard(consumed: np.ndarray, shards: Sequence[ShardInfo]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
     """One flag per sample of the split -> the samples done per shard, and the flags of the
     shards partly done."""
-    sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
+    sizes = sample_counts(shards)
     ends = np.cumsum(sizes)
     running = np.concatenate([[0], np.cumsum(consumed, dtype=np.int64)])
     done = running[ends] - running[ends - sizes]
@@ -123,7 +125,9 @@ def done_in(position: Position | None, epoch: int) -> Done | None:
     return position.done()
 
 
-def already_done(position: Position | None, epoch: int, shards: list[ShardInfo]) -> tuple[dict[str, np.ndarray], int]:
+def already_done(
+    position: Position | None, epoch: int, shards: Sequence[ShardInfo]
+) -> tuple[dict[str, np.ndarray], int]:
     """What `epoch` delivered before `position`, for a loader to leave out: the flags of the
     shards partly done, by shard name, and the job's
     samples done, which reseeds resample's draws; ({}, 0) when the epoch starts fresh."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
+from raywds.data.columns import sample_counts
 from raywds.data.manifest import ShardInfo
 from raywds.errors import DataError
 from raywds.plan import seeds
@@ -26,7 +27,7 @@ class Resample(Mode):
 
     def plan(
         self,
-        shards: list[ShardInfo],
+        shards: Sequence[ShardInfo],
         *,
         num_ranks: int,
         num_workers: int,
@@ -37,7 +38,7 @@ class Resample(Mode):
         done: Done | None = None,
     ) -> EpochPlan:
         """Equal full batches on every rank: ceil((N - samples done) / (R x B)), or `batches_per_epoch`."""
-        num_samples = sum(s.num_samples for s in shards)
+        num_samples = int(sample_counts(shards).sum())
         already = done.samples if done is not None else 0
         if batches_per_epoch is None:
             batches = math.ceil(max(num_samples - already, 0) / (num_ranks * batch_size))
@@ -58,7 +59,7 @@ class Resample(Mode):
     def shards_for(
         self,
         plan: EpochPlan,
-        shards: list[ShardInfo],
+        shards: Sequence[ShardInfo],
         *,
         rank: int,
         worker: int,

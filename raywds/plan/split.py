@@ -5,7 +5,7 @@ different batch counts: the loop wraps the epoch in Join.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
@@ -31,7 +31,7 @@ class Split(Mode):
 
     def plan(
         self,
-        shards: list[ShardInfo],
+        shards: Sequence[ShardInfo],
         *,
         num_ranks: int,
         num_workers: int,
@@ -42,6 +42,7 @@ class Split(Mode):
         done: Done | None = None,
     ) -> EpochPlan:
         """Deal the shards (what is left of them after `done`) to the slots, shuffled by (seed, epoch)."""
+        shards = list(shards)  # one pass over a manifest's columns (raywds.data.columns)
         num_samples = sum(s.num_samples for s in shards)
         if done is not None:
             assert done.per_shard is not None, "a split epoch resumes from its per-shard counts"
@@ -70,7 +71,7 @@ class Split(Mode):
     def shards_for(
         self,
         plan: EpochPlan,
-        shards: list[ShardInfo],
+        shards: Sequence[ShardInfo],
         *,
         rank: int,
         worker: int,

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest
 from raywds.errors import DataError
 from raywds.train.ledger import attempt_id
@@ -96,7 +97,7 @@ class EpochCheck:
 def check_epoch(epoch: int, files: list[Path], manifest: Manifest) -> EpochCheck:
     """Count `files` against the training split: a 16-bit count per sample, one epoch at a time."""
     shards = manifest.shards("train")
-    sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
+    sizes = sample_counts(shards)
     counts = np.zeros(int(sizes.sum()), dtype=np.uint16)
     for f in files:
         ids = np.fromfile(f, dtype="<i8")

@@ -9,12 +9,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
+from raywds.data.columns import sample_counts
 from raywds.data.manifest import read_manifest
 from raywds.errors import DataError
 from raywds.loader.loader import Loaders, PerRank
@@ -60,7 +60,7 @@ class Trainer:
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
         self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at, s3_endpoint=cfg.s3_endpoint)
         self.num_samples = self.manifest.num_samples("train")
-        self.shard_sizes = np.array([s.num_samples for s in self.manifest.shards("train")], dtype=np.int64)
+        self.shard_sizes = sample_counts(self.manifest.shards("train"))
         self.compute = Compute.for_run(cfg, world.device)
         self.model = self.compute.model(build_model(cfg.model, len(self.manifest.classes)))
         self.wrapped: nn.Module = self.model

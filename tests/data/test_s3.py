@@ -14,6 +14,7 @@ from s3proxy import S3Proxy
 from s3server import S3Server
 
 from raywds.data import s3 as store
+from raywds.data.columns import ShardTable
 from raywds.data.convert import ConvertOptions
 from raywds.data.manifest import read_manifest
 from raywds.data.upload import convert_to_bucket
@@ -21,6 +22,10 @@ from raywds.data.verify import verify
 from raywds.errors import DataError
 
 OPTIONS = ConvertOptions(maxcount=16, seed=3)
+
+
+LAST = ["_info.json", "manifest.npz", "manifest.json"]
+"""What a conversion puts after every shard is in the bucket: the manifest last."""
 
 
 def puts(proxy: S3Proxy) -> list[str]:
@@ -38,15 +43,15 @@ def test_convert_into_a_bucket_puts_every_shard_then_the_manifest_and_resumes(
         url, endpoint = s3.url("ds"), proxy.endpoint
         manifest = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", endpoint=endpoint)
         names = [s["name"] for info in manifest["splits"].values() for s in info["shards"]]
-        assert len(names) == 12 and sorted(puts(proxy)[:-2]) == sorted(names)
-        assert puts(proxy)[-2:] == ["_info.json", "manifest.json"]
+        assert len(names) == 12 and sorted(puts(proxy)[:-3]) == sorted(names)
+        assert puts(proxy)[-3:] == LAST
         read_backs = [path.rsplit("/", 1)[-1] for method, path, _ in proxy.log if method == "GET"]
         assert sorted(read_backs) == sorted(names)  # each shard read back once, before the manifest
         assert verify(url, s3_endpoint=endpoint) == (12, [])
 
         proxy.log.clear()
         again = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", endpoint=endpoint)
-        assert again["kept_in_bucket"] == 12 and puts(proxy) == ["_info.json", "manifest.json"]
+        assert again["kept_in_bucket"] == 12 and puts(proxy) == LAST
 
         client = s3.client()
         gone = names[2:5]
@@ -55,9 +60,10 @@ def test_convert_into_a_bucket_puts_every_shard_then_the_manifest_and_resumes(
         proxy.log.clear()
         resumed = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", endpoint=endpoint)
         assert resumed["kept_in_bucket"] == 9
-        assert sorted(puts(proxy)[:-2]) == sorted(gone) and puts(proxy)[-2:] == ["_info.json", "manifest.json"]
+        assert sorted(puts(proxy)[:-3]) == sorted(gone) and puts(proxy)[-3:] == LAST
     assert verify(url) == (12, [])
     assert read_manifest(url).num_samples("train") == 120
+    assert isinstance(read_manifest(url).splits["train"], ShardTable)  # from the columns in the bucket
 
 
 def test_a_damaged_object_is_found_by_verify_and_replaced_by_convert(s3: S3Server, tree: Path, tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ def synthetic(count: int, size: int | None = None) -> Manifest:
         ShardInfo(f"shard-{i:06d}.tar", size or rng.randint(950, 1050), 150_000_000, "0" * 64) for i in range(count)
     ]
     classes = [str(c) for c in range(1000)]
-    return Manifest(base="https://shards.example/laion", classes=classes, splits={"train": shards}, raw={})
+    return Manifest(base="https://shards.example/laion", classes=classes, splits={"train": shards})
 
 
 def stopped(slots: list[list[ShardInfo]], sizes: np.ndarray, index: dict[str, int]) -> Position:
