@@ -25,6 +25,7 @@ from raywds.flags import add_config_flags
 BACKENDS = ("auto", "docker", "nginx", "embedded")
 PLAN_FIELDS = (
     "mode",
+    "canonical_nodes",
     "num_loader_workers_per_rank",
     "batch_size_per_rank",
     "batches_per_epoch",

@@ -1,6 +1,5 @@
 """What each `raywds` command does, once its flags are parsed (raywds.cli). Imports are
-inside each command: `raywds convert` never loads torch, `raywds plan` never loads Ray.
-"""
+inside each command: `raywds convert` never loads torch, `raywds plan` never loads Ray."""
 
 from __future__ import annotations
 
@@ -192,7 +191,7 @@ def _plan_shards(args: argparse.Namespace) -> list[Any]:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from raywds.plan.checks import check, refusals
-    from raywds.plan.modes import parse
+    from raywds.plan.modes import nodes_of, parse
     from raywds.plan.render import render
 
     shards = _plan_shards(args)
@@ -204,6 +203,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         seed=args.seed,
         epoch=args.epoch,
         batches_per_epoch=args.batches_per_epoch,
+        nodes=nodes_of(args.canonical_nodes, args.gpus_per_node),
     )
     findings = check(plan, num_shards=len(shards))
     print(render(plan, findings, gpus_per_node=args.gpus_per_node, max_ranks_shown=args.ranks_shown))

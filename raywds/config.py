@@ -76,6 +76,10 @@ class TrainConfig:
     """Samples (still encoded) held in each DataLoader worker's shuffle buffer."""
     cross_worker_shuffle_samples: int = field(default=0, metadata=flag("--shuffle-buffer"))
     """Decoded samples held in a shuffle buffer in the main process, mixing the workers' batches; 0 is off."""
+    canonical_nodes: int = 0
+    """split mode: deal the shards once to this many groups for the whole run, each read by one
+    node every epoch (shuffled there), so that with --cache-dir a node fetches its shards once;
+    0 deals every shard anew each epoch. A multiple of the node count (raywds.plan.split.node_deal)."""
     batches_per_epoch: int | None = None
     """resample mode: batches per epoch on every rank; None means ceil(N / (ranks x batch))."""
     seed: int = 0
@@ -149,7 +153,7 @@ class TrainConfig:
             raise ConfigError(f"loader_timeout_s={self.loader_timeout_s} must be positive")
         if self.read_timeout_s <= 0:
             raise ConfigError(f"read_timeout_s={self.read_timeout_s} must be positive")
-        for name in ("shuffle_buffer_samples", "cross_worker_shuffle_samples", "read_retries"):
+        for name in ("shuffle_buffer_samples", "cross_worker_shuffle_samples", "read_retries", "canonical_nodes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be 0 or more")
         for name in ("batches_per_epoch", "checkpoint_every_steps", "max_steps"):

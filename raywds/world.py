@@ -16,6 +16,8 @@ class World:
     """Number of ranks (one per GPU, or per CPU worker)."""
     local_rank: int = 0
     """Rank on this node; picks the GPU."""
+    ranks_per_node: int = 1
+    """Ranks on each node (torchrun's LOCAL_WORLD_SIZE); ranks node x ranks_per_node ... share a node."""
     device: str = "cpu"
     """torch device string for this rank, e.g. `cuda:0`."""
 
@@ -33,7 +35,7 @@ class World:
 
     @classmethod
     def from_env(cls) -> World:
-        """The world torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK), else rank 0 of 1."""
+        """The world torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), else rank 0 of 1."""
         import torch
 
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -42,5 +44,6 @@ class World:
             rank=int(os.environ.get("RANK", 0)),
             world_size=int(os.environ.get("WORLD_SIZE", 1)),
             local_rank=local_rank,
+            ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
             device=device,
         )

@@ -91,6 +91,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         rank=context.get_world_rank(),
         world_size=context.get_world_size(),
         local_rank=context.get_local_rank(),
+        ranks_per_node=context.get_local_world_size(),
         device=str(ray.train.torch.get_device()),  # RAY
     )
     log.info(f"rank {world.rank} of {world.world_size} on node {node_ip()} (pid {os.getpid()})")

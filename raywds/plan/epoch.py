@@ -87,6 +87,18 @@ def remaining(shards: Sequence[ShardInfo], consumed_per_shard: tuple[int, ...]) 
 
 
 @dataclass(frozen=True)
+class Nodes:
+    """How the ranks sit on nodes, for a deal that keeps shards on their nodes (--canonical-nodes)."""
+
+    canonical: int
+    """Groups the run's shards are dealt to once (Mosaic Streaming's canonical nodes); each node
+    reads the groups number node, node + nodes, ... for the whole run."""
+    ranks_per_node: int
+    """Ranks on each node; ranks node x ranks_per_node ... are that node's (torchrun and Ray Train
+    number them so)."""
+
+
+@dataclass(frozen=True)
 class Mode:
     """What differs between modes; `Resample` and `Split` fill it in."""
 
@@ -106,8 +118,10 @@ class Mode:
         epoch: int = 0,
         batches_per_epoch: int | None = None,
         done: Done | None = None,
+        nodes: Nodes | None = None,
     ) -> EpochPlan:
-        """The epoch's plan, or of what is left of it after `done` (inside this epoch)."""
+        """The epoch's plan, or of what is left of it after `done` (inside this epoch); `nodes`:
+        split mode's shards stay on their nodes for the run (raywds.plan.split.node_deal)."""
         raise NotImplementedError
 
     def shards_for(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from raywds.data.manifest import Manifest
 from raywds.errors import ConfigError
-from raywds.plan.epoch import Done, EpochPlan, Mode
+from raywds.plan.epoch import Done, EpochPlan, Mode, Nodes
 from raywds.plan.resample import Resample
 from raywds.plan.split import Split
 
@@ -40,10 +40,22 @@ def loader_slots(cfg: TrainConfig) -> int:
     return max(1, cfg.num_loader_workers_per_rank)
 
 
+def nodes_of(canonical_nodes: int, ranks_per_node: int) -> Nodes | None:
+    """split mode's shards kept on their nodes (--canonical-nodes), or None for the usual deal."""
+    return Nodes(canonical_nodes, ranks_per_node) if canonical_nodes else None
+
+
 def epoch_plan(
-    manifest: Manifest, cfg: TrainConfig, num_ranks: int, *, epoch: int, done: Done | None = None
+    manifest: Manifest,
+    cfg: TrainConfig,
+    num_ranks: int,
+    *,
+    epoch: int,
+    done: Done | None = None,
+    ranks_per_node: int = 1,
 ) -> EpochPlan:
-    """A run's plan for `epoch`, or for what is left of it after `done` (raywds.plan.position.done_in)."""
+    """A run's plan for `epoch`, or for what is left of it after `done` (raywds.plan.position.done_in),
+    for ranks `ranks_per_node` to a node (with --canonical-nodes)."""
     return parse(cfg.mode).plan(
         manifest.shards("train"),
         num_ranks=num_ranks,
@@ -53,4 +65,5 @@ def epoch_plan(
         epoch=epoch,
         batches_per_epoch=cfg.batches_per_epoch,
         done=done,
+        nodes=nodes_of(cfg.canonical_nodes, ranks_per_node),
     )

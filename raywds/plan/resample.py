@@ -15,7 +15,7 @@ from raywds.data.columns import sample_counts
 from raywds.data.manifest import ShardInfo
 from raywds.errors import DataError
 from raywds.plan import seeds
-from raywds.plan.epoch import Done, EpochPlan, Finding, Mode
+from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, Nodes
 
 T = TypeVar("T")
 
@@ -36,6 +36,7 @@ class Resample(Mode):
         epoch: int = 0,
         batches_per_epoch: int | None = None,
         done: Done | None = None,
+        nodes: Nodes | None = None,
     ) -> EpochPlan:
         """Equal full batches on every rank: ceil((N - samples done) / (R x B)), or `batches_per_epoch`."""
         num_samples = int(sample_counts(shards).sum())

@@ -12,7 +12,7 @@ from typing import ClassVar, TypeVar
 from raywds.data.manifest import ShardInfo, deal, shardsum
 from raywds.errors import ConfigError
 from raywds.plan import seeds
-from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, remaining, split_batches
+from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, Nodes, remaining, split_batches
 
 T = TypeVar("T")
 SHARDS_PER_RANK = 20
@@ -22,6 +22,38 @@ SHARDS_PER_RANK = 20
 def suggested_maxcount(plan: EpochPlan) -> int:
     """Samples per shard that give every rank SHARDS_PER_RANK shards and every worker one."""
     return max(plan.num_samples // max(SHARDS_PER_RANK * plan.num_ranks, plan.num_ranks * plan.num_workers), 1)
+
+
+def canonical(shards: Sequence[ShardInfo], count: int, seed: int) -> dict[str, int]:
+    """Each shard's canonical node for the run (0..count-1): the shards, shuffled by the seed
+    alone, dealt by sample count, so every epoch and every world size agrees."""
+    order = list(shards)
+    seeds.rng(seeds.CANONICAL, seed).shuffle(order)
+    return {s.name: group for group, members in enumerate(deal(order, count)) for s in members}
+
+
+def node_deal(
+    shards: Sequence[ShardInfo], left: list[ShardInfo], num_ranks: int, nodes: Nodes, *, seed: int, epoch: int
+) -> list[list[ShardInfo]]:
+    """Each rank's shards, kept on their node for the run: the shards `left` of the epoch go to
+    the node that holds their canonical node (canonical node c to node c mod the nodes), are
+    shuffled there by (seed, epoch, node) and dealt by sample count to its ranks. A node thus
+    reads the same shards every epoch (from --cache-dir after the first), in a new order; when
+    the nodes change, the canonical nodes are dealt anew to those there are. Still every shard
+    once: each is in exactly one canonical node. A world whose ranks do not fill whole nodes
+    counts each rank as a node."""
+    per_node = nodes.ranks_per_node if num_ranks % nodes.ranks_per_node == 0 else 1
+    count = num_ranks // per_node
+    home = canonical(shards, nodes.canonical, seed)
+    on_node: list[list[ShardInfo]] = [[] for _ in range(count)]
+    for s in left:
+        if s.num_samples > 0:
+            on_node[home[s.name] % count].append(s)
+    by_rank = []
+    for node, node_shards in enumerate(on_node):
+        seeds.rng(seeds.SHARD_ORDER, seed, epoch, node).shuffle(node_shards)
+        by_rank += deal(node_shards, per_node)
+    return by_rank
 
 
 @dataclass(frozen=True)
@@ -40,18 +72,25 @@ class Split(Mode):
         epoch: int = 0,
         batches_per_epoch: int | None = None,
         done: Done | None = None,
+        nodes: Nodes | None = None,
     ) -> EpochPlan:
-        """Deal the shards (what is left of them after `done`) to the slots, shuffled by (seed, epoch)."""
+        """Deal the shards (what is left of them after `done`) to the slots, shuffled by (seed, epoch);
+        with `nodes`, each node's own shards to its ranks (node_deal)."""
         shards = list(shards)  # one pass over a manifest's columns (raywds.data.columns)
         num_samples = sum(s.num_samples for s in shards)
+        left = shards
         if done is not None:
             assert done.per_shard is not None, "a split epoch resumes from its per-shard counts"
-            shards = remaining(shards, done.per_shard)
-        order = [s for s in shards if s.num_samples > 0]
-        seeds.rng(seeds.SHARD_ORDER, seed, epoch).shuffle(order)
+            left = remaining(shards, done.per_shard)
+        if nodes is not None and nodes.canonical > 0:
+            by_rank = node_deal(shards, left, num_ranks, nodes, seed=seed, epoch=epoch)
+        else:
+            order = [s for s in left if s.num_samples > 0]
+            seeds.rng(seeds.SHARD_ORDER, seed, epoch).shuffle(order)
+            by_rank = deal(order, num_ranks)
         # Ranks first, then each rank's shards to its workers: ranks wait on each other at every
         # step, so their balance matters most; workers of one rank only share its queue.
-        slots = [slot for rank_shards in deal(order, num_ranks) for slot in deal(rank_shards, num_workers)]
+        slots = [slot for rank_shards in by_rank for slot in deal(rank_shards, num_workers)]
         per_rank = [
             sum(s.num_samples for slot in slots[r * num_workers : (r + 1) * num_workers] for s in slot)
             for r in range(num_ranks)
@@ -167,6 +206,14 @@ def _slot_findings(plan: EpochPlan, num_shards: int) -> list[Finding]:
                 "warn",
                 f"{empty} of {plan.num_ranks} ranks have no samples left in this epoch ({left} shards are); "
                 "they wait in Join while the others finish it, and all start the next epoch together",
+            )
+        )
+    if empty and not plan.resumed and num_shards >= slots:
+        found.append(
+            Finding(
+                "warn",
+                f"{empty} of {plan.num_ranks} ranks get no shards in this epoch: with --canonical-nodes, give "
+                "at least as many canonical nodes as nodes (a multiple of the node count keeps the nodes even)",
             )
         )
     idle = sum(1 for slot in plan.slots if not slot)

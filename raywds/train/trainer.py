@@ -90,7 +90,10 @@ class Trainer:
         """Plan `index` (or what is left of it) and refuse a plan that would hang."""
         cfg, world = self.cfg, self.world
         position = self.progress.position if self.progress.position and self.progress.position.epoch == index else None
-        plan = epoch_plan(self.manifest, cfg, world.world_size, epoch=index, done=done_in(position, index))
+        done = done_in(position, index)
+        plan = epoch_plan(
+            self.manifest, cfg, world.world_size, epoch=index, done=done, ranks_per_node=world.ranks_per_node
+        )
         check_plan(plan, self.manifest)
         global_batch = world.world_size * cfg.batch_size_per_rank
         size = cfg.batches_per_epoch * global_batch if cfg.batches_per_epoch else self.num_samples

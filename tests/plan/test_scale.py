@@ -25,7 +25,7 @@ from raywds.errors import DataError
 from raywds.loader.loader import drawn, train_stages
 from raywds.loader.mixing import round_robin
 from raywds.loader.stages import unconsumed, worker_shuffled
-from raywds.plan.epoch import EpochPlan
+from raywds.plan.epoch import EpochPlan, Nodes
 from raywds.plan.position import Position, already_done
 from raywds.plan.resample import Resample
 from raywds.plan.split import Split
@@ -177,10 +177,13 @@ def _batches(ids: Iterator[int], size: int) -> Iterator[np.ndarray]:
         yield np.array(chunk)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_an_epoch_stopped_and_resumed_on_other_worlds_trains_every_sample_once(seed: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("seed", "canonical"), [(0, 0), (1, 0), (2, 0), (3, 16)])
+def test_an_epoch_stopped_and_resumed_on_other_worlds_trains_every_sample_once(
+    seed: int, canonical: int, tmp_path: Path
+) -> None:
     """2,000 shards x 50 samples on 64 x 8 slots, stopped at a seeded step, resumed on 48 x 4,
-    stopped again, finished on 96 x 8: every sample once, counted by the ranks' ledgers. Each
+    stopped again, finished on 96 x 8: every sample once, counted by the ranks' ledgers; also
+    with 16 canonical nodes (8 ranks a node: 8 nodes, then 6, then 12, none a divisor). Each
     rank also writes audit files as training does, with the two steps it took past each stop
     (lost with it, redone by the next attempt) in a later segment: `raywds audit` agrees."""
     manifest = synthetic(2000, size=50)
@@ -189,7 +192,10 @@ def test_an_epoch_stopped_and_resumed_on_other_worlds_trains_every_sample_once(s
     rng, position, start = random.Random(seed), None, 0
     for attempt, (ranks, workers, last) in enumerate(((64, 8, False), (48, 4, False), (96, 8, True))):
         done = position.done() if position is not None else None
-        plan = Split().plan(shards, num_ranks=ranks, num_workers=workers, batch_size=16, seed=seed, done=done)
+        nodes = Nodes(canonical, ranks_per_node=8) if canonical else None
+        plan = Split().plan(
+            shards, num_ranks=ranks, num_workers=workers, batch_size=16, seed=seed, done=done, nodes=nodes
+        )
         stop = None if last else rng.randint(1, plan.min_batches)
         ledger = Ledger(sizes)  # one for all ranks: their tally sums them
         for rank in range(ranks):

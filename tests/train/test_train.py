@@ -136,11 +136,14 @@ def test_config_errors_name_the_value_and_fix() -> None:
     assert TrainConfig(data="x", batch_size_per_rank=64).peak_lr(world_size=8) == pytest.approx(0.2)
 
 
-def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(uneven: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("canonical_nodes", [0, 2])
+def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(
+    uneven: Path, tmp_path: Path, canonical_nodes: int
+) -> None:
+    """Also with --canonical-nodes 2 (the run's one node reads both canonical nodes' shards)."""
     audit, out = tmp_path / "audit", tmp_path / "run"
-    cfg = tiny(
-        uneven, mode="split", batch_size_per_rank=8, num_epochs=2, max_steps=5, audit_dir=str(audit), out_dir=str(out)
-    )
+    cfg = tiny(uneven, mode="split", batch_size_per_rank=8, num_epochs=2, max_steps=5, audit_dir=str(audit))
+    cfg = dataclasses.replace(cfg, out_dir=str(out), canonical_nodes=canonical_nodes)
     report = RunDir(out)
     stopped = train(cfg, World(), run_dir=report)
     assert stopped["inside_epoch"] and stopped["step"] == 5 and stopped["epoch_samples_done"] == 40
