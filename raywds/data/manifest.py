@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from raywds.data import columns, s3
-from raywds.data.columns import ShardInfo, ShardTable
+from raywds.data.columns import ShardInfo, ShardTable, sample_counts
 from raywds.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -38,7 +38,8 @@ class Manifest:
     classes: list[str]
     splits: dict[str, Sequence[ShardInfo]]
     """Each split's shards: a list, or a ShardTable when read from manifest.npz."""
-    fingerprints: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    kept: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What `index`, `first_ids` and `fingerprint` made, by split: made once per manifest."""
 
     def shards(self, split: str) -> Sequence[ShardInfo]:
         if split not in self.splits or not self.splits[split]:
@@ -52,22 +53,32 @@ class Manifest:
     def url(self, shard: ShardInfo) -> str:
         return shard_url(self.base, shard.name)
 
-    def offsets(self, split: str) -> dict[str, int]:
-        """Each shard's first sample id: samples are numbered through the split in manifest order."""
-        offsets, start = {}, 0
-        for shard in self.shards(split):
-            offsets[shard.name] = start
-            start += shard.num_samples
-        return offsets
+    def index(self, split: str) -> dict[str, int]:
+        """Each shard's place in the split, by name (made once: a rank looks up its own shards)."""
+        key = f"index:{split}"
+        if key not in self.kept:
+            shards = self.shards(split)
+            names = shards.name_list() if isinstance(shards, ShardTable) else [s.name for s in shards]
+            self.kept[key] = {name: i for i, name in enumerate(names)}
+        return self.kept[key]
+
+    def first_ids(self, split: str) -> list[int]:
+        """Each shard's first sample id, in manifest order: samples are numbered through the split."""
+        key = f"first:{split}"
+        if key not in self.kept:
+            counts = sample_counts(self.shards(split))
+            self.kept[key] = (counts.cumsum() - counts).tolist()
+        return self.kept[key]
 
     def fingerprint(self, split: str) -> str:
         """A short hash of the split's shard names, counts and contents (kept: every checkpoint asks)."""
-        if split not in self.fingerprints:
+        key = f"fingerprint:{split}"
+        if key not in self.kept:
             h = hashlib.sha256()
             for s in self.shards(split):
                 h.update(f"{s.name} {s.num_samples} {s.sha256}\n".encode())
-            self.fingerprints[split] = h.hexdigest()[:16]
-        return self.fingerprints[split]
+            self.kept[key] = h.hexdigest()[:16]
+        return self.kept[key]
 
 
 SHARD_NAME = re.compile(r"[\w+-][\w.+-]*")
@@ -159,7 +170,7 @@ def read_location(where: str, timeout_s: float, s3_endpoint: str | None) -> byte
     if is_url(where):
         try:
             with urllib.request.urlopen(where, timeout=timeout_s) as response:
-                return response.read()  # type: ignore[no-any-return]
+                return response.read()
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 raise FileNotFoundError(where) from None

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
-from raywds.data.manifest import Manifest, ShardInfo, deal
+from raywds.data.manifest import Manifest, ShardInfo, deal, shard_url
 from raywds.loader.blocks import Blocks, HandedOver
 from raywds.loader.readers import Expected, ReadPolicy, tar_samples
 from raywds.loader.stages import (
@@ -60,13 +60,13 @@ def read_policy(cfg: TrainConfig, *, skip_unreadable: bool) -> ReadPolicy:
 
 def expected(manifest: Manifest, split: str, names: set[str] | None = None) -> dict[str, Expected]:
     """Each shard's URL -> what the manifest says reading it must give (only the shards in `names`, when given)."""
-    offsets = manifest.offsets(split)
+    shards, first = manifest.shards(split), manifest.first_ids(split)
+    index = manifest.index(split)
+    places = range(len(shards)) if names is None else sorted(index[name] for name in names)
     return {
-        manifest.url(s): Expected(
-            num_samples=s.num_samples, num_bytes=s.num_bytes, sha256=s.sha256, first_id=offsets[s.name]
-        )
-        for s in manifest.shards(split)
-        if names is None or s.name in names
+        manifest.url(s): Expected(num_samples=s.num_samples, num_bytes=s.num_bytes, sha256=s.sha256, first_id=first[i])
+        for i in places
+        for s in (shards[i],)
     }
 
 
@@ -189,10 +189,8 @@ def train_stages(
         mine = drawn(plan, shards, cfg, rank, epoch=epoch, reseed=reseed)
     names = {s.name for slot in mine for s in slot}
     source = bind(worker_urls, [[manifest.url(s) for s in slot] for slot in mine], rank)
-    offsets = manifest.offsets("train") if flags else {}
-    left_out = {
-        manifest.url(s): (offsets[s.name], flags[s.name]) for s in shards if s.name in flags and s.name in names
-    }
+    index, first = manifest.index("train"), manifest.first_ids("train")
+    left_out = {shard_url(manifest.base, n): (first[index[n]], f) for n, f in flags.items() if n in names}
     skips, where = Skips(read_policy(cfg, skip_unreadable=not plan.mode.exact)), Whereabouts()
     stages = [
         *_read_stages(source, manifest, "train", cfg, skips, where, names),

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from raywds.config import TrainConfig
+from raywds.data.columns import ShardTable, table
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import DataError
 from raywds.loader.loader import drawn, train_stages
@@ -130,6 +131,27 @@ def test_a_resample_worker_is_sent_its_own_draws_only() -> None:
     assert mine[3] == list(itertools.islice(endless, len(mine[3]))), "the draws the worker would make itself"
     per_worker = plan.max_batches * 256 / WORKERS
     assert sum(s.num_samples for s in mine[3]) >= 3 * per_worker, "room for what a worker reads, three times"
+
+
+@pytest.mark.parametrize("mode", [Split(), Resample()])
+def test_a_ranks_stages_from_the_manifests_columns_make_only_its_own_shards_records(
+    mode: Split | Resample, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read from manifest.npz, the manifest is a ShardTable: a rank's loader stages, each epoch,
+    look up the shards it reads (by the manifest's index) and never go through all 400,000
+    records (about a second each time)."""
+    listed = synthetic(400_000)
+    manifest = Manifest(base=listed.base, classes=listed.classes, splits={"train": table(listed.shards("train"))})
+    cfg = TrainConfig(data=manifest.base, num_loader_workers_per_rank=WORKERS, batch_size_per_rank=256)
+    plan = mode.plan(manifest.shards("train"), num_ranks=4096, num_workers=WORKERS, batch_size=256)
+    shards = manifest.shards("train")
+    flags = {i: np.ones(shards[i].num_samples, dtype=bool) for i in range(0, 400_000, 97)}  # shards in flight
+    position = Position(
+        mode=mode, epoch=0, step=1, samples_done=1, shards_done=np.zeros(400_000), partial=flags, dataset=""
+    )
+    monkeypatch.setattr(ShardTable, "__iter__", lambda self: pytest.fail("went through every shard's record"))
+    stages, *_ = train_stages(manifest, cfg, 4095, plan, epoch=0, position=position)
+    assert len(pickle.dumps(stages)) <= 1e6
 
 
 def test_a_resample_rank_whose_draws_run_out_stops_with_an_error_not_a_short_epoch() -> None:
