@@ -22,6 +22,7 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy  # noqa: F401 - loaded in every rank before a manifest is read
 
@@ -32,7 +33,7 @@ from raywds.data.manifest import FORMAT, MANIFEST, read_manifest, write_manifest
 
 
 def synthetic(folder: Path, count: int) -> None:
-    shards = [
+    shards: list[dict[str, Any]] = [
         {
             "name": f"laion-train-{i:06d}.tar",
             "num_samples": 950 + (i * 7919) % 101,
