@@ -12,7 +12,7 @@ from typing import ClassVar, TypeVar
 from raywds.data.manifest import ShardInfo, deal, shardsum
 from raywds.errors import ConfigError
 from raywds.plan import seeds
-from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, Nodes, remaining, split_batches
+from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, Nodes, Slots, remaining, split_batches
 
 T = TypeVar("T")
 SHARDS_PER_RANK = 20
@@ -89,12 +89,10 @@ class Split(Mode):
             seeds.rng(seeds.SHARD_ORDER, seed, epoch).shuffle(order)
             by_rank = deal(order, num_ranks)
         # Ranks first, then each rank's shards to its workers: ranks wait on each other at every
-        # step, so their balance matters most; workers of one rank only share its queue.
-        slots = [slot for rank_shards in by_rank for slot in deal(rank_shards, num_workers)]
-        per_rank = [
-            sum(s.num_samples for slot in slots[r * num_workers : (r + 1) * num_workers] for s in slot)
-            for r in range(num_ranks)
-        ]
+        # step, so their balance matters most; workers of one rank only share its queue. A rank
+        # deals only its own shards to its workers (Slots).
+        slots = Slots(by_rank, num_workers)
+        per_rank = [sum(s.num_samples for s in rank_shards) for rank_shards in by_rank]
         return EpochPlan(
             mode=self,
             num_ranks=num_ranks,
@@ -168,7 +166,7 @@ class Split(Mode):
 
     def rank_columns(self, plan: EpochPlan, rank: int) -> tuple[str, int]:
         samples, batches = plan.samples_per_rank[rank], plan.batches_per_rank[rank]
-        num_shards = sum(len(plan.slot(rank, w)) for w in range(plan.num_workers))
+        num_shards = len(plan.slots.by_rank[rank])
         return str(num_shards), samples - (batches - 1) * plan.batch_size if batches else 0
 
     def worker_lines(self, plan: EpochPlan, ranks: list[int]) -> list[str]:
@@ -200,7 +198,7 @@ def _slot_findings(plan: EpochPlan, num_shards: int) -> list[Finding]:
         )
     empty = sum(1 for n in plan.samples_per_rank if n == 0)
     if plan.resumed and empty:
-        left = sum(len(slot) for slot in plan.slots)
+        left = sum(len(shards) for shards in plan.slots.by_rank)
         found.append(
             Finding(
                 "warn",
@@ -216,7 +214,7 @@ def _slot_findings(plan: EpochPlan, num_shards: int) -> list[Finding]:
                 "at least as many canonical nodes as nodes (a multiple of the node count keeps the nodes even)",
             )
         )
-    idle = sum(1 for slot in plan.slots if not slot)
+    idle = plan.slots.idle()
     if idle and not plan.resumed and num_shards >= slots:
         found.append(
             Finding(

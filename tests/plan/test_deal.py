@@ -10,6 +10,7 @@ import time
 import pytest
 
 from raywds.data.manifest import ShardInfo, deal
+from raywds.plan import epoch
 from raywds.plan.split import Split
 
 
@@ -65,3 +66,28 @@ def test_dealing_to_8x_the_slots_takes_well_under_8x_the_time() -> None:
     shards = synthetic(50_000, random.Random(1), list(range(900, 1100)))
     small, large = best_of(3, shards, 512), best_of(3, shards, 4096)
     assert large / small < 2.5, f"{small:.3f} s on 512 slots, {large:.3f} s on 4096"
+
+
+def test_a_rank_deals_only_its_own_workers_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank builds what it reads: its shards to its workers, no other rank's (the plan's slots
+    are dealt when asked for), and the same slots as a plan that dealt them all."""
+    shards = synthetic(2000, random.Random(3), [999, 1000, 1001, 250])
+    whole = Split().plan(shards, num_ranks=64, num_workers=8, batch_size=32, seed=1, epoch=1)
+    expected = [list(slot) for slot in whole.slots]
+    dealt: list[int] = []
+    real = epoch.deal
+    monkeypatch.setattr(epoch, "deal", lambda shards, n: dealt.append(len(shards)) or real(shards, n))
+    plan = Split().plan(shards, num_ranks=64, num_workers=8, batch_size=32, seed=1, epoch=1)
+    mine = [plan.slot(5, w) for w in range(8)] + [plan.slot(5, 0)]
+    assert mine == expected[40:48] + [expected[40]]
+    assert len(dealt) == 1 and dealt[0] == sum(len(slot) for slot in expected[40:48])
+    assert plan.samples_per_rank == whole.samples_per_rank and len(plan.slots) == 64 * 8
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_idle_workers_are_counted_without_dealing(seed: int) -> None:
+    rng = random.Random(seed)
+    shards = synthetic(rng.randint(1, 200), rng, rng.choice([[1000], [1, 5000, 20], list(range(1, 3000))]))
+    plan = Split().plan(shards, num_ranks=rng.choice([1, 3, 16]), num_workers=rng.choice([1, 4, 8]), batch_size=8)
+    idle = plan.slots.idle()
+    assert idle == sum(1 for slot in list(plan.slots) if not slot)
