@@ -229,6 +229,7 @@ def tar_samples(
             ahead = Prefetch(following["url"], policy, expected[following["url"]], failures)  # once this one flows
         try:
             yield from shard_samples(url, stream, shard, verify_hash=verify_hashes)
+            stream.read()  # the tar's closing blocks: a --cache-dir copy is kept only once complete
             stream.close()  # a pipe: command's exit status arrives here
             failures.succeeded()
         except ShardError as e:

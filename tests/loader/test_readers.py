@@ -26,6 +26,7 @@ from raywds.data.manifest import read_manifest
 from raywds.errors import ShardError
 from raywds.loader.http import ReadPolicy, cache_path, open_shard
 from raywds.loader.loader import train_loader, val_loader
+from raywds.loader.readers import Expected, tar_samples
 from raywds.plan.modes import epoch_plan
 from raywds.serve import ShardServer, free_port
 from raywds.world import World
@@ -214,6 +215,20 @@ def test_cache_dir_keeps_a_complete_copy(shards: Path, tmp_path: Path) -> None:
     assert cache_path(policy.cache_dir or "", url).read_bytes() == (shards / shard.name).read_bytes()
     with open_shard(url, policy, size=shard.num_bytes) as stream:  # the server is gone: from the cache
         assert stream.read() == (shards / shard.name).read_bytes()
+
+
+@pytest.mark.parametrize("prefetch_bytes", [0, 256 << 20])
+def test_cache_dir_keeps_every_shard_a_pass_reads(shards: Path, tmp_path: Path, prefetch_bytes: int) -> None:
+    """Streamed (the first shard, or no prefetch) or fetched whole ahead: every shard read to its
+    last sample is cached, though a tar's last sample comes before its closing blocks."""
+    manifest = read_manifest(str(shards))
+    policy = ReadPolicy(cache_dir=str(tmp_path / "cache"), prefetch_bytes=prefetch_bytes)
+    with ShardServer(shards, backend="embedded") as server:
+        listed = {f"{server.url}/{s.name}": s for s in manifest.shards("train")}
+        entries = {u: Expected(s.num_samples, s.num_bytes, s.sha256) for u, s in listed.items()}
+        assert sum(1 for _ in tar_samples([{"url": u} for u in listed], policy, entries)) == 120
+    for url, shard in listed.items():
+        assert cache_path(policy.cache_dir or "", url).read_bytes() == (shards / shard.name).read_bytes(), url
 
 
 def test_cache_dir_refuses_a_copy_that_does_not_match_the_manifest(shards: Path, tmp_path: Path) -> None:
