@@ -167,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="PNG path (default RUN_DIR/report.png; NAME-report.png here for an s3:// run)")
     p.add_argument("--s3-endpoint", help="the S3 store's URL, for an s3:// run (default AWS_ENDPOINT_URL, else AWS)")
 
+    p = sub.add_parser("doctor", help="why a run's GPUs waited: the bottleneck, the rank and node, and what to change")
+    p.add_argument("run_dir", help="a run's folder or s3://… prefix (with metrics.jsonl), as for `raywds report`")
+    p.add_argument("--epoch", type=int, help="the epoch to look at, from 1 (default: the last)")
+    p.add_argument("--s3-endpoint", help="the S3 store's URL, for an s3:// run (default AWS_ENDPOINT_URL, else AWS)")
+
     p = sub.add_parser("train", help="train in this process (or one torchrun rank), no Ray")
     _add_train_flags(p)
 

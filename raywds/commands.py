@@ -176,25 +176,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
             pass
 
 
-def _plan_shards(args: argparse.Namespace) -> list[Any]:
-    from raywds.data.manifest import ShardInfo, read_manifest
-
-    if args.data:
-        return list(read_manifest(args.data).shards("train"))
-    if not (args.num_shards and args.samples_per_shard):
-        raise RaywdsError("plan needs --data SHARDS, or --num-shards N --samples-per-shard K")
-    sizes = [args.samples_per_shard] * args.num_shards
-    if args.last_shard_samples is not None:
-        sizes[-1] = args.last_shard_samples
-    return [ShardInfo(f"shard-{i:06d}.tar", n, 0, "") for i, n in enumerate(sizes)]
-
-
 def cmd_plan(args: argparse.Namespace) -> None:
     from raywds.plan.checks import check, refusals
     from raywds.plan.modes import nodes_of, parse
-    from raywds.plan.render import render
+    from raywds.plan.render import plan_shards, render
 
-    shards = _plan_shards(args)
+    shards = plan_shards(args.data, args.num_shards, args.samples_per_shard, args.last_shard_samples)
     plan = parse(args.mode).plan(
         shards,
         num_ranks=args.nodes * args.gpus_per_node,
@@ -238,9 +225,18 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"raywds: wrote {out} ({last['epoch']} epochs)")
 
 
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from raywds.report import local_copy, read_epochs
+    from raywds.train.doctor import diagnose
+
+    with local_copy(args.run_dir, args.s3_endpoint) as run_dir:
+        rows = read_epochs(run_dir)
+    print("\n".join(diagnose(rows[-1] if args.epoch is None else rows[args.epoch - 1])))
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from raywds.launch.local import run_local
-    from raywds.train.progress import summary_line
+    from raywds.train.progress import summary
 
     with _data(args) as data:
         cfg = _config(args, data)
@@ -251,12 +247,12 @@ def cmd_train(args: argparse.Namespace) -> None:
             f"raywds: checkpoint {run_dir.checkpoint_path}  metrics {run_dir.metrics_path}  "
             f"({time.perf_counter() - start:.0f} s)"
         )
-        print(summary_line(metrics))
+        print(summary(metrics))
 
 
 def cmd_ray(args: argparse.Namespace) -> None:
     from raywds.launch import ray_train
-    from raywds.train.progress import summary_line
+    from raywds.train.progress import summary
 
     ray_train.connect(args.address)
     # A single-node cluster reads the demo server over loopback; a multi-node one listens on
@@ -283,7 +279,7 @@ def cmd_ray(args: argparse.Namespace) -> None:
         f"raywds: {run.plan.describe()}  checkpoint {run.checkpoint}  results {run.path}  "
         f"({time.perf_counter() - start:.0f} s)"
     )
-    print(summary_line(run.metrics))
+    print(summary(run.metrics))
 
 
 COMMANDS = {
@@ -295,6 +291,7 @@ COMMANDS = {
     "serve": cmd_serve,
     "plan": cmd_plan,
     "report": cmd_report,
+    "doctor": cmd_doctor,
     "train": cmd_train,
     "ray": cmd_ray,
 }

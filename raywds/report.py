@@ -16,6 +16,7 @@ from typing import Any
 
 from raywds.data import s3
 from raywds.errors import ConfigError
+from raywds.train.doctor import shares
 
 
 @contextlib.contextmanager
@@ -47,6 +48,18 @@ def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
     return [epochs[e] for e in sorted(epochs)]
 
 
+def _step_bars(ax: Any, row: dict[str, Any]) -> None:
+    """Where each rank's time went in the epoch of `row`: a stacked bar per rank (raywds.train.doctor)."""
+    parts = shares(row["stages"])
+    ranks = range(len(parts["compute"]))
+    left = [0.0 for _ in ranks]
+    for name, values in parts.items():
+        ax.barh([f"rank {r}" for r in ranks], [100 * v for v in values], left=left, label=name)
+        left = [a + 100 * b for a, b in zip(left, values)]
+    ax.set(title=f"where each rank's time went, epoch {row['epoch']} (%)", xlim=(0, 100))
+    ax.invert_yaxis()
+
+
 def plot(run_dir: Path, out: Path | None = None) -> Path:
     """Draw the four panels to `out` (default RUN_DIR/report.png); returns the path."""
     import matplotlib
@@ -69,10 +82,13 @@ def plot(run_dir: Path, out: Path | None = None) -> Path:
     for rank in range(max(len(p) for p in per_rank)):
         ax[1][0].plot(epochs, [p[rank] if rank < len(p) else None for p in per_rank], ".--", label=f"rank {rank}")
     ax[1][0].set(title="throughput (images/s)", xlabel="epoch", ylim=(0, None))
-    waits = [r.get("data_wait_per_rank", []) for r in rows]
-    for rank in range(max(len(w) for w in waits)):
-        ax[1][1].plot(epochs, [100 * w[rank] if rank < len(w) else None for w in waits], "o-", label=f"rank {rank}")
-    ax[1][1].set(title="time waiting for data (% of step time)", xlabel="epoch", ylim=(0, 100))
+    if "stages" in rows[-1]:
+        _step_bars(ax[1][1], rows[-1])
+    else:  # a run from before step times were kept
+        waits = [r.get("data_wait_per_rank", []) for r in rows]
+        for rank in range(max(len(w) for w in waits)):
+            ax[1][1].plot(epochs, [100 * w[rank] if rank < len(w) else None for w in waits], "o-", label=f"rank {rank}")
+        ax[1][1].set(title="time waiting for data (% of step time)", xlabel="epoch", ylim=(0, 100))
     for a in ax.flat:
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:

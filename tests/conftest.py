@@ -16,6 +16,7 @@ from raywds import console
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.demo import DemoSpec, write_tree
+from raywds.train.doctor import shares
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -191,7 +192,7 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 def assert_charts_hold(folder: Path, rows: list[dict], num_ranks: int) -> None:
     """The event files in `folder` hold the numbers of these metrics.jsonl rows, and no others:
     each epoch row's at its epoch (validation only where it ran), its per-rank lists one chart
-    per rank, each progress row's at its global step."""
+    per rank (where each rank's epoch went too), each progress row's at its global step."""
     epochs = [r for r in rows if "train_loss" in r]
     progress = [r for r in rows if r.get("kind") == "progress"]
     keys = ("train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "data_wait_max")
@@ -201,6 +202,11 @@ def assert_charts_hold(folder: Path, rows: list[dict], num_ranks: int) -> None:
             expected[f"epoch/{key}/rank{rank}"] = [(r["epoch"], r[key][rank]) for r in epochs]
     for key in ("loss", "lr", "images_per_s_rank0", "data_wait_rank0"):
         expected[f"progress/{key}"] = [(r["step"], r[key]) for r in progress]
+    for part in ("data_wait", "copy", "compute", "waiting_for_other_ranks", "other"):
+        for rank in range(num_ranks):
+            expected[f"epoch/step_time/{part}/rank{rank}"] = [
+                (r["epoch"], shares(r["stages"])[part.replace("_", " ")][rank]) for r in epochs
+            ]
     charts = tensorboard_scalars(folder)
     assert sorted(charts) == sorted(expected)
     for tag, points in expected.items():  # event files hold float32

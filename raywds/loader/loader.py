@@ -25,6 +25,7 @@ from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest, ShardInfo, deal, shard_url
 from raywds.loader.blocks import Blocks, HandedOver
+from raywds.loader.clock import Clock
 from raywds.loader.readers import Expected, ReadPolicy, tar_samples
 from raywds.loader.stages import (
     Batch,
@@ -68,6 +69,12 @@ def expected(manifest: Manifest, split: str, names: set[str] | None = None) -> d
         for i in places
         for s in (shards[i],)
     }
+
+
+def sizes(manifest: Manifest, split: str, names: set[str]) -> dict[str, int]:
+    """The bytes of each of the shards `names`, by URL (where the manifest has them)."""
+    index, shards = manifest.index(split), manifest.shards(split)
+    return {manifest.url(s): s.num_bytes for s in (shards[index[n]] for n in names) if s.num_bytes}
 
 
 def _read_stages(
@@ -119,18 +126,23 @@ def _loader(
     *,
     partial: bool,
     skips: Skips | None = None,
+    clock: Clock | None = None,
 ) -> Iterable[Batch]:
     """A DataLoader over the stages then batching (`partial`: keep a short last batch), its
     batches handed over in reused shared-memory blocks (raywds.loader.blocks), each carrying what
-    `skips` skipped before it; a worker silent for cfg.loader_timeout_s is an error naming the
-    rank, the worker and the shard it reads (`where`)."""
+    `skips` skipped before it and what its worker spent (`clock`); a worker silent for
+    cfg.loader_timeout_s is an error naming the rank, the worker and the shard it reads (`where`)."""
     workers = cfg.num_loader_workers_per_rank
     where = where if where is not None else Whereabouts()  # stages that note no shard: the error says so
     context = start_method(workers, world)
     blocks = Blocks(workers)
-    batched = wds.batched(cfg.batch_size_per_rank, collation_fn=bind(collate, out_of=blocks.take), partial=partial)
+    collation: Callable[[list[Any]], Batch] = bind(collate, out_of=blocks.take)
+    if clock is not None:
+        collation = bind(clock.collating, collation)
+    batched = wds.batched(cfg.batch_size_per_rank, collation_fn=collation, partial=partial)
+    after = [*([skips.attach] if skips is not None else []), *([clock.attach] if clock is not None else [])]
     loader = DataLoader(
-        wds.DataPipeline(*stages, batched, *([skips.attach] if skips is not None else []), blocks.leased),
+        wds.DataPipeline(*stages, batched, *after, blocks.leased),
         batch_size=None,
         num_workers=workers,
         multiprocessing_context=context,
@@ -176,11 +188,19 @@ def drawn(
 
 
 def train_stages(
-    manifest: Manifest, cfg: TrainConfig, rank: int, plan: EpochPlan, *, epoch: int, position: Position | None = None
+    manifest: Manifest,
+    cfg: TrainConfig,
+    rank: int,
+    plan: EpochPlan,
+    *,
+    epoch: int,
+    position: Position | None = None,
+    clock: Clock | None = None,
 ) -> tuple[list[Any], Skips, Whereabouts]:
     """The stages every loader worker of `rank` runs (each worker gets a copy): only the rank's
     slots (split) or draws (resample), the manifest's entries for those shards and the flags of
-    those partly trained on; never the plan, the manifest or the position."""
+    those partly trained on; never the plan, the manifest or the position. `clock` times the
+    reading, decoding and collating (raywds.loader.clock)."""
     shards = manifest.shards("train")
     flags, reseed = already_done(position, epoch, shards)
     if plan.slots:
@@ -192,11 +212,13 @@ def train_stages(
     index, first = manifest.index("train"), manifest.first_ids("train")
     left_out = {shard_url(manifest.base, n): (first[index[n]], f) for n, f in flags.items() if n in names}
     skips, where = Skips(read_policy(cfg, skip_unreadable=not plan.mode.exact)), Whereabouts()
+    decode = train_decoder(cfg, epoch)
     stages = [
         *_read_stages(source, manifest, "train", cfg, skips, where, names),
+        *([bind(clock.reading, sizes=sizes(manifest, "train", names))] if clock is not None else []),
         bind(unconsumed, left_out=left_out),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
-        bind(decoded, decode=train_decoder(cfg, epoch), skips=skips),
+        bind(decoded, decode=bind(clock.decoding, decode) if clock is not None else decode, skips=skips),
     ]
     return stages, skips, where
 
@@ -207,8 +229,9 @@ def train_loader(
     """This rank's training batches for `epoch` as `plan` deals them; after `position`, only
     what the epoch has not yet delivered (exact mode) or a reseeded stream (resample)."""
     rank, exact = world.rank, plan.mode.exact
-    stages, skips, where = train_stages(manifest, cfg, rank, plan, epoch=epoch, position=position)
-    loader = _loader(stages, cfg, world, where, partial=exact, skips=skips)
+    clock = Clock()
+    stages, skips, where = train_stages(manifest, cfg, rank, plan, epoch=epoch, position=position, clock=clock)
+    loader = _loader(stages, cfg, world, where, partial=exact, skips=skips, clock=clock)
     if not exact and cfg.cross_worker_shuffle_samples == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
 

@@ -24,6 +24,7 @@ from torch.utils.data import get_worker_info
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError, DataError
 from raywds.loader import crops, decode
+from raywds.loader.clock import Spent
 from raywds.loader.decode import Encoded
 from raywds.loader.readers import Failures, ReadPolicy
 from raywds.plan import seeds
@@ -46,6 +47,8 @@ class Batch(NamedTuple):
     """resample mode: why each shard skipped since the worker's previous batch could not be read."""
     read_retries: int = 0
     """Shard reads retried (and resumed) since the worker's previous batch."""
+    spent: Spent | None = None
+    """What the worker spent reading, decoding and collating since its previous batch."""
 
 
 Sample = tuple[Any, int, int, str]
@@ -251,20 +254,24 @@ def rebatched(
     workers skipped travels on with the next batch out."""
     skipped: tuple[list[str], list[str]] = ([], [])
     retries = [0]
+    spent = [Spent()]
 
     def unbatched() -> Iterator[Sample]:
         for batch in batches:
             skipped[0].extend(batch.bad_samples)
             skipped[1].extend(batch.bad_shards)
             retries[0] += batch.read_retries
+            if batch.spent is not None:
+                spent[0] = spent[0].plus(batch.spent)
             yield from _samples(batch)
 
     def collated(samples: list[Sample]) -> Batch:
         batch = collate(samples, bad_samples=tuple(skipped[0]), bad_shards=tuple(skipped[1]))
-        batch = batch._replace(read_retries=retries[0])
+        batch = batch._replace(read_retries=retries[0], spent=spent[0])
         skipped[0].clear()
         skipped[1].clear()
         retries[0] = 0
+        spent[0] = Spent()
         return batch
 
     out = wds.batched(batch_size, collation_fn=collated, partial=partial)(shuffled(unbatched(), buffer=buffer, rng=rng))

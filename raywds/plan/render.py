@@ -5,8 +5,25 @@ raywds plan --num-shards 1282 --samples-per-shard 1000 --nodes 64 --gpus-per-nod
 
 from __future__ import annotations
 
+from raywds.data.manifest import ShardInfo, read_manifest
+from raywds.errors import ConfigError
 from raywds.plan.checks import verdict
 from raywds.plan.epoch import EpochPlan, Finding
+
+
+def plan_shards(
+    data: str | None, num_shards: int | None, samples_per_shard: int | None, last_shard_samples: int | None
+) -> list[ShardInfo]:
+    """The training shards of --data, or made up: `num_shards` of `samples_per_shard` (the last
+    of `last_shard_samples`, when given)."""
+    if data:
+        return list(read_manifest(data).shards("train"))
+    if not (num_shards and samples_per_shard):
+        raise ConfigError("plan needs --data SHARDS, or --num-shards N --samples-per-shard K")
+    sizes = [samples_per_shard] * num_shards
+    if last_shard_samples is not None:
+        sizes[-1] = last_shard_samples
+    return [ShardInfo(f"shard-{i:06d}.tar", n, 0, "") for i, n in enumerate(sizes)]
 
 
 def shown_ranks(num_ranks: int, max_shown: int) -> list[int]:

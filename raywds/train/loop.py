@@ -14,9 +14,11 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from raywds.errors import CollectiveError
+from raywds.loader.clock import Spent
 from raywds.loader.stages import Batch, bad_sample_id
 from raywds.train.compute import Compute
 from raywds.train.optim import set_lr
+from raywds.train.steptime import StepTimer, slowed_rank, spin
 from raywds.world import World
 
 
@@ -32,6 +34,9 @@ class EpochResult:
     """True when `after_step` asked to stop before the epoch's end."""
     data_wait_s: float = 0.0
     """Time the loop spent waiting for the loader."""
+    startup_s: float = 0.0
+    """Of it, what the first batch waited beyond its worker's reading and decoding: the loader's
+    workers starting (a slow first shard still counts as waiting for data)."""
     bad_samples: list[str] = field(default_factory=list)
     """resample mode: why each skipped sample could not be used (the loader workers' words), once
     per draw: shards repeat within a resample epoch, and a bad sample with them."""
@@ -41,6 +46,43 @@ class EpochResult:
     """resample mode: shards skipped as unreadable."""
     num_read_retries: int = 0
     """Shard reads retried after a transient failure (a throttled store, a dropped connection)."""
+    copy_s: float = 0.0
+    """Time putting each batch on the device (and, with `--decode device`, decoding it there)."""
+    forward_s: float = 0.0
+    """Time in the model's forward pass and loss: this rank's own compute, no collective."""
+    backward_s: float = 0.0
+    """Time in backward and the optimizer step, gradient all-reduce included: a rank that waits
+    there for a slower one spends more here than that rank does (raywds.train.doctor)."""
+    own_s: float = 0.0
+    """The forward and backward passes' own compute, waits for other ranks left out (CPU seconds
+    on a CPU, device time on a GPU: raywds.train.steptime): compared across ranks only."""
+    loader: Spent = Spent()
+    """What the rank's loader workers spent making the batches it trained on (raywds.loader.clock)."""
+
+    def waited(self, seconds: float, batch: Batch | None) -> None:
+        self.data_wait_s += seconds
+        if not self.num_steps and batch is not None:  # the first: less the batch's own making
+            self.startup_s = max(seconds - (batch.spent.busy_s if batch.spent else 0.0), 0.0)
+
+    def add(self, batch: Batch, loss: float) -> None:
+        """Count a step on `batch`, whose mean loss was `loss`."""
+        self.num_steps += 1
+        self.num_samples += len(batch.labels)
+        self.bad_samples += batch.bad_samples
+        self.distinct_bad.update((bad_sample_id(why), why) for why in batch.bad_samples)
+        self.num_bad_shards += len(batch.bad_shards)
+        self.num_read_retries += batch.read_retries
+        self.loss_sum += loss * len(batch.labels)
+        if batch.spent is not None:
+            self.loader = self.loader.plus(batch.spent)
+
+    def add_times(self, between: list[float], own_s: float) -> None:
+        """A step's copy, forward and backward seconds, and its own compute."""
+        copy_s, forward_s, backward_s = between
+        self.copy_s += copy_s
+        self.forward_s += forward_s
+        self.backward_s += backward_s
+        self.own_s += own_s
 
 
 def _is_collective_failure(e: BaseException) -> bool:
@@ -85,28 +127,30 @@ def train_epoch(
     r = EpochResult()
     start = time.perf_counter()
     joinable = uneven and isinstance(model, DistributedDataParallel)
+    timer, slow_s = StepTimer(world.device), slowed_rank(world.rank)
     try:
         with Join([model]) if joinable else contextlib.nullcontext(), _iterating(batches) as it:  # type: ignore[list-item]
             while True:
                 asked = time.perf_counter()
                 batch = next(it, None)
-                r.data_wait_s += time.perf_counter() - asked  # time the step waited for the loader
+                r.waited(time.perf_counter() - asked, batch)  # time the step waited for the loader
                 if batch is None:
                     break
                 set_lr(optimizer, lr(r.num_steps))
+                marks = [timer.mark()]
                 images, labels = compute.inputs(batch.images, batch.labels)
+                marks.append(timer.mark())
                 with compute.autocast():
                     loss = loss_fn(model(images), labels)
+                if slow_s:
+                    spin(slow_s)
+                marks.append(timer.mark())
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                r.num_steps += 1
-                r.num_samples += len(labels)
-                r.bad_samples += batch.bad_samples
-                r.distinct_bad.update((bad_sample_id(why), why) for why in batch.bad_samples)
-                r.num_bad_shards += len(batch.bad_shards)
-                r.num_read_retries += batch.read_retries
-                r.loss_sum += loss.item() * len(labels)
+                marks.append(timer.mark())
+                r.add(batch, loss.item())  # waits for the device: the marks are done
+                r.add_times(timer.between(marks), timer.own(marks[1], marks[3]))
                 r.seconds = time.perf_counter() - start
                 if after_step is not None and after_step(r.num_steps, batch, r):
                     r.stopped = True

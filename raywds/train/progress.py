@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from raywds.config import TrainConfig
 from raywds.errors import DataError
+from raywds.train.doctor import diagnose
 from raywds.train.rundir import Metrics, RunDir
 from raywds.world import World
 
@@ -105,6 +106,13 @@ def epoch_line(m: Metrics, num_epochs: int) -> str:
         f"epoch {m['epoch']}/{num_epochs}  loss {m['train_loss']:.3f}{val}  images/s {m['images_per_s']:.1f}"
         f"  data wait {100 * m['data_wait_max']:.0f}%{_skipped(m)}"
     )
+
+
+def summary(m: Metrics) -> str:
+    """The end of a run: the summary line, then the doctor's verdict on its last epoch."""
+    if m.get("inside_epoch") or "stages" not in m:
+        return summary_line(m)
+    return summary_line(m) + "\n" + "\n".join("doctor: " + line for line in diagnose(m))
 
 
 def summary_line(m: Metrics) -> str:

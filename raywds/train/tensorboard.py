@@ -6,7 +6,8 @@ runs alike (raywds.train.rundir calls it).
     tensorboard --logdir runs/demo/tensorboard
 
 An epoch row gives `epoch/KEY` at step = the epoch (1, 2, ...), KEY its metrics.jsonl key, and
-a per-rank list one scalar per rank (`epoch/data_wait_per_rank/rank1`); a progress row gives
+a per-rank list one scalar per rank (`epoch/data_wait_per_rank/rank1`), and where each rank's
+epoch went as fractions of it (`epoch/step_time/compute/rank1`, raywds.train.doctor); a progress row gives
 `progress/KEY` at its global step. The tensorboard package is imported only when a run asks
 for it.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from raywds.errors import ConfigError
+from raywds.train.doctor import shares
 
 FOLDER = "tensorboard"
 """The event files' folder in the run folder."""
@@ -44,6 +46,9 @@ def scalars(row: dict[str, Any]) -> Iterator[tuple[str, float, int]]:
         for key in EPOCH_PER_RANK:
             for rank, value in enumerate(row.get(key, [])):
                 yield f"epoch/{key}/rank{rank}", value, row["epoch"]
+        for part, values in (shares(row["stages"]) if "stages" in row else {}).items():
+            for rank, value in enumerate(values):
+                yield f"epoch/step_time/{part.replace(' ', '_')}/rank{rank}", value, row["epoch"]
 
 
 class EventWriter:

@@ -25,6 +25,7 @@ from raywds.plan.position import Position, done_in
 from raywds.train.audit import Audit
 from raywds.train.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
+from raywds.train.doctor import diagnose, stage_times
 from raywds.train.ledger import Ledger, gathered, per_rank, sum_and_max, tally
 from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import build_model
@@ -225,7 +226,7 @@ class Trainer:
         )
         self.audit.segment(self.progress.steps)
         if world.is_main:
-            log.info(epoch_line(metrics, cfg.num_epochs))
+            log.info(epoch_line(metrics, cfg.num_epochs) + "\n  doctor: " + diagnose(metrics)[0])
         self.emit(metrics)
 
     def epoch_metrics(self, epoch: Epoch, result: EpochResult) -> Metrics:
@@ -266,6 +267,7 @@ class Trainer:
             "data_wait_per_rank": [round(r[1], 4) for r in ranks],
             "data_wait_max": max(r[1] for r in ranks),
             "lr": lr_at(self.cfg, world, epoch.index + 1),
+            "stages": stage_times(world, result, self.cfg, self.manifest.base),
         }
 
     def emit(self, metrics: Metrics) -> None:

@@ -1,0 +1,249 @@
+"""Why is the GPU waiting? Where each rank's step time went in an epoch, gathered into the
+epoch's metrics row (`stages`), and the verdict on it: the bottleneck named in one sentence
+with its numbers, the rank and node it is on, and what to change, ranked by expected gain.
+
+    raywds doctor runs/demo        # the verdict on a run's last epoch (metrics.jsonl)
+
+A step is the wait for its batch, the copy to the device, the forward pass and the backward
+pass with the optimizer step. Ranks meet in collectives in both passes (DDP's buffer broadcast,
+the gradient all-reduce), so a rank that waits for a slower one spends as long in them as that
+rank; what tells them apart is each rank's own compute in the passes (raywds.train.steptime).
+The loader's workers time their reading, decoding and collating (raywds.loader.clock).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from raywds.config import TrainConfig
+from raywds.loader.clock import Spent
+from raywds.train.ledger import gathered, per_rank
+from raywds.train.loop import EpochResult
+from raywds.world import World
+
+WAITS = 0.10
+"""A rank that waits this share of its steps or less for data is not held back by it."""
+SLOWER = 1.2
+"""A rank whose own compute per sample is this many times the others' median is a slow GPU or node."""
+SLOW_SHARD = 0.25
+"""A shard read at this share of its rank's read rate or less is a slow shard."""
+NUMBERS = ("seconds", "samples", "wait_s", "startup_s", "copy_s", "forward_s", "backward_s", "own_s")
+LOADER = ("read_s", "decode_s", "collate_s", "read_bytes", "decoded")
+
+
+def cores_per_rank(world: World) -> int:
+    """The cores this rank's process may use, shared with the other ranks on its node."""
+    return max(len(os.sched_getaffinity(0)) // max(world.ranks_per_node, 1), 1)
+
+
+def stage_times(world: World, result: EpochResult, cfg: TrainConfig, data_from: str) -> dict[str, Any]:
+    """Every rank's step times and loader stages for the epoch, on every rank (two collectives)."""
+    spent = result.loader
+    r = result
+    mine = [r.seconds, r.num_samples, r.data_wait_s, r.startup_s, r.copy_s, r.forward_s, r.backward_s, r.own_s]
+    table = per_rank(world, [*mine, spent.read_s, spent.decode_s, spent.collate_s, spent.read_bytes, spent.samples])
+    names = gathered(
+        world,
+        [[socket.gethostname(), spent.slow_shard, str(spent.slow_shard_s), str(spent.slow_shard_bytes)]],
+    )
+    stages: dict[str, Any] = {key: [round(row[i], 4) for row in table] for i, key in enumerate(NUMBERS + LOADER)}
+    stages["host"] = [row[0] for row in names]
+    stages["slow_shard"] = [[row[1], float(row[2]), int(row[3])] for row in names]
+    stages["loader_workers"] = cfg.num_loader_workers_per_rank
+    stages["cores_per_rank"] = cores_per_rank(world)
+    stages["decode"] = cfg.decode
+    stages["cache_dir"] = bool(cfg.cache_dir)
+    stages["data_from"] = data_from
+    stages["device"] = world.device.split(":")[0]
+    return stages
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank's epoch, from a metrics row's `stages`."""
+
+    rank: int
+    host: str
+    seconds: float
+    samples: float
+    wait_s: float
+    startup_s: float
+    copy_s: float
+    forward_s: float
+    backward_s: float
+    own_s: float
+    blocked_s: float
+    loader: Spent
+
+    @property
+    def waits(self) -> float:
+        """The share of its steps the rank waited for data, less its loader workers' start."""
+        return (self.wait_s - self.startup_s) / max(self.seconds - self.startup_s, 1e-9)
+
+    @property
+    def model_rate(self) -> float:
+        """Images a second the rank's model would take if the data were always there."""
+        return self.samples / max(self.copy_s + self.forward_s + self.backward_s - self.blocked_s, 1e-9)
+
+    def loader_rate(self, workers: int) -> float:
+        """Images a second the rank's loader makes with `workers` workers (0: the main process)."""
+        return self.loader.samples / max(self.loader.busy_s, 1e-9) * max(workers, 1)
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank} on {self.host}"
+
+
+def ranks(stages: dict[str, Any]) -> list[Rank]:
+    per_sample = [own / max(n, 1) for own, n in zip(stages["own_s"], stages["samples"])]
+    slowest = max(per_sample)
+    out = []
+    for r, host in enumerate(stages["host"]):
+        name, slow_s, slow_bytes = stages["slow_shard"][r]
+        spent = Spent(
+            stages["read_s"][r],
+            stages["decode_s"][r],
+            stages["collate_s"][r],
+            int(stages["read_bytes"][r]),
+            int(stages["decoded"][r]),
+            name,
+            slow_s,
+            slow_bytes,
+        )
+        numbers = {key: float(stages[key][r]) for key in NUMBERS}
+        # Ranks meet at every step: a rank whose own compute per sample is a share of the
+        # slowest's spends the rest of its passes waiting for it.
+        passes = numbers["forward_s"] + numbers["backward_s"]
+        blocked = passes * (1 - per_sample[r] / slowest) if slowest > 0 else 0.0
+        out.append(Rank(rank=r, host=host, **numbers, blocked_s=blocked, loader=spent))
+    return out
+
+
+SHARES = ("data wait", "copy", "compute", "waiting for other ranks", "other")
+"""Where each rank's epoch went (`shares`): the stacked bars of `raywds report` and TensorBoard's
+`epoch/step_time/...` charts."""
+
+
+def shares(stages: dict[str, Any]) -> dict[str, list[float]]:
+    """Each SHARES part of each rank's epoch, as a fraction of it ("other": the loop's own
+    bookkeeping, checkpoints and the loader's start)."""
+    out: dict[str, list[float]] = {name: [] for name in SHARES}
+    for r in ranks(stages):
+        whole = max(r.seconds, 1e-9)
+        parts = [r.wait_s, r.copy_s, r.forward_s + r.backward_s - r.blocked_s, r.blocked_s]
+        for name, part in zip(SHARES, [*parts, max(whole - sum(parts), 0.0)]):
+            out[name].append(round(part / whole, 4))
+    return out
+
+
+def _mb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e6:,.1f} MB"
+
+
+def diagnose(row: dict[str, Any]) -> list[str]:
+    """The verdict on one epoch's metrics row: the bottleneck in a sentence with its numbers (a
+    slow rank first, where there is one), then what to change, best first (`1. ...`). Rows
+    written before stages were timed get one line."""
+    stages = row.get("stages")
+    if not stages:
+        return [f"epoch {row.get('epoch')}: no step times in this row (written by a raywds that did not time them)"]
+    every = ranks(stages)
+    found, fixes = _slow_rank(every)
+    worst = max(every, key=lambda r: r.waits)
+    if worst.waits <= WAITS:
+        found.append(
+            f"the data is not the bottleneck: no rank waits more than {100 * worst.waits:.0f}% of its steps for "
+            f"batches; the model takes {statistics.median(r.model_rate for r in every):,.0f} images/s a rank"
+        )
+    else:
+        head = f"{worst.where} waits {100 * worst.waits:.0f}% of each step for data"
+        others = [r.waits for r in every if r is not worst]
+        if others and statistics.median(others) < worst.waits / 2:
+            head += f" (the other ranks {100 * statistics.median(others):.0f}%)"
+        read_share = worst.loader.read_s / max(worst.loader.busy_s, 1e-9)
+        more, also = (
+            _read_bound(every, worst, stages, head) if read_share >= 0.5 else _decode_bound(worst, stages, head)
+        )
+        found.append(more)
+        fixes += also
+    return found + [f"{i}. {fix}" for i, fix in enumerate(fixes, 1)]
+
+
+def _slow_rank(every: list[Rank]) -> tuple[list[str], list[str]]:
+    """A rank slower in its own compute than the others: the others wait for it in the all-reduce."""
+    if len(every) < 2:
+        return [], []
+    slow = max(every, key=lambda r: r.own_s / max(r.samples, 1))
+    typical = statistics.median(r.own_s / max(r.samples, 1) for r in every if r is not slow)
+    if slow.own_s / max(slow.samples, 1) < SLOWER * typical:
+        return [], []
+    waiting = statistics.median(r.blocked_s / max(r.seconds, 1e-9) for r in every if r is not slow)
+    return (
+        [
+            f"{slow.where} is {100 * (slow.own_s / max(slow.samples, 1) / max(typical, 1e-9) - 1):.0f}% slower in "
+            "compute than the "
+            f"others (same data wait), who wait {100 * waiting:.0f}% of each step for it in the all-reduce: "
+            "a slow GPU or node, not the data"
+        ],
+        [f"check or leave out {slow.host} (its GPU's clocks and temperature, other work on it)"],
+    )
+
+
+def _read_bound(every: list[Rank], worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, list[str]]:
+    spent = worst.loader
+    rate = spent.read_bytes / max(spent.read_s, 1e-9)
+    if spent.slow_shard and spent.slow_shard_bytes / max(spent.slow_shard_s, 1e-9) <= SLOW_SHARD * rate:
+        rest = (spent.read_bytes - spent.slow_shard_bytes) / max(spent.read_s - spent.slow_shard_s, 1e-9)
+        return (
+            f"{head}: its loader waited {spent.slow_shard_s:.1f} s for shard {spent.slow_shard} "
+            f"({_mb(spent.slow_shard_bytes)}, {_mb(spent.slow_shard_bytes / max(spent.slow_shard_s, 1e-9))}/s; "
+            f"its other shards {_mb(rest)}/s)",
+            ["a slow shard: fetch it by hand to see whether the disk or server behind it is slow; copy it elsewhere"],
+        )
+    total = sum(r.loader.read_bytes for r in every) / max(statistics.median(r.seconds for r in every), 1e-9)
+    line = (
+        f"{head}: its loader spends {100 * spent.read_s / max(spent.busy_s, 1e-9):.0f}% of its time reading "
+        f"shards, at {_mb(rate)}/s a rank and {_mb(total)}/s in all from {stages['data_from']}"
+    )
+    fixes = []
+    if not stages["cache_dir"]:
+        fixes.append("--cache-dir on a local disk: every epoch after the first reads the shards from it")
+    fixes.append(
+        "shards from object storage (s3://) or several servers of the same shards "
+        "(--shards-at http://a:8080,http://b:8080): one server's link or disk is full"
+    )
+    return line, fixes
+
+
+def _decode_bound(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, list[str]]:
+    workers, cores = stages["loader_workers"], stages["cores_per_rank"]
+    made, wanted = worst.loader_rate(workers), worst.model_rate
+    line = (
+        f"{head}: its loader decodes {made:,.0f} images/s with {workers} worker(s) "
+        f"({100 * (worst.loader.decode_s + worst.loader.collate_s) / max(worst.loader.busy_s, 1e-9):.0f}% of their "
+        f"time decoding), the model takes {wanted:,.0f}/s"
+    )
+    if made >= 1.2 * wanted:
+        return line + (
+            ": the loader keeps up when it runs, but its workers do not get the CPU they need "
+            f"({cores} core(s) a rank, shared with the rank's own work and anything else on the node)"
+        ), ["fewer other processes on the node, or --data-plane ray: decode on the cluster's idle CPUs"]
+    needed = math.ceil(max(workers, 1) * wanted / max(made, 1e-9) * 1.15)
+    fixes = []  # the measured gain first; those that depend on the GPU or the cluster after
+    usable = min(needed, cores)
+    if usable > workers:
+        gain = min(wanted, made * usable / max(workers, 1)) / made
+        enough = "" if usable == needed else f", as many as its {cores} cores allow ({needed} would keep up)"
+        fixes.append(f"--loader-workers {usable}{enough}: about {gain:.1f}x the images/s")
+    if stages["device"] == "cuda" and stages["decode"] != "device":
+        fixes.append("--decode device: the GPU decodes the JPEGs, the workers only read them")
+    if needed > cores:
+        fixes.append("--data-plane ray: decode on the cluster's idle CPUs too (`ray status` lists them)")
+    if stages["decode"] == "pil":
+        fixes.append("--decode cpu: decodes only the crop's part of each JPEG, at a reduced scale")
+    return line, fixes

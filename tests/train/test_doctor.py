@@ -1,0 +1,181 @@
+"""The data-stall doctor on bottlenecks planted for real: a throttled shard server, one slow
+shard, decoding large JPEGs with one worker, one slow rank of two, and a model whose compute
+is the limit. The doctor must name the bottleneck, the rank and the host, and its first
+prescription must help when the run is made again with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import FORKSERVER_PRELOAD, small_config
+
+from raywds.data.convert import ConvertOptions, convert
+from raywds.data.demo import DemoSpec, write_tree
+from raywds.train.doctor import diagnose, ranks
+from raywds.train.rundir import RunDir
+from raywds.train.steptime import SLOW_RANK
+from raywds.train.trainer import train
+from raywds.world import World
+
+torch.multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+HOST = socket.gethostname()
+
+
+def rows(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "stages" in r]
+
+
+def verdict_of(row: dict) -> list[str]:
+    """The doctor's lines, also printed (`pytest -s` shows them, as docs/doctor.md quotes them)."""
+    lines = diagnose(row)
+    print("\n".join(["$ raywds doctor RUN", *lines]))
+    return lines
+
+
+class _Throttled(http.server.SimpleHTTPRequestHandler):
+    """Serves files at about `rate` bytes a second in all (one lock: the server's link is full)."""
+
+    rate = 200_000
+    lock = threading.Lock()
+
+    def copyfile(self, source, outputfile) -> None:  # type: ignore[no-untyped-def]
+        while chunk := source.read(4096):
+            with self.lock:
+                time.sleep(len(chunk) / self.rate)
+            outputfile.write(chunk)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def throttled(root: Path) -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: _Throttled(*a, directory=str(root)))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_throttled_server_is_named_and_the_cache_takes_it_away(shards: Path, tmp_path: Path) -> None:
+    with throttled(shards) as url:
+        cfg = small_config(url, num_epochs=1, mode="split")
+        train(cfg, World(), run_dir=RunDir(tmp_path / "slow"))
+        (verdict, *fixes) = verdict_of(rows(tmp_path / "slow")[-1])
+        assert verdict.startswith(f"rank 0 on {HOST} waits ") and "of its time reading shards" in verdict, verdict
+        assert f"in all from {url}" in verdict, verdict
+        assert fixes[0].startswith("1. --cache-dir"), fixes
+        cached = small_config(url, num_epochs=2, mode="split", cache_dir=str(tmp_path / "cache"))
+        train(cached, World(), run_dir=RunDir(tmp_path / "cached"))
+    first, second = rows(tmp_path / "cached")
+    assert second["stages"]["read_s"][0] < first["stages"]["read_s"][0] / 3, (first["stages"], second["stages"])
+    assert "reading" not in verdict_of(second)[0]
+
+
+def test_one_slow_shard_is_named(shards: Path, tmp_path: Path) -> None:
+    """A `pipe:` command that takes 1.5 s to start giving one shard."""
+    slow = "imagenet-train-000003.tar"
+    assert (shards / slow).is_file()
+    command = f"pipe:sh -c 'case {{}} in {slow}) sleep 1.5;; esac; exec cat {shards}/{{}}'"
+    cfg = small_config(str(shards), shards_at=command, num_epochs=1, mode="split")
+    train(cfg, World(), run_dir=RunDir(tmp_path))
+    verdict, fix = verdict_of(rows(tmp_path)[-1])[:2]
+    assert verdict.startswith(f"rank 0 on {HOST} waits "), verdict
+    assert f"for shard pipe:sh -c 'case {slow} in {slow})" in verdict, verdict
+    assert fix.startswith("1. a slow shard"), fix
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """80 JPEGs of 1,024 x 1,024 in shards of 10: decoding each whole takes ~10 ms."""
+    tree = write_tree(
+        tmp_path_factory.mktemp("large"),
+        DemoSpec(num_train_per_class=8, num_val_per_class=1, image_side_px=1024, seed=3),
+    )
+    out = tmp_path_factory.mktemp("large-shards")
+    convert(tree, out, ConvertOptions(maxcount=10, seed=1))
+    return out
+
+
+def test_decoding_with_one_worker_is_named_and_more_workers_help(large: Path, tmp_path: Path) -> None:
+    one = small_config(str(large), decode="pil", image_size_px=32, num_epochs=1, batch_size_per_rank=8)
+    train(one, World(), run_dir=RunDir(tmp_path / "one"))
+    row = rows(tmp_path / "one")[-1]
+    verdict, fix = verdict_of(row)[:2]
+    assert verdict.startswith(f"rank 0 on {HOST} waits ") and "decodes" in verdict and "1 worker(s)" in verdict, verdict
+    cores = row["stages"]["cores_per_rank"]
+    if cores < 2:
+        pytest.skip("one core: more loader workers cannot help")
+    assert fix.startswith(f"1. --loader-workers {cores}"), fix
+    more = dataclasses.replace(one, num_loader_workers_per_rank=cores)
+    train(more, World(), run_dir=RunDir(tmp_path / "more"))
+    again = rows(tmp_path / "more")[-1]
+    assert again["images_per_s"] > 1.15 * row["images_per_s"], (row["images_per_s"], again["images_per_s"])
+
+
+def test_a_model_that_is_the_limit_is_not_blamed_on_the_data(shards: Path, tmp_path: Path) -> None:
+    """Small JPEGs, a resnet18 at 64 px: compute, not data."""
+    cfg = small_config(str(shards), model="resnet18", image_size_px=64, num_epochs=1)
+    train(cfg, World(), run_dir=RunDir(tmp_path))
+    lines = verdict_of(rows(tmp_path)[-1])
+    assert lines[0].startswith("the data is not the bottleneck"), lines
+    assert len(lines) == 1, lines
+
+
+def _rank(rank: int, data: str, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ[SLOW_RANK] = "1:0.05"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        cfg = small_config(data, num_epochs=1, mode="split", batch_size_per_rank=8)
+        train(cfg, World(rank=rank, world_size=2), run_dir=RunDir(Path(out)) if rank == 0 else None)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_slow_rank_of_two_is_named_as_compute_not_data(shards: Path, tmp_path: Path) -> None:
+    """Rank 1 sleeps 50 ms in each forward pass: rank 0 waits for it in the all-reduce."""
+    mp.start_processes(
+        _rank, args=(str(shards), str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="forkserver"
+    )
+    row = rows(tmp_path)[-1]
+    lines = verdict_of(row)
+    assert lines[0].startswith(f"rank 1 on {HOST} is "), lines
+    assert "slower in compute than the others (same data wait)" in lines[0], lines
+    assert any(line.startswith(f"1. check or leave out {HOST}") for line in lines), lines
+    fast, slow = ranks(row["stages"])
+    assert fast.blocked_s > 0.5 * 0.05 * 7 and slow.blocked_s == 0, (fast, slow)  # 7 steps of 50 ms more
+
+
+def test_the_doctor_command_reads_a_runs_folder(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from raywds.cli import main
+
+    train(small_config(str(shards), num_epochs=2), World(), run_dir=RunDir(tmp_path))
+    capsys.readouterr()
+    main(["doctor", str(tmp_path), "--epoch", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert out == diagnose(rows(tmp_path)[0]), out
+    assert main(["doctor", str(tmp_path / "nowhere")]) == 1
+    assert "no metrics.jsonl" in capsys.readouterr().err
