@@ -5,7 +5,10 @@
 1. The loader: `copies` x the photos in DIR (by default ../shared/data/imagenet-sample-100)
    in shards of 100, split mode, 1 DataLoader worker, 224 px crops (`--decode cpu`), with and
    without the worker's clock (raywds.loader.clock: a timer around each sample's read and
-   decode and each batch's collate), interleaved over `rounds` rounds; medians.
+   decode and each batch's collate), interleaved over `rounds` rounds, each first in turn; medians. The rounds
+   vary by more than the clock costs on this shared machine, so the clock's own time a sample
+   is also measured alone (200,000 samples through its stages around a decoder that does
+   nothing) and set against the loader's time a sample.
 2. The training loop: the marks each step takes (raywds.train.steptime: four marks, the
    seconds between them, the rank's own CPU time), against one real step of a ResNet-50 at
    224 px, batch 32, on this CPU.
@@ -18,6 +21,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from loader_bench import BATCH, build_tree, photos, timed
@@ -42,6 +46,29 @@ def loader_rate(shards: Path, clocked: bool, num_images: int) -> float:
     clock = Clock() if clocked else None
     stages, skips, where = train_stages(manifest, cfg, 0, plan, epoch=0, clock=clock)
     return timed(_loader(stages, cfg, World(), where, partial=True, skips=skips, clock=clock), num_images)
+
+
+def clock_s(count: int = 200_000) -> float:
+    """Seconds the clock adds to one sample: its read timed (a shard of 1,000 samples), its
+    decode timed (a decoder that does nothing), and a thousandth of a batch's collate and hand-over."""
+    clock = Clock()
+    samples: list[dict[str, Any]] = [{"__url__": f"shard-{i // 1000}", "jpg": b"x"} for i in range(count)]
+    sizes = {f"shard-{i}": 1 << 20 for i in range(count // 1000 + 1)}
+    start = time.perf_counter()
+    for sample in clock.reading(samples, sizes):
+        clock.decoding(_nothing, sample["jpg"], 0)
+    for _ in range(count // 1000):
+        clock.collating(len, [])
+        clock.taken()
+    timed_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for sample in samples:
+        _nothing(sample["jpg"], 0)
+    return (timed_s - (time.perf_counter() - start)) / count
+
+
+def _nothing(data: bytes, sample_id: int) -> bytes:
+    return data
 
 
 def marks_s(steps: int = 20_000) -> float:
@@ -84,14 +111,19 @@ def main() -> None:
         num_images = build_tree(photos(args.images, root / "photos"), args.copies, root / "tree")
         convert(root / "tree", root / "shards", ConvertOptions(maxcount=100, seed=0))
         rates: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(args.rounds):
-            for clocked in (False, True):
+        for round_ in range(args.rounds):
+            for clocked in (False, True) if round_ % 2 == 0 else (True, False):  # neither always first
                 rates[clocked].append(loader_rate(root / "shards", clocked, num_images))
     plain, with_clock = statistics.median(rates[False]), statistics.median(rates[True])
     print(
         f"loader, {num_images} photos, 1 worker, 224 px: {plain:.1f} images/s without the clock, {with_clock:.1f} with"
     )
     print(f"  ratio {with_clock / plain:.3f} (cost {100 * (1 - with_clock / plain):.1f}%); rounds: {rates}")
+    per_sample = clock_s()
+    print(
+        f"  the clock adds {1e6 * per_sample:.2f} us a sample: {100 * per_sample * plain:.2f}% of a worker's "
+        f"{1e3 / plain:.2f} ms a sample here"
+    )
     per_step, step = marks_s(), step_s()
     print(
         f"loop: the marks take {1e6 * per_step:.1f} us a step; a ResNet-50 step (224 px, batch 32) "

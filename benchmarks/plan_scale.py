@@ -27,7 +27,7 @@ from test_deal import scanned
 
 from raywds.data import manifest
 from raywds.data.manifest import ShardInfo
-from raywds.plan import split
+from raywds.plan import epoch, split
 from raywds.plan.split import Split
 
 WORKERS = 8
@@ -39,12 +39,17 @@ def synthetic(count: int) -> list[ShardInfo]:
 
 
 def plan_seconds(shards: list[ShardInfo], ranks: int, dealer: Callable | None, repeats: int) -> float:
-    """Median seconds of one rank's split plan (every rank makes the same one)."""
+    """Median seconds of one rank's split plan: the deal to the ranks (every rank makes the same
+    one), then its own shards to its workers (raywds.plan.epoch.Slots)."""
     times = []
     for _ in range(repeats):
-        with mock.patch.object(split, "deal", dealer or manifest.deal):
+        with (
+            mock.patch.object(split, "deal", dealer or manifest.deal),
+            mock.patch.object(epoch, "deal", dealer or manifest.deal),
+        ):
             started = time.perf_counter()
-            Split().plan(shards, num_ranks=ranks, num_workers=WORKERS, batch_size=256, seed=0, epoch=1)
+            plan = Split().plan(shards, num_ranks=ranks, num_workers=WORKERS, batch_size=256, seed=0, epoch=1)
+            [plan.slot(ranks - 1, w) for w in range(WORKERS)]
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 

@@ -32,6 +32,9 @@ class Spent(NamedTuple):
     """The shard read slowest (fewest bytes a second) among those finished."""
     slow_shard_s: float = 0.0
     slow_shard_bytes: int = 0
+    ready_at: float = 0.0
+    """When the batch was made (the host's wall clock: a rank's workers share its host); the
+    training loop takes what it waited beyond that as the hand-over."""
 
     def plus(self, other: Spent) -> Spent:
         slow = self if _rate(self) <= _rate(other) else other
@@ -44,6 +47,7 @@ class Spent(NamedTuple):
             slow.slow_shard,
             slow.slow_shard_s,
             slow.slow_shard_bytes,
+            max(self.ready_at, other.ready_at),
         )
 
     @property
@@ -130,7 +134,9 @@ class Clock:
 
     def taken(self) -> Spent:
         """What was spent since the last call, then the totals start again."""
-        spent = Spent(self.read_s, self.decode_s, self.collate_s, self.read_bytes, self.samples, *self.slow)
+        spent = Spent(
+            self.read_s, self.decode_s, self.collate_s, self.read_bytes, self.samples, *self.slow, time.time()
+        )
         self.read_s = self.decode_s = self.collate_s = 0.0
         self.read_bytes = self.samples = 0
         self.slow = ("", 0.0, 0)

@@ -32,7 +32,7 @@ SLOWER = 1.2
 """A rank whose own compute per sample is this many times the others' median is a slow GPU or node."""
 SLOW_SHARD = 0.25
 """A shard read at this share of its rank's read rate or less is a slow shard."""
-NUMBERS = ("seconds", "samples", "wait_s", "startup_s", "copy_s", "forward_s", "backward_s", "own_s")
+NUMBERS = ("seconds", "samples", "wait_s", "handover_s", "startup_s", "copy_s", "forward_s", "backward_s", "own_s")
 LOADER = ("read_s", "decode_s", "collate_s", "read_bytes", "decoded")
 
 
@@ -45,7 +45,17 @@ def stage_times(world: World, result: EpochResult, cfg: TrainConfig, data_from: 
     """Every rank's step times and loader stages for the epoch, on every rank (two collectives)."""
     spent = result.loader
     r = result
-    mine = [r.seconds, r.num_samples, r.data_wait_s, r.startup_s, r.copy_s, r.forward_s, r.backward_s, r.own_s]
+    mine = [
+        r.seconds,
+        r.num_samples,
+        r.data_wait_s,
+        r.handover_s,
+        r.startup_s,
+        r.copy_s,
+        r.forward_s,
+        r.backward_s,
+        r.own_s,
+    ]
     table = per_rank(world, [*mine, spent.read_s, spent.decode_s, spent.collate_s, spent.read_bytes, spent.samples])
     names = gathered(
         world,
@@ -55,6 +65,7 @@ def stage_times(world: World, result: EpochResult, cfg: TrainConfig, data_from: 
     stages["host"] = [row[0] for row in names]
     stages["slow_shard"] = [[row[1], float(row[2]), int(row[3])] for row in names]
     stages["loader_workers"] = cfg.num_loader_workers_per_rank
+    stages["batch_size"] = cfg.batch_size_per_rank
     stages["cores_per_rank"] = cores_per_rank(world)
     stages["decode"] = cfg.decode
     stages["cache_dir"] = bool(cfg.cache_dir)
@@ -72,6 +83,7 @@ class Rank:
     seconds: float
     samples: float
     wait_s: float
+    handover_s: float
     startup_s: float
     copy_s: float
     forward_s: float
@@ -166,9 +178,12 @@ def diagnose(row: dict[str, Any]) -> list[str]:
         if others and statistics.median(others) < worst.waits / 2:
             head += f" (the other ranks {100 * statistics.median(others):.0f}%)"
         read_share = worst.loader.read_s / max(worst.loader.busy_s, 1e-9)
-        more, also = (
-            _read_bound(every, worst, stages, head) if read_share >= 0.5 else _decode_bound(worst, stages, head)
-        )
+        if worst.handover_s >= 0.5 * (worst.wait_s - worst.startup_s):
+            more, also = _handover(worst, stages, head)
+        elif read_share >= 0.5:
+            more, also = _read_bound(every, worst, stages, head)
+        else:
+            more, also = _decode_bound(worst, stages, head)
         found.append(more)
         fixes += also
     return found + [f"{i}. {fix}" for i, fix in enumerate(fixes, 1)]
@@ -192,6 +207,20 @@ def _slow_rank(every: list[Rank]) -> tuple[list[str], list[str]]:
         ],
         [f"check or leave out {slow.host} (its GPU's clocks and temperature, other work on it)"],
     )
+
+
+def _handover(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, list[str]]:
+    """Most of the wait was for batches already made: between the workers and the loop."""
+    batches = max(worst.samples / max(stages.get("batch_size", 1), 1) - 1, 1)
+    per_batch = worst.handover_s / batches
+    return (
+        f"{head}, mostly for batches already made ({1e3 * per_batch:.1f} ms a batch in the hand-over from its "
+        f"loader workers: the DataLoader's queue and shared memory); its loader makes "
+        f"{worst.loader_rate(stages['loader_workers']):,.0f} images/s, the model takes {worst.model_rate:,.0f}/s"
+    ), [
+        f"larger batches (--batch-size), where the hand-over's {1e3 * per_batch:.1f} ms a batch "
+        "grows less than the batch"
+    ]
 
 
 def _read_bound(every: list[Rank], worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, list[str]]:

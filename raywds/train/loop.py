@@ -34,6 +34,9 @@ class EpochResult:
     """True when `after_step` asked to stop before the epoch's end."""
     data_wait_s: float = 0.0
     """Time the loop spent waiting for the loader."""
+    handover_s: float = 0.0
+    """Of it, the waits for batches already made: in the DataLoader's queue, shared memory, the
+    pin-memory thread (the clock's `ready_at` to the batch's arrival)."""
     startup_s: float = 0.0
     """Of it, what the first batch waited beyond its worker's reading and decoding: the loader's
     workers starting (a slow first shard still counts as waiting for data)."""
@@ -61,6 +64,8 @@ class EpochResult:
 
     def waited(self, seconds: float, batch: Batch | None) -> None:
         self.data_wait_s += seconds
+        if self.num_steps and batch is not None and batch.spent is not None and batch.spent.ready_at:
+            self.handover_s += min(max(time.time() - batch.spent.ready_at, 0.0), seconds)
         if not self.num_steps and batch is not None:  # the first: less the batch's own making
             self.startup_s = max(seconds - (batch.spent.busy_s if batch.spent else 0.0), 0.0)
 
