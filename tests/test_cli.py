@@ -125,6 +125,7 @@ def test_convert_then_train_from_the_command_line(raywds: Callable[..., Ran], tr
     assert (tmp_path / "run" / "checkpoint.pt").is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
     """The README's first command, shortened to 12 batches of 32 at 32 px (the flags any run takes):
     generate, convert, serve, train, summary."""

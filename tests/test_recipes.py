@@ -90,6 +90,7 @@ def test_the_cuda_path_bf16_and_channels_last_runs_on_the_cpu(shards: Path) -> N
     )
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_without_ray(shards: Path, tmp_path: Path) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     out = subprocess.run(

@@ -580,6 +580,7 @@ def _two_ranks(data: Path, tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_the_same_bad_sample_drawn_on_two_ranks_counts_once(shards: Path, tmp_path: Path) -> None:
     data = edit.copy(shards, tmp_path / "shards")
     broken = bad_member("jpg", NOT_AN_IMAGE)(data, first_drawn(data))
@@ -592,6 +593,7 @@ def test_the_same_bad_sample_drawn_on_two_ranks_counts_once(shards: Path, tmp_pa
     assert final["train_samples"] == 2 * 4 * 16
 
 
+@pytest.mark.slow
 def test_distinct_bad_samples_on_two_ranks_add_up_against_the_bound(shards: Path, tmp_path: Path) -> None:
     """Each rank alone stays within the bound of 1; the job's 2 distinct do not: every rank stops
     at the epoch's end with the job's counts (none waits for another in a collective)."""

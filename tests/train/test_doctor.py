@@ -75,6 +75,7 @@ def throttled(root: Path) -> Iterator[str]:
         server.server_close()
 
 
+@pytest.mark.slow
 def test_a_throttled_server_is_named_and_the_cache_takes_it_away(shards: Path, tmp_path: Path) -> None:
     with throttled(shards) as url:
         cfg = small_config(url, num_epochs=1, mode="split")
@@ -115,6 +116,7 @@ def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_decoding_with_one_worker_is_named_and_more_workers_help(large: Path, tmp_path: Path) -> None:
     one = small_config(str(large), decode="pil", image_size_px=32, num_epochs=1, batch_size_per_rank=8)
     train(one, World(), run_dir=RunDir(tmp_path / "one"))
@@ -131,6 +133,7 @@ def test_decoding_with_one_worker_is_named_and_more_workers_help(large: Path, tm
     assert again["images_per_s"] > 1.15 * row["images_per_s"], (row["images_per_s"], again["images_per_s"])
 
 
+@pytest.mark.slow
 def test_a_model_that_is_the_limit_is_not_blamed_on_the_data(shards: Path, tmp_path: Path) -> None:
     """Small JPEGs, a resnet18 at 64 px: compute, not data."""
     cfg = small_config(str(shards), model="resnet18", image_size_px=64, num_epochs=1)
@@ -153,6 +156,7 @@ def _rank(rank: int, data: str, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_one_slow_rank_of_two_is_named_as_compute_not_data(shards: Path, tmp_path: Path) -> None:
     """Rank 1 sleeps 50 ms in each forward pass: rank 0 waits for it in the all-reduce."""
     mp.start_processes(

@@ -101,6 +101,7 @@ def _split_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_split_mode_with_uneven_ranks_finishes_under_join(shards: Path, tmp_path: Path) -> None:
     # 2 ranks x 1 worker: 64 and 56 samples, so 8 and 7 batches of 8; without Join rank 0 would
     # wait in its 8th all-reduce until the 60 s timeout and fail.
@@ -220,6 +221,7 @@ def _checkpointing_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> No
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["split", "resample"])
 def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(
     uneven: Path, tmp_path: Path, mode: str
@@ -278,6 +280,7 @@ def _stop_rank(rank: int, cfg: TrainConfig, store: str, out: str, world_size: in
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_path: Path) -> None:
     """Two gloo ranks stop inside epoch 1; one process finishes it: every key once, none repeated."""
     audit, out = tmp_path / "audit", tmp_path / "run"
@@ -292,6 +295,7 @@ def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_p
     assert final["epoch_samples"] == 120 and final["epoch_missing"] == 0 and final["train_samples"] == 120 - 48
 
 
+@pytest.mark.slow
 def test_three_ranks_resuming_an_epoch_with_two_shards_left_finish_it_exactly(uneven: Path, tmp_path: Path) -> None:
     """One process, reading its shards in order (largest first, no shuffle buffer), stops 13 steps of 9
     into the epoch: 117 of 120 samples, the shards of 2 and 1 samples left. Three gloo ranks finish it:
@@ -364,6 +368,7 @@ def test_a_stalled_collective_is_an_error_naming_rank_and_step(tmp_path: Path) -
     assert (tmp_path / "rank1.txt").read_text() == "finished"
 
 
+@pytest.mark.slow
 def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: Path, tmp_path: Path) -> None:
     """Near the end of an epoch the rest may fit in one shard: the idle rank joins at once."""
     cfg = tiny(uneven, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=1, out_dir=str(tmp_path / "run"))
@@ -426,6 +431,7 @@ def test_best_checkpoint_is_kept_only_when_top1_improves(tmp_path: Path) -> None
     assert json.loads((tmp_path / "best" / "metrics.json").read_text())["val_top1"] == 0.7
 
 
+@pytest.mark.slow
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(shards: Path, tmp_path: Path) -> None:
     """Same seed, split mode: the resumed run sees the same samples per epoch in another order,
     so its weights differ; its results must agree within a stated tolerance (0.1 top-1, 30% loss)."""
