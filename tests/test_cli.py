@@ -123,6 +123,9 @@ def test_convert_then_train_from_the_command_line(raywds: Callable[..., Ran], tr
     match = SUMMARY.search(out.stdout)
     assert match and match.group(1) == "1" and match.group(4) == "128", out.stdout
     assert (tmp_path / "run" / "checkpoint.pt").is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()
+    verdict = out.stdout[match.end() :].strip().splitlines()  # the doctor's, after the summary
+    assert verdict and all(line.startswith("doctor: ") for line in verdict), out.stdout
+    assert raywds("doctor", str(tmp_path / "run")).stdout.splitlines()[0] == verdict[0].removeprefix("doctor: ")
 
 
 @pytest.mark.slow

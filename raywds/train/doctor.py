@@ -178,7 +178,13 @@ def diagnose(row: dict[str, Any]) -> list[str]:
         if others and statistics.median(others) < worst.waits / 2:
             head += f" (the other ranks {100 * statistics.median(others):.0f}%)"
         read_share = worst.loader.read_s / max(worst.loader.busy_s, 1e-9)
-        if worst.handover_s >= 0.5 * (worst.wait_s - worst.startup_s):
+        if not worst.loader.samples:  # batches that carry no clock: the Ray Data plane's
+            more = (
+                f"{head}: its batches come from the Ray Data plane (--data-plane ray), whose read and "
+                "decode tasks are not timed here"
+            )
+            also = ["more CPUs for the plane's tasks (CPU-only nodes join the cluster): see docs/data-plane.md"]
+        elif worst.handover_s >= 0.5 * (worst.wait_s - worst.startup_s):
             more, also = _handover(worst, stages, head)
         elif read_share >= 0.5:
             more, also = _read_bound(every, worst, stages, head)

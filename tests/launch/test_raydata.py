@@ -25,6 +25,7 @@ from raywds.loader.loader import PerRank
 from raywds.loader.stages import Batch, bad_sample_id
 from raywds.plan.modes import epoch_plan
 from raywds.plan.position import Position, done_in
+from raywds.train.doctor import diagnose
 from raywds.world import World
 
 raydata = pytest.importorskip("raywds.launch.raydata")
@@ -143,6 +144,10 @@ def test_three_ray_train_workers_on_the_plane_train_every_sample_once(
         assert len({f.name.split("-")[1] for f in files}) == 3, "all three ranks trained"
         assert audited(files, uneven) == Counter(tar_keys(uneven))
     assert run.metrics["val_samples"] == 50
+    stages = run.metrics["stages"]
+    assert len(stages["host"]) == 3 and stages["decoded"] == [0, 0, 0], stages  # no loader clock on the plane
+    verdict = diagnose(run.metrics)[0]
+    assert "the Ray Data plane" in verdict or verdict.startswith("the data is not the bottleneck"), verdict
 
 
 def test_validation_through_the_plane_is_exact(shards: Path, local_ray: None) -> None:
