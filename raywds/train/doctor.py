@@ -41,26 +41,17 @@ def cores_per_rank(world: World) -> int:
     return max(len(os.sched_getaffinity(0)) // max(world.ranks_per_node, 1), 1)
 
 
-def stage_times(world: World, result: EpochResult, cfg: TrainConfig, data_from: str) -> dict[str, Any]:
-    """Every rank's step times and loader stages for the epoch, on every rank (two collectives)."""
-    spent = result.loader
-    r = result
-    mine = [
-        r.seconds,
-        r.num_samples,
-        r.data_wait_s,
-        r.handover_s,
-        r.startup_s,
-        r.copy_s,
-        r.forward_s,
-        r.backward_s,
-        r.own_s,
-    ]
-    table = per_rank(world, [*mine, spent.read_s, spent.decode_s, spent.collate_s, spent.read_bytes, spent.samples])
-    names = gathered(
-        world,
-        [[socket.gethostname(), spent.slow_shard, str(spent.slow_shard_s), str(spent.slow_shard_bytes)]],
-    )
+def stage_times(
+    world: World, result: EpochResult, cfg: TrainConfig, data_from: str, *, alone: bool = False
+) -> dict[str, Any]:
+    """Every rank's step times and loader stages for the epoch, on every rank (two collectives);
+    `alone`: this rank's only, so far, with no collective (rank 0's progress rows)."""
+    spent, r = result.loader, result
+    mine = [r.seconds, r.num_samples, r.data_wait_s, r.handover_s, r.startup_s, r.copy_s, r.forward_s, r.backward_s]
+    row = [*mine, r.own_s, spent.read_s, spent.decode_s, spent.collate_s, spent.read_bytes, spent.samples]
+    named = [socket.gethostname(), spent.slow_shard, str(spent.slow_shard_s), str(spent.slow_shard_bytes)]
+    table = [row] if alone else per_rank(world, row)
+    names = [named] if alone else gathered(world, [named])
     stages: dict[str, Any] = {key: [round(row[i], 4) for row in table] for i, key in enumerate(NUMBERS + LOADER)}
     stages["host"] = [row[0] for row in names]
     stages["slow_shard"] = [[row[1], float(row[2]), int(row[3])] for row in names]

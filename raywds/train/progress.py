@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 from typing import Any
@@ -16,11 +17,16 @@ from tqdm import tqdm
 
 from raywds.config import TrainConfig
 from raywds.errors import DataError
-from raywds.train.doctor import diagnose
+from raywds.train.doctor import diagnose, stage_times
+from raywds.train.loop import EpochResult
 from raywds.train.rundir import Metrics, RunDir
 from raywds.world import World
 
 log = logging.getLogger(__name__)
+
+
+DOCTOR_EVERY_S = 180.0
+"""How often rank 0's progress lines carry the doctor's verdict on its own steps so far."""
 
 
 class ProgressLog:
@@ -33,20 +39,26 @@ class ProgressLog:
         self.cfg, self.world, self.epoch, self.num_steps, self.run_dir = cfg, world, epoch, num_steps, run_dir
         self.first_step = first_step
         self.last = time.monotonic()
+        self.last_doctor = -math.inf
         # Only a bar that is drawn is made: even a disabled tqdm starts tqdm's monitor thread, and
         # every thread alive when the DataLoader forks its workers is a lock a worker may inherit held.
         on = world.is_main and sys.stderr.isatty()
         desc = f"epoch {epoch + 1}/{cfg.num_epochs}"
         self.bar = tqdm(total=num_steps, desc=desc, unit="step", leave=False) if on else None
 
-    def update(
-        self, step: int, seconds: float, num_samples: int, loss_sum: float, data_wait_s: float, lr: float
-    ) -> None:
+    def update(self, step: int, so_far: EpochResult, lr: float, data_from: str) -> None:
+        """After in-epoch `step`, with the rank's counts `so_far` (rank 0 logs and keeps a row)."""
         if self.bar is not None:
             self.bar.update(1)
         if not self.world.is_main or time.monotonic() - self.last < self.cfg.log_every_s:
             return
         self.last = time.monotonic()
+        seconds, num_samples, loss_sum, data_wait_s = (
+            so_far.seconds,
+            so_far.num_samples,
+            so_far.loss_sum,
+            so_far.data_wait_s,
+        )
         row: dict[str, Any] = {
             "kind": "progress",
             "time": time.time(),
@@ -59,12 +71,17 @@ class ProgressLog:
             "images_per_s_rank0": num_samples / max(seconds, 1e-9),
             "data_wait_rank0": data_wait_s / max(seconds, 1e-9),
             "eta_epoch_s": (self.num_steps - step) * seconds / step,
+            "doctor_rank0": diagnose({"stages": stage_times(self.world, so_far, self.cfg, data_from, alone=True)})[0],
         }
+        doctor = ""
+        if time.monotonic() - self.last_doctor >= DOCTOR_EVERY_S:  # the first row's, then every few minutes
+            self.last_doctor = time.monotonic()
+            doctor = f"\n  doctor (rank 0 so far): {row['doctor_rank0']}"
         with tqdm.external_write_mode() if self.bar is not None else contextlib.nullcontext():
             log.info(
                 f"epoch {row['epoch']} step {step}/{self.num_steps}  loss {row['loss']:.3f}  lr {lr:.4g}  "
                 f"images/s {row['images_per_s_rank0'] * self.world.world_size:.0f} (~{self.world.world_size} ranks)  "
-                f"data wait {100 * row['data_wait_rank0']:.0f}%  epoch ends in {row['eta_epoch_s']:.0f} s"
+                f"data wait {100 * row['data_wait_rank0']:.0f}%  epoch ends in {row['eta_epoch_s']:.0f} s{doctor}"
             )
         if self.run_dir is not None:
             self.run_dir.append(row)

@@ -119,7 +119,7 @@ class Trainer:
         def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
             epoch.ledger.mark(batch.ids)
             self.audit.write(index, batch.ids)
-            progress.update(step, so_far.seconds, so_far.num_samples, so_far.loss_sum, so_far.data_wait_s, lr(step - 1))
+            progress.update(step, so_far, lr(step - 1), self.manifest.base)
             if len(so_far.distinct_bad) > epoch.bad_allowed:  # this rank alone is past the job's bound
                 raise too_many_bad(so_far.distinct_bad, len(so_far.bad_samples), epoch.bad_allowed, cfg, "on this rank")
             return self.maybe_checkpoint(epoch, step)

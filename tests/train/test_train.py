@@ -27,7 +27,7 @@ from raywds.loader.stages import Batch
 from raywds.plan.modes import Split
 from raywds.plan.position import Position
 from raywds.train.compute import Compute
-from raywds.train.loop import evaluate, train_epoch
+from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import DemoNet, build_model
 from raywds.train.optim import lr_at
 from raywds.train.progress import summary_line
@@ -404,11 +404,16 @@ def test_progress_rows_and_per_rank_metrics(shards: Path, tmp_path: Path, capsys
     rows = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
     progress = [r for r in rows if r.get("kind") == "progress"]
     assert [r["step_in_epoch"] for r in progress] == list(range(1, 9)) and progress[-1]["eta_epoch_s"] == 0
+    out = capsys.readouterr().out
     assert re.search(
         r"^epoch 1 step 8/8  loss [\d.]+  lr [\d.e-]+  images/s \d+ \(~1 ranks\)  data wait \d+%  epoch ends in 0 s$",
-        capsys.readouterr().out,
+        out,
         re.M,
     )
+    # rank 0's verdict on its own steps so far: in every row, in the log on the first and then every few minutes
+    assert all(re.match(r"(rank 0 on \S+ waits|the data is not the bottleneck)", r["doctor_rank0"]) for r in progress)
+    assert out.count("\n  doctor (rank 0 so far): ") == 1, out
+    assert re.search(r"^epoch 1 step 1/8 .*\n  doctor \(rank 0 so far\): ", out, re.M), out
     assert len(final["images_per_s_per_rank"]) == 1 and 0 <= final["data_wait_max"] <= 1
 
 
@@ -462,6 +467,6 @@ def test_progress_without_a_terminal_starts_no_thread() -> None:
         tqdm.monitor = None
     before = {t.ident for t in threading.enumerate()}
     progress = ProgressLog(TrainConfig(data="x", log_every_s=0.0), World(), 0, 10, None)
-    progress.update(1, 1.0, 8, 1.0, 0.1, 0.1)
+    progress.update(1, EpochResult(num_samples=8, loss_sum=1.0, seconds=1.0, data_wait_s=0.1), 0.1, "x")
     progress.close()
     assert [t.name for t in threading.enumerate() if t.ident not in before] == []
