@@ -23,9 +23,11 @@ from raywds.train.audit import NAME, kept
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CLEAN = re.compile(  # a healthy run's console: raywds's lines, the workers' raywds lines, Ray's connect lines
-    r"^(raywds: |epochs \d+  top-1|\d{4}-\d\d-\d\d [\d:,]+\tINFO worker\.py:\d+ -- Connect"
-    r"|(\x1b\[\d+m)?\(RayTrainWorker pid=\d+(, ip=[\d.]+)?\)(\x1b\[0m)? (rank \d+ of \d+ on node|epoch \d+/\d+  loss))"
+# A healthy run's console: raywds's lines (the doctor's verdict too), the workers' raywds lines, Ray's connect lines
+CLEAN = re.compile(
+    r"^(raywds: |epochs \d+  top-1|doctor: |\d{4}-\d\d-\d\d [\d:,]+\tINFO worker\.py:\d+ -- Connect"
+    r"|(\x1b\[\d+m)?\(RayTrainWorker pid=\d+(, ip=[\d.]+)?\)(\x1b\[0m)? "
+    r"(rank \d+ of \d+ on node|epoch \d+/\d+  loss|  doctor: ))"
 )
 JOB = re.compile(
     r"^(\d{4}-\d\d-\d\d [\d:,]+\tINFO (job_manager\.py:\d+ -- Runtime env is setting up\."
