@@ -71,12 +71,6 @@ def expected(manifest: Manifest, split: str, names: set[str] | None = None) -> d
     }
 
 
-def sizes(manifest: Manifest, split: str, names: set[str]) -> dict[str, int]:
-    """The bytes of each of the shards `names`, by URL (where the manifest has them)."""
-    index, shards = manifest.index(split), manifest.shards(split)
-    return {manifest.url(s): s.num_bytes for s in (shards[index[n]] for n in names) if s.num_bytes}
-
-
 def _read_stages(
     source: Any,
     manifest: Manifest,
@@ -85,20 +79,26 @@ def _read_stages(
     skips: Skips,
     where: Whereabouts,
     names: set[str] | None = None,
+    clock: Clock | None = None,
 ) -> list[Any]:
     """Shard URLs -> samples with ids, each shard checked against the manifest (`names`: the only
-    shards the source gives, when known), its URL noted in `where`."""
-    return [
+    shards the source gives, when known), its URL noted in `where`; `clock` times the reading,
+    each shard's bytes from the same manifest entries."""
+    wanted = expected(manifest, split, names)
+    stages = [
         source,
         bind(
             tar_samples,
             policy=skips.shards.policy,
-            expected=expected(manifest, split, names),
+            expected=wanted,
             verify_hashes=cfg.verify_hashes,
             failures=skips.shards,
             opening=where.note,
         ),
     ]
+    if clock is not None:
+        stages.append(bind(clock.reading, sizes={u: e.num_bytes for u, e in wanted.items() if e.num_bytes}))
+    return stages
 
 
 def start_method(workers: int, world: World) -> str | None:
@@ -214,8 +214,7 @@ def train_stages(
     skips, where = Skips(read_policy(cfg, skip_unreadable=not plan.mode.exact)), Whereabouts()
     decode = train_decoder(cfg, epoch)
     stages = [
-        *_read_stages(source, manifest, "train", cfg, skips, where, names),
-        *([bind(clock.reading, sizes=sizes(manifest, "train", names))] if clock is not None else []),
+        *_read_stages(source, manifest, "train", cfg, skips, where, names, clock),
         bind(unconsumed, left_out=left_out),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
         bind(decoded, decode=bind(clock.decoding, decode) if clock is not None else decode, skips=skips),
