@@ -64,6 +64,14 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tree(tmp_path_factory.mktemp("tree"), SMALL)
 
 
+def made_shards(factory: pytest.TempPathFactory, name: str, spec: DemoSpec, options: ConvertOptions) -> Path:
+    """A demo tree made by `spec`, converted by `options` into a folder of its own."""
+    tree = write_tree(factory.mktemp(name), spec)
+    out = factory.mktemp(f"{name}-shards")
+    convert(tree, out, options)
+    return out
+
+
 @pytest.fixture(scope="session")
 def shards(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tree as shards of at most 16 samples: 8 train shards (7 x 16 + 8) and 4 val shards."""

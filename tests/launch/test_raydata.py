@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import audited, small_config, tar_keys
+from conftest import audited, made_shards, small_config, tar_keys
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
@@ -163,16 +163,11 @@ def test_validation_through_the_plane_is_exact(shards: Path, local_ray: None) ->
 @pytest.fixture(scope="module")
 def ten_thousand(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """10,000 training samples (10 classes of 1,000 small JPEGs) in 20 shards."""
-    from raywds.data.convert import ConvertOptions, convert
-    from raywds.data.demo import DemoSpec, write_tree
+    from raywds.data.convert import ConvertOptions
+    from raywds.data.demo import DemoSpec
 
-    tree = write_tree(
-        tmp_path_factory.mktemp("tree10k"),
-        DemoSpec(num_train_per_class=1000, num_val_per_class=1, image_side_px=32, seed=1),
-    )
-    out = tmp_path_factory.mktemp("shards10k")
-    convert(tree, out, ConvertOptions(maxcount=500, seed=0))
-    return out
+    spec = DemoSpec(num_train_per_class=1000, num_val_per_class=1, image_side_px=32, seed=1)
+    return made_shards(tmp_path_factory, "tree10k", spec, ConvertOptions(maxcount=500, seed=0))
 
 
 def test_an_epoch_stays_within_the_object_store_bound(ten_thousand: Path, local_ray: None) -> None:

@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FORKSERVER_PRELOAD, small_config
+from conftest import FORKSERVER_PRELOAD, made_shards, small_config
 
-from raywds.data.convert import ConvertOptions, convert
-from raywds.data.demo import DemoSpec, write_tree
+from raywds.data.convert import ConvertOptions
+from raywds.data.demo import DemoSpec
 from raywds.train.doctor import diagnose, ranks
 from raywds.train.rundir import RunDir
 from raywds.train.steptime import SLOW_RANK
@@ -107,13 +107,8 @@ def test_one_slow_shard_is_named(shards: Path, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """80 JPEGs of 1,024 x 1,024 in shards of 10: decoding each whole takes ~10 ms."""
-    tree = write_tree(
-        tmp_path_factory.mktemp("large"),
-        DemoSpec(num_train_per_class=8, num_val_per_class=1, image_side_px=1024, seed=3),
-    )
-    out = tmp_path_factory.mktemp("large-shards")
-    convert(tree, out, ConvertOptions(maxcount=10, seed=1))
-    return out
+    spec = DemoSpec(num_train_per_class=8, num_val_per_class=1, image_side_px=1024, seed=3)
+    return made_shards(tmp_path_factory, "large", spec, ConvertOptions(maxcount=10, seed=1))
 
 
 @pytest.mark.slow
