@@ -181,6 +181,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from raywds.plan.modes import nodes_of, parse
     from raywds.plan.render import plan_shards, render
 
+    if args.num_loader_workers_per_rank == "auto":  # training chooses it at each epoch's start
+        raise RaywdsError("raywds plan needs a number of loader workers: --workers N")
     shards = plan_shards(args.data, args.num_shards, args.samples_per_shard, args.last_shard_samples)
     plan = parse(args.mode).plan(
         shards,

@@ -70,8 +70,9 @@ class TrainConfig:
     """Where training JPEGs are decoded: `cpu` (loader workers, DCT-scaled when the crop allows),
     `device` (workers send bytes; the training device decodes, with nvJPEG on a GPU) or `pil`
     (torchvision's reference PIL transform). See raywds.loader.decode."""
-    num_loader_workers_per_rank: int = field(default=2, metadata=flag("--loader-workers"))
-    """DataLoader worker processes on each rank."""
+    num_loader_workers_per_rank: int | Literal["auto"] = field(default=2, metadata=flag("--loader-workers"))
+    """DataLoader worker processes on each rank, or `auto`: chosen at each epoch's start from the
+    last epoch's decode rate and step time, within the rank's cores (raywds.train.autoworkers)."""
     shuffle_buffer_samples: int = field(default=1000, metadata=flag("--worker-shuffle-buffer"))
     """Samples (still encoded) held in each DataLoader worker's shuffle buffer."""
     cross_worker_shuffle_samples: int = field(default=0, metadata=flag("--shuffle-buffer"))
@@ -133,8 +134,9 @@ class TrainConfig:
         for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        if self.num_loader_workers_per_rank < 0:
-            raise ConfigError(f"num_loader_workers_per_rank={self.num_loader_workers_per_rank} must be 0 or more")
+        workers = self.num_loader_workers_per_rank
+        if workers != "auto" and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+            raise ConfigError(f"num_loader_workers_per_rank={workers!r} must be 0 or more, or 'auto'")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be positive (or None for the default)")
         if not 0 <= self.label_smoothing < 1:
@@ -162,6 +164,13 @@ class TrainConfig:
                 raise ConfigError(f"{name}={value} must be at least 1 (or None)")
         if self.batches_per_epoch is not None and self.mode == "split":
             raise ConfigError("batches_per_epoch applies to resample mode; split mode's epoch is the whole split once")
+
+    @property
+    def loader_workers(self) -> int:
+        """The loader workers of each rank; `auto` has a count only once an epoch's start chose it."""
+        if self.num_loader_workers_per_rank == "auto":
+            raise ConfigError("num_loader_workers_per_rank='auto' is chosen at each epoch's start: no count yet")
+        return self.num_loader_workers_per_rank
 
     def bad_samples_allowed(self, epoch_samples: int) -> int:
         """How many distinct undecodable samples an epoch of `epoch_samples` may skip (resample mode)."""

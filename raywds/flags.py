@@ -34,11 +34,25 @@ def field_docs() -> dict[str, str]:
 
 
 def _value_type(field: dataclasses.Field[Any]) -> Any:
-    """int, float or str: the field's type without None."""
+    """int, float or str: the field's type without None; a number or a word for `int | Literal[...]`."""
     hint = typing.get_type_hints(TrainConfig)[field.name]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        kinds = [a for a in typing.get_args(hint) if a is not type(None)]
+        words = [w for a in kinds if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
+        if words and int in kinds:
+            return _int_or(tuple(words))
+        hint = kinds[0]
     return str if typing.get_origin(hint) is typing.Literal else hint
+
+
+def _int_or(words: tuple[str, ...]) -> Any:
+    """A flag's parser for a whole number or one of `words` (`--loader-workers auto`)."""
+
+    def parse(text: str) -> int | str:
+        return text if text in words else int(text)
+
+    parse.__name__ = "number or " + "|".join(words)  # argparse names it: "invalid number or auto value"
+    return parse
 
 
 def flag_fields() -> list[dataclasses.Field[Any]]:

@@ -73,6 +73,13 @@ def made_shards(factory: pytest.TempPathFactory, name: str, spec: DemoSpec, opti
 
 
 @pytest.fixture(scope="session")
+def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """80 JPEGs of 1,024 x 1,024 in shards of 10: decoding each whole takes ~10 ms."""
+    spec = DemoSpec(num_train_per_class=8, num_val_per_class=1, image_side_px=1024, seed=3)
+    return made_shards(tmp_path_factory, "large", spec, ConvertOptions(maxcount=10, seed=1))
+
+
+@pytest.fixture(scope="session")
 def shards(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tree as shards of at most 16 samples: 8 train shards (7 x 16 + 8) and 4 val shards."""
     out = tmp_path_factory.mktemp("shards")

@@ -53,11 +53,12 @@ def plan_workers(
     num_workers: int | tuple[int, int] | None,
     *,
     default_cpu_workers: int = 2,
-    loader_workers: int = 0,
+    loader_workers: int | None = 0,
     plane_task_cpus: float | None = None,
 ) -> WorkerPlan:
     """One worker per GPU the cluster has, each reserving CPUs for its loader workers (as many
-    as the cluster has per GPU); without GPUs, `num_workers` CPU workers of one CPU each.
+    as the cluster has per GPU; all of them for `loader_workers` None: `auto`); without GPUs,
+    `num_workers` CPU workers of one CPU each.
     `num_workers` (MIN, MAX) is elastic: the cluster must hold MIN now; MAX may wait for nodes.
     With the Ray Data plane (`plane_task_cpus`: what one decode task reserves) a worker reserves
     one CPU, and on a cluster without GPUs less where that leaves no room for one decode task.
@@ -76,7 +77,8 @@ def plan_workers(
             raise ConfigError(
                 f"--num-workers {need} needs {need} GPUs but the cluster has {gpus}; use --num-workers {gpus} or fewer"
             )
-        per_worker = 1 if plane_task_cpus is not None else max(1, min(loader_workers + 1, cpus // gpus))
+        per_worker = max(1, cpus // gpus) if loader_workers is None else max(1, min(loader_workers + 1, cpus // gpus))
+        per_worker = 1 if plane_task_cpus is not None else per_worker
         return WorkerPlan(wanted, True, per_worker, low if elastic else None)
     wanted = default_cpu_workers if high is None else high
     need = low if elastic and low is not None else wanted

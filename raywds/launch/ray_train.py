@@ -197,7 +197,10 @@ def place(
     if data_plane not in DATA_PLANES:
         raise ConfigError(f"--data-plane {data_plane!r} is not one of {', '.join(DATA_PLANES)}")
     if data_plane == "loader":
-        plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=cfg.num_loader_workers_per_rank)  # RAY
+        workers = cfg.num_loader_workers_per_rank  # auto: every CPU the cluster has per GPU
+        plan = plan_workers(
+            ray.cluster_resources(), num_workers, loader_workers=None if workers == "auto" else workers
+        )  # RAY
         return cfg, plan, None
     if cfg.decode == "device":
         raise ConfigError("--decode device needs each rank's own loader: use --data-plane loader, or --decode cpu")

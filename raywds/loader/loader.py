@@ -132,7 +132,7 @@ def _loader(
     batches handed over in reused shared-memory blocks (raywds.loader.blocks), each carrying what
     `skips` skipped before it and what its worker spent (`clock`); a worker silent for
     cfg.loader_timeout_s is an error naming the rank, the worker and the shard it reads (`where`)."""
-    workers = cfg.num_loader_workers_per_rank
+    workers = cfg.loader_workers
     where = where if where is not None else Whereabouts()  # stages that note no shard: the error says so
     context = start_method(workers, world)
     blocks = Blocks(workers)

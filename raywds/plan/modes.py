@@ -37,7 +37,7 @@ def parse(name: str) -> Mode:
 
 def loader_slots(cfg: TrainConfig) -> int:
     """Slots per rank: its DataLoader workers, or 1 when the main process reads."""
-    return max(1, cfg.num_loader_workers_per_rank)
+    return max(1, cfg.loader_workers)
 
 
 def nodes_of(canonical_nodes: int, ranks_per_node: int) -> Nodes | None:

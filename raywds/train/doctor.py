@@ -55,7 +55,7 @@ def stage_times(
     stages: dict[str, Any] = {key: [round(row[i], 4) for row in table] for i, key in enumerate(NUMBERS + LOADER)}
     stages["host"] = [row[0] for row in names]
     stages["slow_shard"] = [[row[1], float(row[2]), int(row[3])] for row in names]
-    stages["loader_workers"] = cfg.num_loader_workers_per_rank
+    stages["loader_workers"] = cfg.loader_workers
     stages["batch_size"] = cfg.batch_size_per_rank
     stages["cores_per_rank"] = cores_per_rank(world)
     stages["decode"] = cfg.decode
@@ -161,7 +161,8 @@ def diagnose(row: dict[str, Any]) -> list[str]:
     if worst.waits <= WAITS:
         found.append(
             f"the data is not the bottleneck: no rank waits more than {100 * worst.waits:.0f}% of its steps for "
-            f"batches; the model takes {statistics.median(r.model_rate for r in every):,.0f} images/s a rank"
+            f"batches once its loader has started; the model takes "
+            f"{statistics.median(r.model_rate for r in every):,.0f} images/s a rank"
         )
     else:
         head = f"{worst.where} waits {100 * worst.waits:.0f}% of each step for data"

@@ -23,6 +23,7 @@ from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan, parse
 from raywds.plan.position import Position, done_in
 from raywds.train.audit import Audit
+from raywds.train.autoworkers import Workers
 from raywds.train.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
 from raywds.train.doctor import diagnose, stage_times
@@ -54,7 +55,7 @@ class Trainer:
         loaders: Loaders | None = None,
     ):
         torch.manual_seed(cfg.seed)
-        self.cfg, self.world, self.run_dir = cfg, world, run_dir
+        self.cfg, self.world, self.run_dir, self.workers = cfg, world, run_dir, Workers(cfg, world)
         if run_dir is not None and cfg.tensorboard:  # first: a missing tensorboard stops the run before any work
             run_dir.open_tensorboard()
         self.loaders: Loaders = loaders if loaders is not None else PerRank()
@@ -103,13 +104,13 @@ class Trainer:
 
     def run_epoch(self, index: int) -> bool:
         """Train epoch `index` (or what is left of it), evaluate, report; True when max_steps stopped it."""
-        cfg, world = self.cfg, self.world
+        self.cfg = cfg = self.workers.config(index)  # --loader-workers auto: the epoch's count, chosen now
+        world = self.world
         epoch = self.begin(index)
         batches = self.loaders.train(self.manifest, cfg, world, epoch.plan, epoch=index, position=epoch.position)
 
         def lr(step: int) -> float:
-            """The rate for step `step` (0-based) of this run's part of the epoch: the schedule's
-            value where the step ends, so the first step of a warm-up already learns."""
+            """Step `step`'s rate (0-based, this run's part of the epoch) where it ends: warm-up's first step learns."""
             return lr_at(
                 cfg, world, index + min((epoch.done_before + (step + 1) * epoch.global_batch) / epoch.size, 1.0)
             )
@@ -206,6 +207,7 @@ class Trainer:
     def finish_epoch(self, epoch: Epoch, result: EpochResult) -> None:
         cfg, world = self.cfg, self.world
         metrics = self.epoch_metrics(epoch, result)
+        self.workers.measured(metrics)
         if epoch.plan.mode.exact and (
             metrics["epoch_duplicates"] or metrics["epoch_missing"] or metrics["epoch_samples"] != self.num_samples
         ):
@@ -276,7 +278,7 @@ class Trainer:
             self.report(metrics, self.state() if self.world.is_main else None)
 
     def state(self) -> dict[str, Any]:
-        return checkpoint_state(self.model, self.optimizer, self.progress, self.manifest, self.cfg)
+        return checkpoint_state(self.model, self.optimizer, self.progress, self.manifest, self.workers.asked)
 
 
 def train(

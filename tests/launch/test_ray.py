@@ -77,6 +77,7 @@ def test_worker_plan_follows_the_cluster() -> None:
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None, loader_workers=12).cpus_per_worker == 8, (
         "no more than the cluster has per GPU"
     )
+    assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None, loader_workers=None).cpus_per_worker == 8, "auto: all"
     assert ray_train.plan_workers({"CPU": 2}, None) == ray_train.WorkerPlan(2, False)
     assert ray_train.plan_workers({"CPU": 16}, 6) == ray_train.WorkerPlan(6, False)
     with pytest.raises(ConfigError, match="--num-workers 3 needs 3 CPUs but the cluster has 2; use --num-workers 2"):

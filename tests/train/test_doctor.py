@@ -21,10 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FORKSERVER_PRELOAD, made_shards, small_config
+from conftest import FORKSERVER_PRELOAD, small_config
 
-from raywds.data.convert import ConvertOptions
-from raywds.data.demo import DemoSpec
 from raywds.train.doctor import diagnose, ranks
 from raywds.train.rundir import RunDir
 from raywds.train.steptime import SLOW_RANK
@@ -102,13 +100,6 @@ def test_one_slow_shard_is_named(shards: Path, tmp_path: Path) -> None:
     assert verdict.startswith(f"rank 0 on {HOST} waits "), verdict
     assert f"for shard pipe:sh -c 'case {slow} in {slow})" in verdict, verdict
     assert fix.startswith("1. a slow shard"), fix
-
-
-@pytest.fixture(scope="module")
-def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """80 JPEGs of 1,024 x 1,024 in shards of 10: decoding each whole takes ~10 ms."""
-    spec = DemoSpec(num_train_per_class=8, num_val_per_class=1, image_side_px=1024, seed=3)
-    return made_shards(tmp_path_factory, "large", spec, ConvertOptions(maxcount=10, seed=1))
 
 
 @pytest.mark.slow
