@@ -132,6 +132,8 @@ class TwoNodes:
     worker_temp: Path
     token_path: Path
     env: dict[str, str]
+    worker_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Set on the worker node's Ray only (its raylet, and so every process it starts there)."""
 
     @property
     def gcs_address(self) -> str:
@@ -169,7 +171,7 @@ class TwoNodes:
             str(num_cpus),
             *NODE_FLAGS,
         ]
-        out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=self.env)
+        out = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**self.env, **self.worker_env})
         if out.returncode != 0:
             raise RuntimeError(
                 f"`ray start --address` on the worker node exited {out.returncode}:\n{out.stdout[-2000:]}\n"
@@ -209,10 +211,12 @@ def two_nodes(
     worker_cpus: int = 1,
     head_resources: Mapping[str, float] | None = None,
     env: Mapping[str, str] | None = None,
+    worker_env: Mapping[str, str] | None = None,
 ) -> Iterator[TwoNodes]:
     """A head node and a worker node in two namespaces named after this process, each with a Ray
-    temp dir of its own, the head with `head_resources` (custom resources) if given; on exit both
-    nodes' processes are stopped by PID and the namespaces deleted."""
+    temp dir of its own, the head with `head_resources` (custom resources) if given, the worker's
+    Ray with `worker_env` added; on exit both nodes' processes are stopped by PID and the
+    namespaces deleted."""
     tag = f"rw{os.getpid() % 100000}"
     with ExitStack() as stack:
         namespaces = stack.enter_context(veth_pair(tag))
@@ -238,7 +242,12 @@ def two_nodes(
         )
         stack.callback(stop_cluster, worker_temp)
         cluster = TwoNodes(
-            head, namespaces, worker_temp, head_temp / "auth_token", {**head.env, "RAY_ADDRESS": address}
+            head,
+            namespaces,
+            worker_temp,
+            head_temp / "auth_token",
+            {**head.env, "RAY_ADDRESS": address},
+            worker_env or {},
         )
         cluster.start_worker(num_cpus=worker_cpus)
         yield cluster

@@ -17,23 +17,25 @@ import torch
 
 SLOW_RANK = "RAYWDS_TEST_SLOW_RANK"
 """`RANK:SECONDS`: that rank computes so much longer in each step's forward pass (spinning on
-its CPU), a slow GPU or node planted by the tests (tests/train/test_doctor.py)."""
+its CPU), a slow GPU planted by the tests (tests/train/test_doctor.py); `*:SECONDS`: every rank
+that sees it, set on one node only, a slow node (tests/launch/test_multinode.py)."""
 
 
 def spin(seconds: float) -> None:
-    """Keep this CPU busy for `seconds`: work, as a slower processor would do, not a sleep."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Keep this CPU busy for `seconds` of its CPU time: work, as a slower processor would do, not
+    a sleep (on a busy machine it takes longer, as the rank's other work does)."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
         pass
 
 
 def slowed_rank(rank: int) -> float:
-    """Seconds this rank spins in each forward pass (SLOW_RANK), 0 for all but the planted rank."""
+    """Seconds this rank spins in each forward pass (SLOW_RANK), 0 for all but the planted ranks."""
     planted = os.environ.get(SLOW_RANK, "")
     if not planted:
         return 0.0
     which, seconds = planted.split(":")
-    return float(seconds) if int(which) == rank else 0.0
+    return float(seconds) if which == "*" or int(which) == rank else 0.0
 
 
 class StepTimer:

@@ -1,6 +1,7 @@
 """raywds on a real two-node Ray cluster (tests/netnodes.py): a rank on each node, exact split
-epochs across nodes, `ray job submit`, and a node lost mid-epoch, with a fixed worker count and
-elastic. The driver runs on the head node, as a user's does."""
+epochs across nodes, `ray job submit`, the worker node slower than the head and named so by the
+doctor, and a node lost mid-epoch, with a fixed worker count and elastic. The driver runs on
+the head node, as a user's does."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from netnodes import HEAD_IP, RANK, RAYWDS, SUMMARY, WORKER_IP, TwoNodes, ranks,
 from raycluster import RAY, HeadNode
 
 from raywds.train.audit import NAME, kept
+from raywds.train.steptime import SLOW_RANK
+
+SLOW_S = 0.05
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,8 +42,10 @@ JOB = re.compile(
 
 @pytest.fixture(scope="module")
 def two_node_cluster(user_cluster: HeadNode) -> Iterator[TwoNodes]:
+    """The worker node is a slow node: each rank there computes 50 ms of CPU longer in each step
+    (its Ray's environment), which the doctor must name."""
     netnodes.require()
-    with netnodes.two_nodes("rwm-") as cluster:
+    with netnodes.two_nodes("rwm-", worker_env={SLOW_RANK: f"*:{SLOW_S}"}) as cluster:
         yield cluster
 
 
@@ -97,6 +103,9 @@ def test_the_demo_submitted_as_a_job_runs_a_rank_on_each_node_and_trains_every_s
     assert trained_once(audit, 0, demo) == Counter(tar_keys(demo)), "every sample once, none on two nodes"
     assert {NAME.fullmatch(f.name)["rank"] for f in audit.glob("*.ids")} == {"00000", "00001"}  # type: ignore[index]
     assert (tmp_path / "ray" / "demo" / "metrics.jsonl").is_file()
+    slow = next(r for r, _, ip in ranks(out.stdout) if ip == WORKER_IP)
+    verdict = re.search(r"^doctor: (rank (\d+) on \S+ is \d+% slower in compute than the others.*)$", out.stdout, re.M)
+    assert verdict and verdict.group(2) == str(slow), f"the slow node's rank {slow} is named:\n{out.stdout[-3000:]}"
     assert controller_node(two_node_cluster) == HEAD_IP, "Train's controller runs beside the driver, on the head"
     # Not even the INFO line Ray Train logs at every report, nor a traceback of any process
     unexpected = [line for line in job_log(out.stdout) if not (CLEAN.match(line) or JOB.match(line))]
