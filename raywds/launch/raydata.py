@@ -124,6 +124,7 @@ def _read(url: str, shard: Any, policy: Any, verify: bool, left_out: np.ndarray 
                 "id": pa.array(columns["id"], pa.int64()),
                 "image": pa.array(columns["image"], pa.binary()),
                 "cls": pa.array(columns["cls"], pa.binary()),
+                "read_s": pa.array(columns["read_s"], pa.float64()),
             }
         )
 

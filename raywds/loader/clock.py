@@ -35,6 +35,8 @@ class Spent(NamedTuple):
     ready_at: float = 0.0
     """When the batch was made (the host's wall clock: a rank's workers share its host); the
     training loop takes what it waited beyond that as the hand-over."""
+    plane: bool = False
+    """Made by the Ray Data plane's tasks, on any node (raywds.loader.plane): no hand-over clock."""
 
     def plus(self, other: Spent) -> Spent:
         slow = self if _rate(self) <= _rate(other) else other
@@ -48,6 +50,7 @@ class Spent(NamedTuple):
             slow.slow_shard_s,
             slow.slow_shard_bytes,
             max(self.ready_at, other.ready_at),
+            self.plane or other.plane,
         )
 
     @property

@@ -19,6 +19,7 @@ per-rank loader does.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -27,8 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from raywds.loader.clock import Spent
 from raywds.loader.readers import Expected, Failures, ReadPolicy, tar_samples
 from raywds.loader.stages import IMAGE_KEYS, Batch, Decoder, Skips, decoded, fold_single_tail
+
+TIMED = ("read_s", "read_bytes", "decode_s")
+"""Columns a decoded block carries for the doctor (raywds.train.doctor): each row's seconds
+reading it in its read task, its bytes, its seconds decoding in its decode task."""
 
 ROWS_PER_BLOCK = 64
 """Samples per block a read task emits: many samples per block (Ray Data's cost is per block),
@@ -71,14 +77,17 @@ def shard_rows(
     (policy.skip_unreadable) becomes one row whose `error` says why."""
     failures = Failures(policy)
     rows: list[dict[str, Any]] = []
-    for sample in tar_samples([{"url": url}], policy, {url: expected}, verify_hashes=verify_hash, failures=failures):
+    samples = tar_samples([{"url": url}], policy, {url: expected}, verify_hashes=verify_hash, failures=failures)
+    waited = time.perf_counter()
+    for sample in samples:
         if consumed is not None and consumed[sample["__id__"] - expected.first_id]:
             continue
-        rows.append(_row(sample))
+        rows.append({**_row(sample), "read_s": time.perf_counter() - waited})  # the seconds to read it
         if len(rows) == rows_per_block:
             yield _block(rows)
             rows = []
-    rows += [_row(None, f"shard: {why}") for why in failures.skipped]
+        waited = time.perf_counter()
+    rows += [{**_row(None, f"shard: {why}"), "read_s": 0.0} for why in failures.skipped]
     if rows:
         yield _block(rows)
 
@@ -101,11 +110,14 @@ def decode_rows(columns: Columns, decoder: Decoder, policy: ReadPolicy, *, size:
     images = np.zeros((n, size, size, 3), dtype=np.uint8)
     labels = np.full(n, -1, dtype=np.int64)
     errors = [str(e) for e in columns["error"]]
+    decode_s = np.zeros(n)
     skips = Skips(policy)
     for i in range(n):
         if errors[i]:
             continue
+        started = time.perf_counter()
         out = list(decoded([_sample(columns, i)], decoder, skips))
+        decode_s[i] = time.perf_counter() - started
         if not out:  # skipped: the reason is the one `decoded` just gave
             errors[i] = f"sample: {skips.samples.pop()}"
             continue
@@ -117,6 +129,9 @@ def decode_rows(columns: Columns, decoder: Decoder, policy: ReadPolicy, *, size:
         "id": np.asarray(columns["id"], dtype=np.int64),
         "key": np.asarray(columns["key"], dtype=object),
         "error": np.asarray(errors, dtype=object),
+        "read_s": np.asarray(columns.get("read_s", np.zeros(n)), dtype=np.float64),
+        "read_bytes": np.asarray([len(image) + len(c) for image, c in zip(columns["image"], columns["cls"])]),
+        "decode_s": decode_s,
     }
 
 
@@ -171,7 +186,8 @@ class Batches:
             self.nodes.update(str(node) for node in block["node"][~bad])
         if bad.all():
             return None
-        return {k: block[k][~bad] if bad.any() else block[k] for k in ("image", "label", "id", "key")}
+        kept = ("image", "label", "id", "key", *(k for k in TIMED if k in block))
+        return {k: block[k][~bad] if bad.any() else block[k] for k in kept}
 
     def _batch(self, columns: Columns) -> Batch:
         with warnings.catch_warnings():  # Arrow's buffers are read-only; nothing here writes to a batch's images
@@ -186,9 +202,20 @@ class Batches:
             [str(k) for k in columns["key"]],
             tuple(self.bad_samples),
             tuple(self.bad_shards),
+            spent=_spent(columns, len(columns["id"])),
         )
         self.bad_samples, self.bad_shards = [], []
         return batch
+
+
+def _spent(columns: Columns, n: int) -> Spent | None:
+    """What the plane's tasks spent on a batch's rows: reading and decoding them (None for blocks
+    that carry no times)."""
+    if "decode_s" not in columns:
+        return None
+    reads, decodes = columns.get("read_s", np.zeros(n)), columns["decode_s"]
+    read_bytes = int(np.sum(columns.get("read_bytes", 0)))
+    return Spent(float(np.sum(reads)), float(np.sum(decodes)), 0.0, read_bytes, n, plane=True)
 
 
 def _concat(blocks: list[Columns]) -> Columns:

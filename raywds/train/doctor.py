@@ -62,6 +62,7 @@ def stage_times(
     stages["cache_dir"] = bool(cfg.cache_dir)
     stages["data_from"] = data_from
     stages["device"] = world.device.split(":")[0]
+    stages["data_plane"] = spent.plane
     return stages
 
 
@@ -170,12 +171,11 @@ def diagnose(row: dict[str, Any]) -> list[str]:
         if others and statistics.median(others) < worst.waits / 2:
             head += f" (the other ranks {100 * statistics.median(others):.0f}%)"
         read_share = worst.loader.read_s / max(worst.loader.busy_s, 1e-9)
-        if not worst.loader.samples:  # batches that carry no clock: the Ray Data plane's
-            more = (
-                f"{head}: its batches come from the Ray Data plane (--data-plane ray), whose read and "
-                "decode tasks are not timed here"
-            )
+        if not worst.loader.samples:  # batches that carry no clock (a row from before the plane timed its tasks)
+            more = f"{head}: its batches come from the Ray Data plane (--data-plane ray), whose tasks were not timed"
             also = ["more CPUs for the plane's tasks (CPU-only nodes join the cluster): see docs/data-plane.md"]
+        elif stages.get("data_plane"):
+            more, also = _plane(worst, stages, head)
         elif worst.handover_s >= 0.5 * (worst.wait_s - worst.startup_s):
             more, also = _handover(worst, stages, head)
         elif read_share >= 0.5:
@@ -271,6 +271,28 @@ def _decode_bound(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, 
         fixes.append("--decode device: the GPU decodes the JPEGs, the workers only read them")
     if needed > cores:
         fixes.append("--data-plane ray: decode on the cluster's idle CPUs too (`ray status` lists them)")
+    if stages["decode"] == "pil":
+        fixes.append("--decode cpu: decodes only the crop's part of each JPEG, at a reduced scale")
+    return line, fixes
+
+
+def _plane(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, list[str]]:
+    """The rank's batches come from the Ray Data plane's read and decode tasks, on any node."""
+    spent = worst.loader
+    each = spent.samples / max(spent.busy_s, 1e-9)  # images/s while a task read and decoded them
+    needed = math.ceil(1.15 * worst.model_rate / max(each, 1e-9))
+    line = (
+        f"{head}: its batches come from the Ray Data plane, whose tasks made {each:,.0f} images/s a CPU "
+        f"({100 * spent.read_s / max(spent.busy_s, 1e-9):.0f}% of their time reading shards, at "
+        f"{_mb(spent.read_bytes / max(spent.read_s, 1e-9))}/s), the model takes {worst.model_rate:,.0f}/s: "
+        f"about {needed} CPUs busy for this rank alone would keep up"
+    )
+    fixes = [f"more CPUs for the plane's tasks, about {needed} a rank: CPU-only nodes join the cluster (`ray status`)"]
+    if spent.read_s >= 0.5 * spent.busy_s:
+        fixes.append(
+            "shards from object storage (s3://) or several servers of the same shards "
+            "(--shards-at http://a:8080,http://b:8080): one server's link or disk is full"
+        )
     if stages["decode"] == "pil":
         fixes.append("--decode cpu: decodes only the crop's part of each JPEG, at a reduced scale")
     return line, fixes
