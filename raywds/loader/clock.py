@@ -37,6 +37,9 @@ class Spent(NamedTuple):
     training loop takes what it waited beyond that as the hand-over."""
     plane: bool = False
     """Made by the Ray Data plane's tasks, on any node (raywds.loader.plane): no hand-over clock."""
+    resize_s: float = 0.0
+    """Of decode_s, the seconds resizing the crops (`RESIZING`; 0 where the decoder does not
+    resize apart: `--decode pil`'s reference transform)."""
 
     def plus(self, other: Spent) -> Spent:
         slow = self if _rate(self) <= _rate(other) else other
@@ -51,6 +54,7 @@ class Spent(NamedTuple):
             slow.slow_shard_bytes,
             max(self.ready_at, other.ready_at),
             self.plane or other.plane,
+            self.resize_s + other.resize_s,
         )
 
     @property
@@ -65,6 +69,28 @@ def _rate(spent: Spent) -> float:
     return spent.slow_shard_bytes / max(spent.slow_shard_s, 1e-9)
 
 
+class Part:
+    """The seconds of one part of a timed stage, added up where the part runs and taken by the
+    stage's clock: the crop's resize inside decoding (raywds.loader.decode)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        started = time.perf_counter()
+        try:
+            return work(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+RESIZING = Part()
+"""This process's seconds resizing crops since `Clock.decoding` last took them."""
+
 MIN_SHARD_S = 0.05
 """A shard read faster than this is never named as the slow one (timer noise, not a cause)."""
 
@@ -73,7 +99,7 @@ class Clock:
     """One loader worker's running totals; `taken` hands over what was spent since the last call."""
 
     def __init__(self) -> None:
-        self.read_s = self.decode_s = self.collate_s = 0.0
+        self.read_s = self.decode_s = self.collate_s = self.resize_s = 0.0
         self.read_bytes = self.samples = 0
         self.slow = ("", 0.0, 0)
         self._shard = ("", 0.0, 0)  # the shard being read: url, seconds, bytes
@@ -116,11 +142,13 @@ class Clock:
         self._shard = ("", 0.0, 0)
 
     def decoding(self, decode: Callable[[bytes, int], T], data: bytes, sample_id: int) -> T:
+        RESIZING.take()  # resizes timed outside a clock are not this sample's
         started = time.perf_counter()
         try:
             return decode(data, sample_id)
         finally:
             self.decode_s += time.perf_counter() - started
+            self.resize_s += RESIZING.take()
             self.samples += 1
 
     def collating(self, collate: Callable[[list[Any]], T], samples: list[Any]) -> T:
@@ -138,9 +166,16 @@ class Clock:
     def taken(self) -> Spent:
         """What was spent since the last call, then the totals start again."""
         spent = Spent(
-            self.read_s, self.decode_s, self.collate_s, self.read_bytes, self.samples, *self.slow, time.time()
+            self.read_s,
+            self.decode_s,
+            self.collate_s,
+            self.read_bytes,
+            self.samples,
+            *self.slow,
+            time.time(),
+            resize_s=self.resize_s,
         )
-        self.read_s = self.decode_s = self.collate_s = 0.0
+        self.read_s = self.decode_s = self.collate_s = self.resize_s = 0.0
         self.read_bytes = self.samples = 0
         self.slow = ("", 0.0, 0)
         return spent

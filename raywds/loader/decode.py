@@ -37,6 +37,7 @@ from torch.utils.data import get_worker_info
 from torchvision import transforms
 from torchvision.transforms.v2 import functional as F
 
+from raywds.loader.clock import RESIZING
 from raywds.loader.crops import Box, draw_crop, reduction
 
 try:
@@ -73,7 +74,8 @@ def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tenso
     tensor gives the batch a stride of 3, which torch takes for another layout: 1.7x slower.)"""
     top, left, height, width = box
     crop = image[:, top : top + height, left : left + width].permute(1, 2, 0).contiguous()[None].permute(0, 3, 1, 2)
-    out = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    resize = torch.nn.functional.interpolate
+    out = RESIZING.timed(resize, crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     return out[0].flip(-1) if flip else out[0]
 
 
@@ -117,7 +119,8 @@ def _resampled(img: Image.Image, box: Box, r: int, origin: tuple[int, int], flip
     """PIL resamples `box` from `img`, the image (or the part from `origin` on) at 1/r scale,
     where the box's corners fall between pixels, as the reference transform does at full scale."""
     (top, left, h, w), (y0, x0) = box, origin
-    out = img.convert("RGB").resize(
+    out = RESIZING.timed(
+        img.convert("RGB").resize,
         (size, size),
         Image.Resampling.BILINEAR,
         box=(left / r - x0, top / r - y0, (left + w) / r - x0, (top + h) / r - y0),

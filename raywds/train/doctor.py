@@ -33,7 +33,11 @@ SLOWER = 1.2
 SLOW_SHARD = 0.25
 """A shard read at this share of its rank's read rate or less is a slow shard."""
 NUMBERS = ("seconds", "samples", "wait_s", "handover_s", "startup_s", "copy_s", "forward_s", "backward_s", "own_s")
-LOADER = ("read_s", "decode_s", "collate_s", "read_bytes", "decoded")
+MORE_SERVERS = (
+    "shards from object storage (s3://) or several servers of the same shards "
+    "(--shards-at http://a:8080,http://b:8080): one server's link or disk is full"
+)
+LOADER = ("read_s", "decode_s", "collate_s", "read_bytes", "decoded", "resize_s")
 
 
 def cores_per_rank(world: World) -> int:
@@ -49,6 +53,7 @@ def stage_times(
     spent, r = result.loader, result
     mine = [r.seconds, r.num_samples, r.data_wait_s, r.handover_s, r.startup_s, r.copy_s, r.forward_s, r.backward_s]
     row = [*mine, r.own_s, spent.read_s, spent.decode_s, spent.collate_s, spent.read_bytes, spent.samples]
+    row.append(spent.resize_s)
     named = [socket.gethostname(), spent.slow_shard, str(spent.slow_shard_s), str(spent.slow_shard_bytes)]
     table = [row] if alone else per_rank(world, row)
     names = [named] if alone else gathered(world, [named])
@@ -118,6 +123,7 @@ def ranks(stages: dict[str, Any]) -> list[Rank]:
             name,
             slow_s,
             slow_bytes,
+            resize_s=stages.get("resize_s", [0.0] * len(stages["host"]))[r],  # rows written before it was timed
         )
         numbers = {key: float(stages[key][r]) for key in NUMBERS}
         # Ranks meet at every step: a rank whose own compute per sample is a share of the
@@ -240,20 +246,19 @@ def _read_bound(every: list[Rank], worst: Rank, stages: dict[str, Any], head: st
     fixes = []
     if not stages["cache_dir"]:
         fixes.append("--cache-dir on a local disk: every epoch after the first reads the shards from it")
-    fixes.append(
-        "shards from object storage (s3://) or several servers of the same shards "
-        "(--shards-at http://a:8080,http://b:8080): one server's link or disk is full"
-    )
+    fixes.append(MORE_SERVERS)
     return line, fixes
 
 
 def _decode_bound(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, list[str]]:
     workers, cores = stages["loader_workers"], stages["cores_per_rank"]
     made, wanted = worst.loader_rate(workers), worst.model_rate
+    spent, busy = worst.loader, max(worst.loader.busy_s, 1e-9)
+    resizing = f", {100 * spent.resize_s / busy:.0f}% resizing the crops" if spent.resize_s else ""
     line = (
         f"{head}: its loader decodes {made:,.0f} images/s with {workers} worker(s) "
-        f"({100 * (worst.loader.decode_s + worst.loader.collate_s) / max(worst.loader.busy_s, 1e-9):.0f}% of their "
-        f"time decoding), the model takes {wanted:,.0f}/s"
+        f"({100 * (spent.decode_s + spent.collate_s - spent.resize_s) / busy:.0f}% of their time decoding{resizing}), "
+        f"the model takes {wanted:,.0f}/s"
     )
     if made >= 1.2 * wanted:
         return line + (
@@ -289,10 +294,7 @@ def _plane(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, list[st
     )
     fixes = [f"more CPUs for the plane's tasks, about {needed} a rank: CPU-only nodes join the cluster (`ray status`)"]
     if spent.read_s >= 0.5 * spent.busy_s:
-        fixes.append(
-            "shards from object storage (s3://) or several servers of the same shards "
-            "(--shards-at http://a:8080,http://b:8080): one server's link or disk is full"
-        )
+        fixes.append(MORE_SERVERS)
     if stages["decode"] == "pil":
         fixes.append("--decode cpu: decodes only the crop's part of each JPEG, at a reduced scale")
     return line, fixes

@@ -172,6 +172,8 @@ def test_the_doctor_command_reads_a_runs_folder(
     from raywds.cli import main
 
     train(small_config(str(shards), num_epochs=2), World(), run_dir=RunDir(tmp_path))
+    stages = rows(tmp_path)[0]["stages"]
+    assert 0 < stages["resize_s"][0] < stages["decode_s"][0], stages  # the cpu decoder's resize, timed apart
     capsys.readouterr()
     main(["doctor", str(tmp_path), "--epoch", "1"])
     out = capsys.readouterr().out.splitlines()
