@@ -33,6 +33,11 @@ class World:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def cores(self) -> int:
+        """The cores this rank's process may use, shared with the other ranks on its node."""
+        return max(len(os.sched_getaffinity(0)) // max(self.ranks_per_node, 1), 1)
+
     @classmethod
     def from_env(cls) -> World:
         """The world torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), else rank 0 of 1."""

@@ -394,3 +394,28 @@ def forkserver_started_early(request: pytest.FixtureRequest) -> None:
 
     multiprocessing.forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
     multiprocessing.forkserver.ensure_running()
+
+
+def made_stages(*ranks: tuple[float, float, float], workers: int = 1, handover: float = 0.0) -> dict:
+    """An epoch row's `stages` (raywds.train.doctor) of ranks given as (loader images/s a worker,
+    model images/s, samples), each waiting as long as it computes, `handover` of that wait for
+    batches already made."""
+    out: dict = {key: [] for key in ("seconds", "samples", "wait_s", "handover_s", "startup_s", "copy_s")}
+    out.update({key: [] for key in ("forward_s", "backward_s", "own_s", "read_s", "decode_s", "collate_s")})
+    out.update(read_bytes=[], decoded=[], host=[], slow_shard=[])
+    for each, model, samples in ranks:
+        compute = samples / model
+        for key, value in dict(
+            seconds=2 * compute, samples=samples, wait_s=compute, handover_s=handover * compute
+        ).items():
+            out[key].append(value)
+        for key, value in dict(startup_s=0.0, copy_s=0.0, forward_s=compute / 2, backward_s=compute / 2).items():
+            out[key].append(value)
+        for key, value in dict(own_s=compute, read_s=0.0, decode_s=samples / each, collate_s=0.0).items():
+            out[key].append(value)
+        out["read_bytes"].append(1e6)
+        out["decoded"].append(samples)
+        out["host"].append("node")
+        out["slow_shard"].append(["", 0.0, 0])
+    settings = {"loader_workers": workers, "batch_size": 8, "cores_per_rank": 8, "decode": "cpu", "device": "cpu"}
+    return {**out, **settings, "cache_dir": False, "data_from": "shards/"}

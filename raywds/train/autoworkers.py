@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raywds.config import TrainConfig
-from raywds.train.doctor import cores_per_rank, ranks
+from raywds.train.doctor import ranks
 from raywds.world import World
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Workers:
     next epoch's from this one's row."""
 
     def __init__(self, asked: TrainConfig, world: World):
-        self.asked, self.world, self.cores = asked, world, cores_per_rank(world)
+        self.asked, self.world, self.cores = asked, world, world.cores
         self.choice = first(self.cores) if asked.num_loader_workers_per_rank == "auto" else None
 
     def config(self, index: int) -> TrainConfig:

@@ -14,7 +14,6 @@ The loader's workers time their reading, decoding and collating (raywds.loader.c
 from __future__ import annotations
 
 import math
-import os
 import socket
 import statistics
 from dataclasses import dataclass
@@ -40,11 +39,6 @@ MORE_SERVERS = (
 LOADER = ("read_s", "decode_s", "collate_s", "read_bytes", "decoded", "resize_s")
 
 
-def cores_per_rank(world: World) -> int:
-    """The cores this rank's process may use, shared with the other ranks on its node."""
-    return max(len(os.sched_getaffinity(0)) // max(world.ranks_per_node, 1), 1)
-
-
 def stage_times(
     world: World, result: EpochResult, cfg: TrainConfig, data_from: str, *, alone: bool = False
 ) -> dict[str, Any]:
@@ -62,7 +56,7 @@ def stage_times(
     stages["slow_shard"] = [[row[1], float(row[2]), int(row[3])] for row in names]
     stages["loader_workers"] = cfg.loader_workers
     stages["batch_size"] = cfg.batch_size_per_rank
-    stages["cores_per_rank"] = cores_per_rank(world)
+    stages["cores_per_rank"] = world.cores
     stages["decode"] = cfg.decode
     stages["cache_dir"] = bool(cfg.cache_dir)
     stages["data_from"] = data_from
@@ -177,12 +171,15 @@ def diagnose(row: dict[str, Any]) -> list[str]:
         if others and statistics.median(others) < worst.waits / 2:
             head += f" (the other ranks {100 * statistics.median(others):.0f}%)"
         read_share = worst.loader.read_s / max(worst.loader.busy_s, 1e-9)
+        # Batches made but late count only where the loader makes more than the model takes: a
+        # worker whose next decode holds its GIL also holds back the batch it has just made.
+        keeps_up = worst.loader_rate(stages["loader_workers"]) >= worst.model_rate
         if not worst.loader.samples:  # batches that carry no clock (a row from before the plane timed its tasks)
             more = f"{head}: its batches come from the Ray Data plane (--data-plane ray), whose tasks were not timed"
             also = ["more CPUs for the plane's tasks (CPU-only nodes join the cluster): see docs/data-plane.md"]
         elif stages.get("data_plane"):
             more, also = _plane(worst, stages, head)
-        elif worst.handover_s >= 0.5 * (worst.wait_s - worst.startup_s):
+        elif worst.handover_s >= 0.5 * (worst.wait_s - worst.startup_s) and keeps_up:
             more, also = _handover(worst, stages, head)
         elif read_share >= 0.5:
             more, also = _read_bound(every, worst, stages, head)

@@ -10,36 +10,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import epoch_keys, small_config, tar_keys
+from conftest import epoch_keys, made_stages, small_config, tar_keys
 
 from raywds.cli import main
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.train.autoworkers import MARGIN, after, first
-from raywds.train.doctor import cores_per_rank
 from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
-
-
-def stages(*ranks: tuple[float, float, float], workers: int = 1) -> dict:
-    """Stages of ranks given as (loader images/s a worker, model images/s, samples)."""
-    out: dict = {key: [] for key in ("seconds", "samples", "wait_s", "handover_s", "startup_s", "copy_s")}
-    out.update({key: [] for key in ("forward_s", "backward_s", "own_s", "read_s", "decode_s", "collate_s")})
-    out.update(read_bytes=[], decoded=[], host=[], slow_shard=[])
-    for each, model, samples in ranks:
-        compute = samples / model
-        for key, value in dict(seconds=2 * compute, samples=samples, wait_s=compute, handover_s=0.0).items():
-            out[key].append(value)
-        for key, value in dict(startup_s=0.0, copy_s=0.0, forward_s=compute / 2, backward_s=compute / 2).items():
-            out[key].append(value)
-        for key, value in dict(own_s=compute, read_s=0.0, decode_s=samples / each, collate_s=0.0).items():
-            out[key].append(value)
-        out["read_bytes"].append(1e6)
-        out["decoded"].append(samples)
-        out["host"].append("node")
-        out["slow_shard"].append(["", 0.0, 0])
-    return {**out, "loader_workers": workers, "batch_size": 8, "cores_per_rank": 8, "decode": "cpu"}
 
 
 def test_the_first_epoch_leaves_a_core_for_the_rank() -> None:
@@ -49,23 +28,23 @@ def test_the_first_epoch_leaves_a_core_for_the_rank() -> None:
 
 
 def test_enough_workers_for_the_model_with_a_margin_within_the_cores() -> None:
-    assert after(stages((100, 350, 800)), cores=16).workers == 5  # ceil(1.15 x 3.5)
-    assert after(stages((100, 350, 800)), cores=4).workers == 4
-    assert "5 worker(s) keep up; 4 core(s) a rank allow 4" in after(stages((100, 350, 800)), cores=4).why
-    assert after(stages((1000, 80, 800)), cores=16).workers == 1  # the model is the limit: one worker is plenty
-    assert after(stages((100, 100 / MARGIN, 800)), cores=16).workers == 1
-    assert after(stages((100, 100 / MARGIN + 1, 800)), cores=16).workers == 2
+    assert after(made_stages((100, 350, 800)), cores=16).workers == 5  # ceil(1.15 x 3.5)
+    assert after(made_stages((100, 350, 800)), cores=4).workers == 4
+    assert "5 worker(s) keep up; 4 core(s) a rank allow 4" in after(made_stages((100, 350, 800)), cores=4).why
+    assert after(made_stages((1000, 80, 800)), cores=16).workers == 1  # the model is the limit: one worker is plenty
+    assert after(made_stages((100, 100 / MARGIN, 800)), cores=16).workers == 1
+    assert after(made_stages((100, 100 / MARGIN + 1, 800)), cores=16).workers == 2
 
 
 def test_the_slowest_workers_against_the_slowest_model_set_every_ranks_count() -> None:
     """Ranks step together: rank 2's model sets the pace (100/s), rank 1's workers are the slowest."""
-    choice = after(stages((200, 350, 800), (60, 350, 800), (400, 100, 800)), cores=16)
+    choice = after(made_stages((200, 350, 800), (60, 350, 800), (400, 100, 800)), cores=16)
     assert choice.workers == 2, choice  # ceil(1.15 x 100 / 60); 7 for rank 1's own model
     assert choice.why.startswith("rank 1 on node's loader made 60 images/s a worker and the model takes 100/s"), choice
 
 
 def test_an_untimed_loader_keeps_its_count() -> None:
-    untimed = stages((100, 350, 800), workers=3)
+    untimed = made_stages((100, 350, 800), workers=3)
     untimed["decoded"] = [0]
     assert after(untimed, cores=16).workers == 3
 
@@ -93,7 +72,7 @@ def auto(cfg: TrainConfig, **overrides: object) -> TrainConfig:
 def test_auto_chooses_more_workers_where_decoding_is_the_limit_and_split_stays_exact(
     large: Path, shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cores = cores_per_rank(World())
+    cores = World().cores
     if cores < 2:
         pytest.skip("one core a rank: auto has one worker to choose")
     decoding = small_config(str(large), decode="pil", image_size_px=32, batch_size_per_rank=8, num_epochs=2)

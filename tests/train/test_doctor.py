@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FORKSERVER_PRELOAD, small_config
+from conftest import FORKSERVER_PRELOAD, made_stages, small_config
 
 from raywds.train.doctor import diagnose, ranks
 from raywds.train.rundir import RunDir
@@ -180,3 +180,14 @@ def test_the_doctor_command_reads_a_runs_folder(
     assert out == diagnose(rows(tmp_path)[0]), out
     assert main(["doctor", str(tmp_path / "nowhere")]) == 1
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_late_batches_are_the_hand_over_only_where_the_loader_keeps_up() -> None:
+    """A worker whose next decode holds its GIL holds back the batch it has just made: a loader
+    slower than the model is decode-bound however late its batches arrive (the decode-bound
+    run's first epoch with one worker was called a hand-over)."""
+    slow = diagnose({"stages": made_stages((50, 350, 800), handover=0.8)})
+    assert "its loader decodes 50 images/s with 1 worker(s)" in slow[0], slow
+    assert slow[1].startswith("1. --loader-workers 8, as many as its 8 cores allow"), slow
+    fast = diagnose({"stages": made_stages((2000, 350, 800), handover=0.8)})
+    assert "mostly for batches already made" in fast[0] and "its loader makes 2,000 images/s" in fast[0], fast
