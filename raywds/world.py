@@ -20,6 +20,9 @@ class World:
     """Ranks on each node (torchrun's LOCAL_WORLD_SIZE); ranks node x ranks_per_node ... share a node."""
     device: str = "cpu"
     """torch device string for this rank, e.g. `cuda:0`."""
+    idle_cpus: float | None = None
+    """Under Ray, the cluster's CPUs no task or actor held as this rank started (room for the Ray
+    Data plane's decode tasks, which the doctor prescribes); None elsewhere."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

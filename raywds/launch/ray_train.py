@@ -93,6 +93,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         local_rank=context.get_local_rank(),
         ranks_per_node=context.get_local_world_size(),
         device=str(ray.train.torch.get_device()),  # RAY
+        idle_cpus=ray.available_resources().get("CPU", 0.0),  # RAY
     )
     log.info(f"rank {world.rank} of {world.world_size} on node {node_ip()} (pid {os.getpid()})")
     resume = None

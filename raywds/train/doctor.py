@@ -62,6 +62,7 @@ def stage_times(
     stages["data_from"] = data_from
     stages["device"] = world.device.split(":")[0]
     stages["data_plane"] = spent.plane
+    stages["idle_cpus"] = world.idle_cpus
     return stages
 
 
@@ -272,7 +273,9 @@ def _decode_bound(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, 
     if stages["device"] == "cuda" and stages["decode"] != "device":
         fixes.append("--decode device: the GPU decodes the JPEGs, the workers only read them")
     if needed > cores:
-        fixes.append("--data-plane ray: decode on the cluster's idle CPUs too (`ray status` lists them)")
+        idle = stages.get("idle_cpus")  # under Ray: the cluster's CPUs free as the run started
+        room = "`ray status` lists them" if idle is None else f"{idle:g} were idle as the run started"
+        fixes.append(f"--data-plane ray: decode on the cluster's idle CPUs too ({room}; CPU-only nodes may join)")
     if stages["decode"] == "pil":
         fixes.append("--decode cpu: decodes only the crop's part of each JPEG, at a reduced scale")
     return line, fixes

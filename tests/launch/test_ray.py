@@ -32,6 +32,7 @@ def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path,
     assert losses[-1] < losses[0], losses
     assert run.metrics["train_samples"] == 2 * 4 * 16  # 2 ranks x ceil(120 / 32) batches x 16
     assert run.metrics["val_samples"] == 50
+    assert 0 <= run.metrics["stages"]["idle_cpus"] <= 4 - 2, "the doctor knows the CPUs the run left idle"
     assert run.checkpoint is not None and (Path(run.checkpoint) / ray_train.CHECKPOINT_FILE).is_file()
     best = json.loads((Path(run.path) / "best" / "metrics.json").read_text())
     assert best["val_top1"] == max(m["val_top1"] for m in run.history), (

@@ -191,3 +191,11 @@ def test_late_batches_are_the_hand_over_only_where_the_loader_keeps_up() -> None
     assert slow[1].startswith("1. --loader-workers 8, as many as its 8 cores allow"), slow
     fast = diagnose({"stages": made_stages((2000, 350, 800), handover=0.8)})
     assert "mostly for batches already made" in fast[0] and "its loader makes 2,000 images/s" in fast[0], fast
+
+
+def test_the_data_plane_is_prescribed_with_the_clusters_idle_cpus() -> None:
+    """Under Ray each rank knows the CPUs no task held as it started; elsewhere `ray status` is named."""
+    short = made_stages((50, 350, 800))  # 9 workers would keep up, the rank has 8 cores
+    assert "(`ray status` lists them; CPU-only nodes may join)" in diagnose({"stages": short})[2]
+    fix = diagnose({"stages": {**short, "idle_cpus": 24.0}})[2]
+    assert fix.startswith("2. --data-plane ray: decode on the cluster's idle CPUs too (24 were idle as the run"), fix
