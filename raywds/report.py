@@ -16,7 +16,7 @@ from typing import Any
 
 from raywds.data import s3
 from raywds.errors import ConfigError
-from raywds.train.doctor import shares
+from raywds.train.stagetimes import shares
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from raywds import console
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.demo import DemoSpec, write_tree
-from raywds.train.doctor import shares
+from raywds.train.stagetimes import shares
 
 
 @pytest.fixture(scope="session", autouse=True)

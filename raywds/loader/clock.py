@@ -40,6 +40,8 @@ class Spent(NamedTuple):
     resize_s: float = 0.0
     """Of decode_s, the seconds resizing the crops (`RESIZING`; 0 where the decoder does not
     resize apart: `--decode pil`'s reference transform)."""
+    shards: int = 0
+    """Shards begun (their first sample read)."""
 
     def plus(self, other: Spent) -> Spent:
         slow = self if _rate(self) <= _rate(other) else other
@@ -55,6 +57,7 @@ class Spent(NamedTuple):
             max(self.ready_at, other.ready_at),
             self.plane or other.plane,
             self.resize_s + other.resize_s,
+            self.shards + other.shards,
         )
 
     @property
@@ -100,7 +103,7 @@ class Clock:
 
     def __init__(self) -> None:
         self.read_s = self.decode_s = self.collate_s = self.resize_s = 0.0
-        self.read_bytes = self.samples = 0
+        self.read_bytes = self.samples = self.shards = 0
         self.slow = ("", 0.0, 0)
         self._shard = ("", 0.0, 0)  # the shard being read: url, seconds, bytes
 
@@ -124,6 +127,7 @@ class Clock:
             if url != name:
                 self._finish_shard()
                 name, seconds, num_bytes = url, 0.0, 0
+                self.shards += 1
             whole = sizes.get(url)
             if whole is None:
                 size = sum(len(v) for v in sample.values() if isinstance(v, bytes | bytearray | memoryview))
@@ -174,8 +178,9 @@ class Clock:
             *self.slow,
             time.time(),
             resize_s=self.resize_s,
+            shards=self.shards,
         )
         self.read_s = self.decode_s = self.collate_s = self.resize_s = 0.0
-        self.read_bytes = self.samples = 0
+        self.read_bytes = self.samples = self.shards = 0
         self.slow = ("", 0.0, 0)
         return spent

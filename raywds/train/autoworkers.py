@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raywds.config import TrainConfig
-from raywds.train.doctor import ranks
+from raywds.train.stagetimes import ranks
 from raywds.world import World
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,10 @@ from tqdm import tqdm
 
 from raywds.config import TrainConfig
 from raywds.errors import DataError
-from raywds.train.doctor import diagnose, stage_times
+from raywds.train.doctor import diagnose
 from raywds.train.loop import EpochResult
 from raywds.train.rundir import Metrics, RunDir
+from raywds.train.stagetimes import stage_times
 from raywds.world import World
 
 log = logging.getLogger(__name__)

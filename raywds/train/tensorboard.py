@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from raywds.errors import ConfigError
-from raywds.train.doctor import shares
+from raywds.train.stagetimes import shares
 
 FOLDER = "tensorboard"
 """The event files' folder in the run folder."""

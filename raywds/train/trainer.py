@@ -26,13 +26,14 @@ from raywds.train.audit import Audit
 from raywds.train.autoworkers import Workers
 from raywds.train.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
-from raywds.train.doctor import diagnose, stage_times
+from raywds.train.doctor import diagnose
 from raywds.train.ledger import Ledger, gathered, per_rank, sum_and_max, tally
 from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import build_model
 from raywds.train.optim import lr_at, make_optimizer
 from raywds.train.progress import ProgressLog, epoch_line, too_many_bad
 from raywds.train.rundir import Metrics, RunDir
+from raywds.train.stagetimes import stage_times
 from raywds.train.state import Epoch, Progress, check_unfinished, checkpoint_state, restore
 from raywds.world import World
 
@@ -290,10 +291,9 @@ def train(
     run_dir: RunDir | None = None,
     loaders: Loaders | None = None,
 ) -> Metrics:
-    """Train for cfg.num_epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or
-    cfg.resume_from when given; returns the last metrics, the same on every rank. Rank 0's
-    `run_dir` gets progress rows, and is the report (metrics, checkpoint, best/) when no
-    `report` is given. `loaders`: where batches come from (each rank's own loader by default)."""
+    """Train for cfg.num_epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or cfg.resume_from;
+    returns the last metrics, the same on every rank. Rank 0's `run_dir` gets progress rows and is the
+    report (metrics, checkpoint, best/) unless `report` is given; `loaders`: where batches come from."""
     if resume is None and cfg.resume_from:
         resume = load_checkpoint(cfg.resume_from)
         check_unfinished(resume, cfg)

@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import FORKSERVER_PRELOAD, made_stages, small_config
 
-from raywds.train.doctor import diagnose, ranks
+from raywds.train.doctor import diagnose
 from raywds.train.rundir import RunDir
+from raywds.train.stagetimes import ranks
 from raywds.train.steptime import SLOW_RANK
 from raywds.train.trainer import train
 from raywds.world import World
@@ -82,6 +83,7 @@ def test_a_throttled_server_is_named_and_the_cache_takes_it_away(shards: Path, t
         assert verdict.startswith(f"rank 0 on {HOST} waits ") and "of its time reading shards" in verdict, verdict
         assert f"in all from {url}" in verdict, verdict
         assert fixes[0].startswith("1. --cache-dir"), fixes
+        assert fixes[2].startswith("3. larger shards") and "this rank's 8 shards averaged 0.1 MB" in fixes[2], fixes
         cached = small_config(url, num_epochs=2, mode="split", cache_dir=str(tmp_path / "cache"))
         train(cached, World(), run_dir=RunDir(tmp_path / "cached"))
     first, second = rows(tmp_path / "cached")
