@@ -5,8 +5,9 @@ a margin, within the cores a rank has.
     choice = first(cores=8)                  # 7 workers, one core left for the rank itself
     choice = after(metrics["stages"], cores=8)
 
-Every rank chooses from the same gathered stages, so all choose the same count, and split mode's
-plan, made for that count at the epoch's start, stays exact.
+Every rank chooses from the same gathered stages and within the fewest cores any rank has, so
+all choose the same count, and split mode's plan, made for that count at the epoch's start,
+stays exact.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raywds.config import TrainConfig
+from raywds.train.ledger import per_rank
 from raywds.train.stagetimes import ranks
 from raywds.world import World
 
@@ -72,7 +74,10 @@ class Workers:
 
     def __init__(self, asked: TrainConfig, world: World):
         self.asked, self.world, self.cores = asked, world, world.cores
-        self.choice = first(self.cores) if asked.num_loader_workers_per_rank == "auto" else None
+        self.choice = None
+        if asked.num_loader_workers_per_rank == "auto":  # every rank's plan needs the same count:
+            self.cores = int(min(row[0] for row in per_rank(world, [world.cores])))  # the fewest cores any has
+            self.choice = first(self.cores)
 
     def config(self, index: int) -> TrainConfig:
         if self.choice is None:

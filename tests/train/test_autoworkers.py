@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import epoch_keys, made_stages, small_config, tar_keys
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import FORKSERVER_PRELOAD, epoch_keys, made_stages, small_config, tar_keys
 
 from raywds.cli import main
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
-from raywds.train.autoworkers import MARGIN, after, first
+from raywds.train.autoworkers import MARGIN, Workers, after, first
 from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
+
+mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
 def test_the_first_epoch_leaves_a_core_for_the_rank() -> None:
@@ -57,6 +62,31 @@ def test_auto_is_a_flag_value_and_nothing_else_is(shards: Path) -> None:
     with pytest.raises(ConfigError, match="chosen at each epoch's start"):
         assert TrainConfig(data="x", num_loader_workers_per_rank="auto").loader_workers
     assert main(["plan", "--data", str(shards), "--workers", "auto"]) == 1
+
+
+def _rank_with_cores(rank: int, cores: list[int], store: str, out: str) -> None:
+    os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: cores[rank]]))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        workers = Workers(TrainConfig(data="x", num_loader_workers_per_rank="auto"), World(rank=rank, world_size=2))
+        start = workers.config(0).loader_workers
+        workers.measured({"stages": made_stages((50, 350, 800), (50, 350, 800))})  # decoding: all the cores it may
+        Path(out, f"rank{rank}").write_text(f"{start} {workers.config(1).loader_workers}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two gloo processes from a fork server
+def test_ranks_with_different_cores_choose_the_same_count(tmp_path: Path) -> None:
+    """A split plan is the same on every rank only if every rank has the same count: the fewest
+    cores any rank has bound it (rank 1 here is held to one core, rank 0 has them all)."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: every rank has the same")
+    mp.start_processes(
+        _rank_with_cores, args=([cores, 1], str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="forkserver"
+    )
+    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "1 1"
 
 
 def chosen(run: Path) -> list[tuple[int, str]]:
