@@ -19,15 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from raywds.config import TrainConfig
+from raywds.train.doctor import MARGIN
 from raywds.train.ledger import per_rank
 from raywds.train.stagetimes import ranks
 from raywds.world import World
 
 log = logging.getLogger(__name__)
-
-MARGIN = 1.15
-"""Workers enough for this many times the model's rate: a loader just at the model's rate still
-leaves the model waiting whenever a batch comes late."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +51,8 @@ def after(stages: dict[str, Any], cores: int) -> Choice:
     if not timed or not workers:
         return Choice(max(workers, 1), "kept: the last epoch's loader was not timed")
     pace = min(r.model_rate for r in every)
-    short = min(timed, key=lambda r: r.loader.samples / r.loader.busy_s)
-    each = short.loader.samples / short.loader.busy_s  # images/s one of its workers made while it ran
+    short = min(timed, key=lambda r: r.loader_rate(1))
+    each = short.loader_rate(1)  # images/s one of its workers made while it ran
     needed = max(1, math.ceil(MARGIN * pace / each))
     chosen = min(needed, cores)
     why = (

@@ -17,6 +17,10 @@ WAITS = 0.10
 """A rank that waits this share of its steps or less for data is not held back by it."""
 SLOWER = 1.2
 """A rank whose own compute per sample is this many times the others' median is a slow GPU or node."""
+MARGIN = 1.15
+"""Loaders prescribed (workers, the plane's CPUs, `--loader-workers auto`) make this many times
+what the model takes: a loader just at the model's rate still leaves it waiting whenever a batch
+comes late."""
 SLOW_SHARD = 0.25
 """A shard read at this share of its rank's read rate or less is a slow shard."""
 SMALL_SHARD = 16e6
@@ -149,7 +153,7 @@ def _decode_bound(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, 
             ": the loader keeps up when it runs, but its workers do not get the CPU they need "
             f"({cores} core(s) a rank, shared with the rank's own work and anything else on the node)"
         ), ["fewer other processes on the node, or --data-plane ray: decode on the cluster's idle CPUs"]
-    needed = math.ceil(max(workers, 1) * wanted / max(made, 1e-9) * 1.15)
+    needed = math.ceil(max(workers, 1) * wanted / max(made, 1e-9) * MARGIN)
     fixes = []  # the measured gain first; those that depend on the GPU or the cluster after
     usable = min(needed, cores)
     if usable > workers:
@@ -170,8 +174,8 @@ def _decode_bound(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, 
 def _plane(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, list[str]]:
     """The rank's batches come from the Ray Data plane's read and decode tasks, on any node."""
     spent = worst.loader
-    each = spent.samples / max(spent.busy_s, 1e-9)  # images/s while a task read and decoded them
-    needed = math.ceil(1.15 * worst.model_rate / max(each, 1e-9))
+    each = worst.loader_rate(1)  # images/s while a task read and decoded them
+    needed = math.ceil(MARGIN * worst.model_rate / max(each, 1e-9))
     line = (
         f"{head}: its batches come from the Ray Data plane, whose tasks made {each:,.0f} images/s a CPU "
         f"({100 * spent.read_s / max(spent.busy_s, 1e-9):.0f}% of their time reading shards, at "
