@@ -101,6 +101,12 @@ def _read_stages(
     return stages
 
 
+FORKSERVER_PRELOAD = ["raywds.loader.loader"]
+"""What a rank's fork server imports once, before it forks each loader worker. raywds.lightning
+puts `__main__` first: a worker started from a fork server runs the user's script again as its
+own main module (Lightning and all), seconds a worker an epoch, unless the server has it already."""
+
+
 def start_method(workers: int, world: World) -> str | None:
     """How a rank starts its loader workers, afresh each epoch (the pipeline is seeded by epoch).
     By fork where the OS has it: a process that was itself spawned would otherwise spawn its
@@ -113,7 +119,7 @@ def start_method(workers: int, world: World) -> str | None:
     if not workers:
         return None
     if world.distributed and "forkserver" in methods:
-        multiprocessing.set_forkserver_preload(["raywds.loader.loader"])
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
         return "forkserver"
     return "fork" if "fork" in methods else None
 
