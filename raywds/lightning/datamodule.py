@@ -77,6 +77,10 @@ class ShardDataModule(pl.LightningDataModule):
         self.audit: Audit | None = None
         self.samples_seen = 0
         """Samples trained on, all ranks, in the epochs finished (and the resumed run's before them)."""
+        self.steps_before = 0
+        """Steps of the epochs finished, each counted as its longest rank's batches, as `raywds train`
+        counts them: the same on every rank (Lightning's `global_step` is not, in split mode, where a
+        rank that ran out early took fewer optimizer steps). The audit files' segments use it."""
         self.metrics: dict[str, Any] = {}
         """The last finished epoch's counts (every rank): epoch, epoch_samples, samples_seen, images_per_s."""
         self._compute: Compute | None = None
@@ -118,7 +122,7 @@ class ShardDataModule(pl.LightningDataModule):
                 f"({sum(plan.samples_per_rank)} samples left): resume it on fewer ranks"
             )
         if self.audit is None:
-            self.audit = Audit(cfg.audit_dir, world, t.global_step)
+            self.audit = Audit(cfg.audit_dir, world, self.steps_before + (position.step if position else 0))
         self.epoch = EpochRun(index, plan, position, Ledger(self.sizes))
         batches = train_loader(self.manifest, cfg, world, plan, epoch=index, position=position)
         return Batches(batches, self.epoch.step_before + len(batches))
@@ -149,6 +153,11 @@ class ShardDataModule(pl.LightningDataModule):
             self._compute = Compute.for_run(self.cfg, str(images.device))
         return self._compute.inputs(images, labels)
 
+    def step(self) -> int:
+        """Steps so far, the same on every rank: the finished epochs' (their longest rank's), then this one's."""
+        epoch = self.epoch
+        return self.steps_before + (epoch.steps if epoch is not None and not epoch.closed else 0)
+
     def progress(self, ahead: int = 0) -> float:
         """Epochs done, fractional, `ahead` steps on: the clock of `raywds train`'s learning-rate
         schedule (raywds.train.optim.lr_at), the same on every rank at an epoch's boundaries."""
@@ -165,10 +174,12 @@ class ShardDataModule(pl.LightningDataModule):
         position, epoch, seen = self.callback.position_now(), self.epoch, self.samples_seen
         if position is not None and epoch is not None and not epoch.closed and position.epoch == epoch.index:
             seen += position.samples_done - epoch.done_before  # the epoch's samples so far, all ranks
-        return {"position": position.to_state() if position else None, "samples_seen": seen}
+        state = {"position": position.to_state() if position else None, "samples_seen": seen}
+        return {**state, "steps": self.steps_before}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.samples_seen = int(state.get("samples_seen", 0))
+        self.steps_before = int(state.get("steps", 0))
         position = state.get("position")
         self.position = Position.from_state(position, self.manifest.shards("train")) if position else None
         if self.position is not None:

@@ -98,9 +98,9 @@ class ExactEpochs(pl.Callback):
         if every and ran <= epoch.plan.min_batches and ran < epoch.plan.max_batches and epoch.steps % every == 0:
             trainer.save_checkpoint(Path(cfg.out_dir) / CHECKPOINT)
             if data.audit is not None:
-                data.audit.segment(trainer.global_step)
+                data.audit.segment(data.step())
             if trainer.is_global_zero:
-                log.info(f"step {trainer.global_step}: checkpoint inside epoch {epoch.index + 1}")
+                log.info(f"step {data.step()}: checkpoint inside epoch {epoch.index + 1}")
         epoch.finished = ran >= epoch.plan.batches_per_rank[trainer.global_rank]
         stopping = trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps
         self.join.after_batch(trainer, last=epoch.finished or stopping)
@@ -121,13 +121,16 @@ class ExactEpochs(pl.Callback):
                 f"has {data.num_samples}; {counted.duplicates} repeated, {counted.missing} missing"
             )
         data.samples_seen += int(samples)
+        step = data.step()
+        if done:
+            data.steps_before += epoch.step_before + epoch.plan.max_batches
         epoch.closed = True
         epoch.left = None if done else self._position(epoch, counted if epoch.plan.mode.exact else None)
         if not done:  # max_steps stopped it: raywds train's row for a stop inside an epoch
             data.metrics = {
                 "inside_epoch": True,
                 "epoch": epoch.index,
-                "step": trainer.global_step,
+                "step": step,
                 "samples_seen": data.samples_seen,
             }
             return

@@ -3,13 +3,19 @@ torchrun, through the example (examples/lightning_imagenet.py) as a user runs it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import subprocess
 import sys
+import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import psutil
 import pytest
 from conftest import UNEVEN_SIZES, epoch_keys, small_config, tar_keys
 
@@ -28,16 +34,47 @@ FLAGS = ["--model", "demo", "--optimizer", "adamw", "--lr", "0.003", "--image-si
 def run(data: Path, out: Path, *flags: str, ranks: int = 2, timeout: float = 300, small: bool = True) -> str:
     """The example on `ranks` gloo processes (torchrun), or one, with the tests' small model and
     crops unless not `small`; its output, after it exited 0."""
-    launcher = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={ranks}"]
-    command = [*(launcher if ranks > 1 else [sys.executable]), str(EXAMPLE)]
-    command += ["--data", str(data), "--out", str(out), "--devices", str(ranks), "--accelerator", "cpu"]
-    command += [*(FLAGS if small else []), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=out.parent)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-5000:]
+    with started(command(data, out, *flags, ranks=ranks, small=small), out.parent, capture=True) as process:
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the example ran past {timeout} s: {shlex.join(process.args)}")  # type: ignore[arg-type]
+    assert process.returncode == 0, output[-5000:]
     assert "Traceback" not in output, output[-5000:]
     return output
+
+
+@contextlib.contextmanager
+def started(line: list[str], cwd: Path, capture: bool = False) -> Iterator[subprocess.Popen[str]]:
+    """`line` running; on the way out, it and every process under it (torchrun's ranks, their
+    loader workers and fork servers) killed by PID: killing torchrun alone leaves its ranks running."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    output = subprocess.PIPE if capture else subprocess.DEVNULL
+    process = subprocess.Popen(line, env=env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield process
+    finally:
+        kill_tree(process.pid)
+        process.wait(timeout=30)
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(tree, timeout=30)
+
+
+def command(data: Path, out: Path, *flags: str, ranks: int = 2, small: bool = True) -> list[str]:
+    launcher = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={ranks}"]
+    line = [*(launcher if ranks > 1 else [sys.executable]), str(EXAMPLE)]
+    line += ["--data", str(data), "--out", str(out), "--devices", str(ranks), "--accelerator", "cpu"]
+    return [*line, *(FLAGS if small else []), *flags]
 
 
 def test_split_epochs_on_two_ranks_with_uneven_batches_train_every_sample_once(shards: Path, tmp_path: Path) -> None:
@@ -62,18 +99,42 @@ def test_resample_epochs_give_both_ranks_the_same_batches(shards: Path, tmp_path
     assert per_rank == {"rank00000": 64, "rank00001": 64}, per_rank  # ceil(120 / 32) = 4 batches of 16 each
 
 
-@pytest.mark.parametrize("ranks", [2, 1])
-def test_a_run_stopped_mid_epoch_resumes_from_its_lightning_checkpoint_exactly(
-    uneven: Path, tmp_path: Path, ranks: int
-) -> None:
-    """Stopped at step 3 of the first epoch (a checkpoint there), then resumed from that
-    checkpoint with Trainer.fit(ckpt_path=...) on 2 ranks and on 1: both epochs exact."""
+def test_a_run_killed_mid_epoch_resumes_from_its_lightning_checkpoint_exactly(shards: Path, tmp_path: Path) -> None:
+    """Two ranks, a checkpoint every 3 steps: killed (SIGKILL to torchrun, the ranks and their
+    loader workers) once a step after a checkpoint has trained, then resumed from last.ckpt with
+    Trainer.fit(ckpt_path=...). What the killed run trained after its checkpoint is redone (the
+    audit files keep it apart), and every epoch is exact."""
     audit_dir, out = tmp_path / "audit", tmp_path / "run"
-    common = ["--mode", "split", "--batch-size", "8", "--audit-dir", str(audit_dir)]
-    first = run(uneven, out, *common, "--epochs", "2", "--max-steps", "3", "--checkpoint-every-steps", "3")
-    assert "stopped at step 3" in first, first[-2000:]
-    assert (out / "last.ckpt").is_file()
-    run(uneven, out, *common, "--epochs", "2", "--resume", str(out / "last.ckpt"), ranks=ranks)
+    flags = ["--mode", "split", "--batch-size", "4", "--epochs", "2", "--audit-dir", str(audit_dir)]
+    line = command(shards, out, *flags, "--checkpoint-every-steps", "3")
+    after_checkpoint = re.compile(r"-at(\d+)-")
+    with started(line, tmp_path) as first:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and first.poll() is None:
+            trained_after = [
+                f for f in audit_dir.glob("*.ids") if int(after_checkpoint.search(f.name)[1]) > 0 and f.stat().st_size
+            ]  # fmt: skip
+            if trained_after and (out / "last.ckpt").is_file():
+                break
+            time.sleep(0.02)
+        ended_itself = first.poll() is not None
+    assert not ended_itself, "the run ended before a step after a checkpoint: nothing was killed"
+    run(shards, out, *flags, "--resume", str(out / "last.ckpt"))
+    every = Counter(i for f in audit_dir.glob("*.ids") for i in np.fromfile(f, dtype="<i8").tolist())
+    assert max(every.values()) > 1, "the killed run trained nothing after its checkpoint, so nothing was redone"
+    checks = audit(audit_dir, read_manifest(str(shards)))
+    assert [c.line for c in checks] == ["epoch 1: 120 samples, each once", "epoch 2: 120 samples, each once"]
+
+
+def test_a_run_stopped_mid_epoch_resumes_on_one_rank_exactly(uneven: Path, tmp_path: Path) -> None:
+    """Stopped at step 3 of the first epoch on 2 ranks (--max-steps, a checkpoint there), resumed
+    on 1: the rest of the epoch dealt to one rank, both epochs exact."""
+    audit_dir, out = tmp_path / "audit", tmp_path / "run"
+    common = ["--mode", "split", "--batch-size", "8", "--epochs", "2", "--audit-dir", str(audit_dir)]
+    first = run(uneven, out, *common, "--max-steps", "3", "--checkpoint-every-steps", "3")
+    assert re.search(r"^stopped at step 3 inside epoch 1  samples seen 48 ", first, re.M), first[-2000:]
+    last = run(uneven, out, *common, "--resume", str(out / "last.ckpt"), ranks=1)
+    assert re.search(r"^epochs 2 .* samples seen 240 ", last, re.M), last[-2000:]
     checks = audit(audit_dir, read_manifest(str(uneven)))
     assert [c.line for c in checks] == ["epoch 1: 120 samples, each once", "epoch 2: 120 samples, each once"]
     assert sum(UNEVEN_SIZES) == 120
