@@ -18,21 +18,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from raywds.cli import worker_count
 from raywds.config import TrainConfig, resolve
 from raywds.flags import add_config_flags, given
 from raywds.lightning import ShardDataModule
+from raywds.train.compute import Compute
 from raywds.train.model import build_model
 from raywds.train.optim import lr_at, make_optimizer, set_lr
 from raywds.train.progress import summary_line
 from raywds.world import World
+
+# val_top1 and the rest are summed over ranks already (torchmetrics, one reduce): Lightning's advice
+# to average them again with sync_dist would make them wrong where ranks validate different counts.
+warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
 
 
 class Classifier(L.LightningModule):
@@ -43,6 +53,10 @@ class Classifier(L.LightningModule):
         super().__init__()
         self.cfg, self.data = cfg, data
         self.net = build_model(cfg.model, data.num_classes)
+        if Compute.for_run(cfg, "cuda" if torch.cuda.is_available() else "cpu").channels_last:
+            self.net = self.net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # as the batches
+        if cfg.compile:
+            self.net = torch.compile(self.net)  # type: ignore[assignment]
         self.loss = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.top1 = MulticlassAccuracy(data.num_classes, top_k=1, average="micro")
         self.top5 = MulticlassAccuracy(data.num_classes, top_k=min(5, data.num_classes), average="micro")
@@ -117,6 +131,12 @@ def summary(data: ShardDataModule, model: Classifier) -> str:
     return summary_line({**data.metrics, **model.val})
 
 
+def precision(cfg: TrainConfig) -> str:
+    """`--precision` as Lightning names it: bf16 autocast on a GPU by default, as `raywds train`."""
+    chosen = cfg.precision if cfg.precision != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
+    return "bf16-mixed" if chosen == "bf16" else "32-true"
+
+
 def fit(cfg: TrainConfig, devices: int | str = "auto", accelerator: str = "auto", **trainer: Any) -> str:
     """Train as `cfg` says with Lightning's Trainer; rank 0 prints the summary line, every rank returns it."""
     L.seed_everything(cfg.seed, workers=False, verbose=False)
@@ -127,11 +147,14 @@ def fit(cfg: TrainConfig, devices: int | str = "auto", accelerator: str = "auto"
         max_steps=cfg.max_steps or -1,
         devices=devices,
         accelerator=accelerator,
-        strategy="auto",  # DDP for several devices (split mode needs it)
+        strategy=DDPStrategy(timeout=timedelta(seconds=cfg.pg_timeout_s)),  # split mode needs DDP
+        precision=precision(cfg),
         default_root_dir=cfg.out_dir,
         check_val_every_n_epoch=cfg.val_every_epochs,
         **QUIET,
     )
+    if cfg.tensorboard:
+        options["logger"] = TensorBoardLogger(cfg.out_dir, name="tensorboard")
     t = L.Trainer(**{**options, **trainer})
     t.fit(model, datamodule=data, ckpt_path=cfg.resume_from)
     line = summary(data, model)
@@ -140,11 +163,15 @@ def fit(cfg: TrainConfig, devices: int | str = "auto", accelerator: str = "auto"
     return line
 
 
-def fit_on_ray(cfg: TrainConfig, workers: int, storage: str | None = None, address: str | None = None) -> Any:
-    """The same fit in `workers` Ray Train workers, through Ray's Lightning integration (its DDP
-    strategy, environment and checkpoint reports) on the cluster at `address` (or RAY_ADDRESS, or
-    a new local one); Ray's Result. A restarted worker group resumes from the newest checkpoint:
-    Ray's, reported at each epoch's end, or raywds's own inside an epoch (`<out>/last.ckpt`)."""
+def fit_on_ray(
+    cfg: TrainConfig, workers: int | tuple[int, int], storage: str | None = None, address: str | None = None
+) -> Any:
+    """The same fit in `workers` Ray Train workers (MIN..MAX: elastic, as `raywds ray
+    --num-workers`), through Ray's Lightning integration (its DDP strategy, environment and
+    checkpoint reports) on the cluster at `address` (or RAY_ADDRESS, or a new local one); Ray's
+    Result. A restarted or resized worker group resumes from the newest checkpoint: Ray's, reported
+    at each epoch's end, or raywds's own inside an epoch (`<out>/last.ckpt`), dealt afresh to the
+    workers it has."""
     import ray.train
     from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
     from ray.train.torch import TorchTrainer
@@ -166,7 +193,8 @@ def fit_on_ray(cfg: TrainConfig, workers: int, storage: str | None = None, addre
             max_steps=run.max_steps or -1,
             devices="auto",
             accelerator="auto",
-            strategy=RayDDPStrategy(),
+            strategy=RayDDPStrategy(timeout=timedelta(seconds=run.pg_timeout_s)),
+            precision=precision(run),
             plugins=[RayLightningEnvironment()],
             callbacks=[RayTrainReportCallback()],
             check_val_every_n_epoch=run.val_every_epochs,
@@ -206,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="a raywds config file")
     parser.add_argument("--devices", default="auto", help="Lightning's devices: processes (CPU) or GPUs per node")
     parser.add_argument("--accelerator", default="auto", help="Lightning's accelerator: auto, cpu, gpu")
-    parser.add_argument("--ray", type=int, metavar="WORKERS", help="train in this many Ray Train workers")
+    parser.add_argument(
+        "--ray", type=worker_count, metavar="N|MIN..MAX", help="train in Ray Train workers: N, or MIN..MAX (elastic)"
+    )
     add_config_flags(parser, skip=("data",))
     args = parser.parse_args(argv)
     if not args.data and not args.demo:

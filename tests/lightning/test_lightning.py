@@ -99,11 +99,14 @@ def test_resample_epochs_give_both_ranks_the_same_batches(shards: Path, tmp_path
     assert per_rank == {"rank00000": 64, "rank00001": 64}, per_rank  # ceil(120 / 32) = 4 batches of 16 each
 
 
-def test_a_run_killed_mid_epoch_resumes_from_its_lightning_checkpoint_exactly(shards: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_a_run_killed_mid_epoch_resumes_from_its_lightning_checkpoint_exactly(
+    shards: Path, tmp_path: Path, ranks: int
+) -> None:
     """Two ranks, a checkpoint every 3 steps: killed (SIGKILL to torchrun, the ranks and their
     loader workers) once a step after a checkpoint has trained, then resumed from last.ckpt with
-    Trainer.fit(ckpt_path=...). What the killed run trained after its checkpoint is redone (the
-    audit files keep it apart), and every epoch is exact."""
+    Trainer.fit(ckpt_path=...) on 2 ranks and on 1. What the killed run trained after its
+    checkpoint is redone (the audit files keep it apart), and every epoch is exact."""
     audit_dir, out = tmp_path / "audit", tmp_path / "run"
     flags = ["--mode", "split", "--batch-size", "4", "--epochs", "2", "--audit-dir", str(audit_dir)]
     line = command(shards, out, *flags, "--checkpoint-every-steps", "3")
@@ -119,7 +122,7 @@ def test_a_run_killed_mid_epoch_resumes_from_its_lightning_checkpoint_exactly(sh
             time.sleep(0.02)
         ended_itself = first.poll() is not None
     assert not ended_itself, "the run ended before a step after a checkpoint: nothing was killed"
-    run(shards, out, *flags, "--resume", str(out / "last.ckpt"))
+    run(shards, out, *flags, "--resume", str(out / "last.ckpt"), ranks=ranks)
     every = Counter(i for f in audit_dir.glob("*.ids") for i in np.fromfile(f, dtype="<i8").tolist())
     assert max(every.values()) > 1, "the killed run trained nothing after its checkpoint, so nothing was redone"
     checks = audit(audit_dir, read_manifest(str(shards)))
