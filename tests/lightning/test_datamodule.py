@@ -1,0 +1,64 @@
+"""raywds.lightning.ShardDataModule in one process, without a Trainer's run: what it refuses, and
+the batches it hands a model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import small_config
+
+from raywds.errors import ConfigError
+
+pytest.importorskip("lightning")
+
+from raywds.lightning import ShardDataModule  # after the skip: the extra may be missing
+
+
+def test_decoding_on_the_device_is_refused_in_one_line(shards: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape("decodes on the CPU: use --decode cpu or pil")):
+        ShardDataModule(small_config(shards, decode="device"))
+
+
+def test_auto_loader_workers_start_at_the_cores_less_one(shards: Path) -> None:
+    import os
+
+    data = ShardDataModule(small_config(shards, num_loader_workers_per_rank="auto"))
+    assert data.cfg.num_loader_workers_per_rank == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert (data.num_classes, data.num_samples) == (10, 120)
+
+
+def test_a_fit_in_one_process_counts_the_epochs_and_hands_the_model_normalised_batches(
+    shards: Path, tmp_path: Path
+) -> None:
+    import lightning.pytorch as L
+    import torch
+    from torch import nn
+
+    seen: list[tuple[torch.dtype, torch.dtype, float]] = []
+
+    class Probe(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Flatten(), nn.LazyLinear(10))
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            images, labels = batch
+            seen.append((images.dtype, labels.dtype, float(images.mean())))
+            return nn.functional.cross_entropy(self.net(images), labels)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = ShardDataModule(small_config(shards, num_epochs=2, out_dir=str(tmp_path)))
+    trainer = L.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(Probe(), datamodule=data)
+    assert data.metrics["epoch"] == 2 and data.samples_seen == 2 * 128  # resample: 8 batches of 16
+    assert data.step() == 16 and trainer.reload_dataloaders_every_n_epochs == 1
+    assert trainer.callbacks[0] is data.callback, "the DataModule's callback comes first"
+    assert {(x, y) for x, y, _ in seen} == {(torch.float32, torch.int64)} and len(seen) == 16
+    assert all(-3 < mean < 3 for _, _, mean in seen), "normalised, not 0..255"
