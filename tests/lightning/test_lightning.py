@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import UNEVEN_SIZES, epoch_keys, small_config, tar_keys
+from conftest import epoch_keys, small_config, tar_keys
 
 from raywds.data.manifest import read_manifest
 from raywds.plan.modes import epoch_plan
@@ -127,20 +127,6 @@ def test_a_run_killed_mid_epoch_resumes_from_its_lightning_checkpoint_exactly(
     assert max(every.values()) > 1, "the killed run trained nothing after its checkpoint, so nothing was redone"
     checks = audit(audit_dir, read_manifest(str(shards)))
     assert [c.line for c in checks] == ["epoch 1: 120 samples, each once", "epoch 2: 120 samples, each once"]
-
-
-def test_a_run_stopped_mid_epoch_resumes_on_one_rank_exactly(uneven: Path, tmp_path: Path) -> None:
-    """Stopped at step 3 of the first epoch on 2 ranks (--max-steps, a checkpoint there), resumed
-    on 1: the rest of the epoch dealt to one rank, both epochs exact."""
-    audit_dir, out = tmp_path / "audit", tmp_path / "run"
-    common = ["--mode", "split", "--batch-size", "8", "--epochs", "2", "--audit-dir", str(audit_dir)]
-    first = run(uneven, out, *common, "--max-steps", "3", "--checkpoint-every-steps", "3")
-    assert re.search(r"^stopped at step 3 inside epoch 1  samples seen 48 ", first, re.M), first[-2000:]
-    last = run(uneven, out, *common, "--resume", str(out / "last.ckpt"), ranks=1)
-    assert re.search(r"^epochs 2 .* samples seen 240 ", last, re.M), last[-2000:]
-    checks = audit(audit_dir, read_manifest(str(uneven)))
-    assert [c.line for c in checks] == ["epoch 1: 120 samples, each once", "epoch 2: 120 samples, each once"]
-    assert sum(UNEVEN_SIZES) == 120
 
 
 def test_the_example_reaches_the_demos_accuracy_in_two_epochs(demo: Path, tmp_path: Path) -> None:
