@@ -15,7 +15,7 @@ on matches the collectives the other ranks still make each step, until every ran
 So a user's `training_step` must make no collective of its own in split mode (no
 `self.log(..., sync_dist=True)` per step, no `all_gather`); logging torchmetrics objects, which
 sync once at the epoch's end, is fine. Checkpoints inside an epoch are taken only while every
-rank still trains (raywds.lightning.datamodule), since a joined rank cannot join their collectives.
+rank still trains (raywds.lightning.epochs), since a joined rank cannot join their collectives.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class JoinUneven(pl.Callback):
                 joinable._join_config = _JoinConfig.construct_disabled_join_config()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.leave()  # an epoch with no batch on this rank
+        self.leave()  # an epoch stopped before this rank's last batch (a callback's should_stop)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.join = None  # nothing to match: the run is ending
