@@ -31,7 +31,7 @@ from raywds.data.columns import sample_counts
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError, DataError
 from raywds.lightning.epochs import EpochRun, ExactEpochs
-from raywds.loader.loader import FORKSERVER_PRELOAD, train_loader, val_loader
+from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.stages import Batch, bad_sample_id
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan, parse
@@ -100,8 +100,6 @@ class ShardDataModule(pl.LightningDataModule):
         t = self.trainer
         assert t is not None
         t.reload_dataloaders_every_n_epochs = 1  # type: ignore[attr-defined]  # each epoch its own plan
-        if "__main__" not in FORKSERVER_PRELOAD:
-            FORKSERVER_PRELOAD.insert(0, "__main__")  # the script, imported once a rank, not once a loader worker
         callbacks: list[pl.Callback] = t.callbacks  # type: ignore[attr-defined]
         if not any(c is self.callback for c in callbacks):
             callbacks.insert(0, self.callback)  # first: before any checkpoint callback's collectives

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import multiprocessing
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial as bind
 from typing import Any, Protocol
@@ -39,6 +38,7 @@ from raywds.loader.stages import (
     worker_shuffled,
     worker_urls,
 )
+from raywds.loader.starting import start_method
 from raywds.loader.watch import Whereabouts
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
@@ -99,29 +99,6 @@ def _read_stages(
     if clock is not None:
         stages.append(bind(clock.reading, sizes={u: e.num_bytes for u, e in wanted.items() if e.num_bytes}))
     return stages
-
-
-FORKSERVER_PRELOAD = ["raywds.loader.loader"]
-"""What a rank's fork server imports once, before it forks each loader worker. raywds.lightning
-puts `__main__` first: a worker started from a fork server runs the user's script again as its
-own main module (Lightning and all), seconds a worker an epoch, unless the server has it already."""
-
-
-def start_method(workers: int, world: World) -> str | None:
-    """How a rank starts its loader workers, afresh each epoch (the pipeline is seeded by epoch).
-    By fork where the OS has it: a process that was itself spawned would otherwise spawn its
-    workers too and re-import torch in each, seconds per epoch. But a distributed rank runs
-    torch.distributed's threads, and a fork copies any lock one of them holds into the worker,
-    which can then hang before its first line, leaving its rank waiting for data for ever. So a
-    distributed rank starts its workers from a fork server: one clean process per rank that
-    imports the loader once, from which each worker is forked."""
-    methods = multiprocessing.get_all_start_methods()
-    if not workers:
-        return None
-    if world.distributed and "forkserver" in methods:
-        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-        return "forkserver"
-    return "fork" if "fork" in methods else None
 
 
 def _loader(

@@ -31,7 +31,7 @@ EXAMPLE = ROOT / "examples" / "lightning_imagenet.py"
 FLAGS = ["--model", "demo", "--optimizer", "adamw", "--lr", "0.003", "--image-size", "28", "--loader-workers", "1"]
 
 
-def run(data: Path, out: Path, *flags: str, ranks: int = 2, timeout: float = 300, small: bool = True) -> str:
+def run(data: Path, out: Path, *flags: str, ranks: int = 2, timeout: float = 480, small: bool = True) -> str:
     """The example on `ranks` gloo processes (torchrun), or one, with the tests' small model and
     crops unless not `small`; its output, after it exited 0."""
     with started(command(data, out, *flags, ranks=ranks, small=small), out.parent, capture=True) as process:
