@@ -18,7 +18,7 @@ from conftest import small_config
 from raywds.data.manifest import read_manifest
 from raywds.train.audit import audit
 
-pytest.importorskip("lightning")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="no lightning (its extra)")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_imagenet.py"
 

@@ -3,6 +3,7 @@ the batches it hands a model."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -11,18 +12,22 @@ from conftest import small_config
 
 from raywds.errors import ConfigError
 
-pytest.importorskip("lightning")
-
-from raywds.lightning import ShardDataModule  # after the skip: the extra may be missing
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="no lightning (its extra)")
+# raywds.lightning is imported in each test, not here: collecting this file in every pytest-xdist
+# worker would otherwise import Lightning in each (seconds), where one worker runs these tests.
 
 
 def test_decoding_on_the_device_is_refused_in_one_line(shards: Path) -> None:
+    from raywds.lightning import ShardDataModule
+
     with pytest.raises(ConfigError, match=re.escape("decodes on the CPU: use --decode cpu or pil")):
         ShardDataModule(small_config(shards, decode="device"))
 
 
 def test_auto_loader_workers_start_at_the_cores_less_one(shards: Path) -> None:
     import os
+
+    from raywds.lightning import ShardDataModule
 
     data = ShardDataModule(small_config(shards, num_loader_workers_per_rank="auto"))
     assert data.cfg.num_loader_workers_per_rank == max(1, len(os.sched_getaffinity(0)) - 1)
@@ -35,6 +40,8 @@ def test_a_fit_in_one_process_counts_the_epochs_and_hands_the_model_normalised_b
     import lightning.pytorch as L
     import torch
     from torch import nn
+
+    from raywds.lightning import ShardDataModule
 
     seen: list[tuple[torch.dtype, torch.dtype, float]] = []
 

@@ -54,15 +54,15 @@ def test_a_split_plan_is_the_one_the_scanned_deal_made() -> None:
 def best_of(runs: int, shards: list[ShardInfo], num_slots: int) -> float:
     times = []
     for _ in range(runs):
-        started = time.perf_counter()
+        started = time.process_time()  # this process's CPU: other work on a busy machine does not count
         deal(shards, num_slots)
-        times.append(time.perf_counter() - started)
+        times.append(time.process_time() - started)
     return min(times)
 
 
 def test_dealing_to_8x_the_slots_takes_well_under_8x_the_time() -> None:
     """The scan took 8x as long for 8x the slots; the heap about 1.3x (log slots). A ratio, so
-    that a slower machine does not fail it; best of 3, so that a busy one does not."""
+    that a slower machine does not fail it; CPU seconds, best of 3, so that a busy one does not."""
     shards = synthetic(50_000, random.Random(1), list(range(900, 1100)))
     small, large = best_of(3, shards, 512), best_of(3, shards, 4096)
     assert large / small < 2.5, f"{small:.3f} s on 512 slots, {large:.3f} s on 4096"
