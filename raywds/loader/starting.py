@@ -22,7 +22,8 @@ def start_method(workers: int, world: World) -> str | None:
     torch.distributed's threads, and a fork copies any lock one of them holds into the worker,
     which can then hang before its first line, leaving its rank waiting for data for ever. So a
     distributed rank starts its workers from a fork server: one clean process per rank that
-    imports the loader once, from which each worker is forked."""
+    imports the loader and the script's own imports once (main_imports), from which each worker
+    is forked."""
     methods = multiprocessing.get_all_start_methods()
     if not workers:
         return None

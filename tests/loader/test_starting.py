@@ -10,7 +10,7 @@ from pathlib import Path
 
 SCRIPT = """
 import multiprocessing
-import heavy  # stands for Lightning: its import appends a line to IMPORTS
+import heavy  # stands for Lightning: each import of it appends its process's PID to a file
 
 from raywds.loader.starting import start_method
 from raywds.world import World
