@@ -13,8 +13,8 @@
 # 4. runs, each step's output also in CARRY/results/DATE/STEP.txt:
 #      tests    pytest -m cuda tests/train/test_cuda.py, then the extension's and --compile's CPU tests
 #      bench    benchmarks/gpu_bench.py: the rows of docs/performance.md "On a GPU" (JSON beside it)
-#      compile  the same with --compile
 #      scaling  benchmarks/loader_bench.py --scaling-only --workers 1,2,4,8,15 --copies 100
+#      compile  the bench with --compile (and COMPILE_ARGS, e.g. "--workers 15 --skip-http")
 #      ray      (where CARRY/ray holds Ray: RAY=1 gpu_carry.sh) `raywds ray` on the bench's shards,
 #               2 epochs on the GPU, fed by the per-rank loader (15 workers), then by the Ray Data plane
 #
@@ -24,7 +24,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 carry="$(cd "${1:?usage: benchmarks/gpu_run.sh CARRY}" && pwd)"
 python="${PYTHON:-python3}"
-only="${ONLY:-tests bench compile scaling ray}"
+only="${ONLY:-tests bench scaling compile ray}"
 results="$carry/results/$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$results"
 say() { echo "gpu_run: $*" >&2; }
@@ -104,8 +104,9 @@ tests() {  # both runs, whichever fails
 bench=("$py" benchmarks/gpu_bench.py --images "$carry/images" --shards "$carry/shards")
 step tests tests
 step bench "${bench[@]}" --json "$results/gpu_bench.json"
-step compile "${bench[@]}" --compile --json "$results/gpu_bench_compile.json"
 step scaling "$py" benchmarks/loader_bench.py --images "$carry/images" --scaling-only --workers 1,2,4,8,15 --copies 100
+# shellcheck disable=SC2086  # COMPILE_ARGS: more of gpu_bench.py's flags, split on spaces
+step compile "${bench[@]}" --compile --json "$results/gpu_bench_compile.json" ${COMPILE_ARGS:-}
 ray_runs() {  # Ray from CARRY/ray on PYTHONPATH (the machine's Python has none), both data planes
     [[ -d $carry/ray ]] || { say "ray: no Ray in $carry/ray (make it with RAY=1 benchmarks/gpu_carry.sh)"; return 1; }
     local site="$carry/raysite"
