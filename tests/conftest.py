@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -16,7 +17,6 @@ from raywds import console
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.demo import DemoSpec, write_tree
-from raywds.train.stagetimes import shares
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -208,6 +208,8 @@ def assert_charts_hold(folder: Path, rows: list[dict], num_ranks: int) -> None:
     """The event files in `folder` hold the numbers of these metrics.jsonl rows, and no others:
     each epoch row's at its epoch (validation only where it ran), its per-rank lists one chart
     per rank (where each rank's epoch went too), each progress row's at its global step."""
+    from raywds.train.stagetimes import shares  # imports torch: not at collection in the controller
+
     epochs = [r for r in rows if "train_loss" in r]
     progress = [r for r in rows if r.get("kind") == "progress"]
     keys = ("train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "data_wait_max")
@@ -249,6 +251,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     yield
     if os.environ.get("RAYWDS_TEST_REVERSE") == "1":
         items.reverse()  # after everything else has ordered and selected
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch and the test modules: torch alone is about 290,000 objects, a
+    0.18 s full collection) goes to the garbage collector's permanent generation, which no
+    collection walks: a full collection in a test then looks only at what the tests made."""
+    gc.freeze()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    gc.freeze()  # and what the tests left: the collection at exit, 1.5 s after test_train.py, walks none of it
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
-from raywds.data.manifest import ShardInfo, deal, shardsum
+from raywds.data.manifest import NUM_SAMPLES, ShardInfo, deal, shardsum
 from raywds.errors import ConfigError
 from raywds.plan import seeds
 from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, Nodes, Slots, remaining, split_batches
@@ -77,7 +77,7 @@ class Split(Mode):
         """Deal the shards (what is left of them after `done`) to the slots, shuffled by (seed, epoch);
         with `nodes`, each node's own shards to its ranks (node_deal)."""
         shards = list(shards)  # one pass over a manifest's columns (raywds.data.columns)
-        num_samples = sum(s.num_samples for s in shards)
+        num_samples = sum(map(NUM_SAMPLES, shards))
         left = shards
         if done is not None:
             assert done.per_shard is not None, "a split epoch resumes from its per-shard counts"
@@ -92,7 +92,7 @@ class Split(Mode):
         # step, so their balance matters most; workers of one rank only share its queue. A rank
         # deals only its own shards to its workers (Slots).
         slots = Slots(by_rank, num_workers)
-        per_rank = [sum(s.num_samples for s in rank_shards) for rank_shards in by_rank]
+        per_rank = [sum(map(NUM_SAMPLES, rank_shards)) for rank_shards in by_rank]
         return EpochPlan(
             mode=self,
             num_ranks=num_ranks,

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import scipy.io
 import webdataset as wds
 from PIL import Image
 
@@ -69,6 +68,8 @@ def test_flat_val_with_devkit_ground_truth_and_wnid_text(tree: Path, tmp_path: P
 
 
 def test_flat_val_with_devkit_meta_mat_found_in_place(tree: Path, tmp_path: Path) -> None:
+    import scipy.io  # not at collection: every test process would pay for it
+
     labels = flat_val(tree, tmp_path / "src")
     wnids = sorted(set(labels.values()))[::-1]
     data = tmp_path / "src" / "ILSVRC2012_devkit_t12" / "data"

@@ -9,19 +9,30 @@ import os
 import uuid
 from collections import Counter
 from pathlib import Path
+from types import ModuleType
 
 import pytest
-import ray
 from conftest import assert_charts_hold, epoch_keys, small_config, tar_keys
 
 from raywds.cli import worker_count
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
-from raywds.launch import ray_train
-from raywds.launch.cluster import split_storage, warn_slow_imports
 
 
-def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path, local_ray: None) -> None:
+@pytest.fixture
+def ray_train() -> ModuleType:
+    """raywds.launch.ray_train, imported by the tests that use it, not at collection: Ray and Ray
+    Train take about 1.5 s to import, which every test process would pay, the inner loop's too."""
+    from raywds.launch import ray_train
+
+    return ray_train
+
+
+def test_two_worker_trainer_trains_and_checkpoints(
+    ray_train: ModuleType, shards: Path, tmp_path: Path, local_ray: None
+) -> None:
+    import ray
+
     cfg = small_config(shards, num_epochs=3, log_every_s=0.0, tensorboard=True)
     run = ray_train.run(
         cfg, storage_path=str(tmp_path), name=f"test-{uuid.uuid4().hex[:8]}", num_checkpoints_to_keep=None
@@ -61,6 +72,8 @@ def test_two_worker_trainer_trains_and_checkpoints(shards: Path, tmp_path: Path,
 def test_a_package_that_slows_every_ray_process_is_named_with_its_uninstall(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from raywds.launch.cluster import warn_slow_imports  # imports Ray
+
     warn_slow_imports()
     assert not caplog.records, "./run-venv leaves rfc3987-syntax out"
     (tmp_path / "rfc3987_syntax").mkdir()  # importable, as where Jupyter installed it
@@ -71,7 +84,7 @@ def test_a_package_that_slows_every_ray_process_is_named_with_its_uninstall(
     assert "`pip uninstall rfc3987-syntax`" in caplog.records[0].getMessage()
 
 
-def test_worker_plan_follows_the_cluster() -> None:
+def test_worker_plan_follows_the_cluster(ray_train: ModuleType) -> None:
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None) == ray_train.WorkerPlan(8, True)
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, 4) == ray_train.WorkerPlan(4, True)
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, None, loader_workers=6).cpus_per_worker == 7
@@ -87,7 +100,7 @@ def test_worker_plan_follows_the_cluster() -> None:
         ray_train.plan_workers({"CPU": 64, "GPU": 8}, 16)
 
 
-def test_an_elastic_worker_plan_needs_only_its_minimum_now() -> None:
+def test_an_elastic_worker_plan_needs_only_its_minimum_now(ray_train: ModuleType) -> None:
     plan = ray_train.plan_workers({"CPU": 2}, (1, 4))
     assert (plan.ray_num_workers, plan.elastic, plan.describe()) == ((1, 4), True, "1..4 CPU (gloo) workers")
     assert ray_train.plan_workers({"CPU": 64, "GPU": 8}, (4, 16)).ray_num_workers == (4, 16), "more GPUs may come"
@@ -102,6 +115,8 @@ def test_an_elastic_worker_plan_needs_only_its_minimum_now() -> None:
 
 
 def test_storage_uris_pass_through_and_paths_become_absolute(tmp_path: Path) -> None:
+    from raywds.launch.cluster import split_storage  # imports Ray
+
     assert split_storage("s3://bucket/runs") == ("s3://bucket/runs", None), "a URI goes to Ray untouched"
     assert split_storage("file:///mnt/shared/runs") == ("file:///mnt/shared/runs", "/mnt/shared/runs")
     relative = os.path.relpath(tmp_path / "runs")
@@ -123,7 +138,7 @@ def split_config(data: Path, audit: Path, **overrides: object) -> TrainConfig:
 
 
 def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(
-    shards: Path, tmp_path: Path, local_ray: None
+    ray_train: ModuleType, shards: Path, tmp_path: Path, local_ray: None
 ) -> None:
     """A non-image member in split mode: the failing rank's own line, not Ray's snippets."""
     import re
@@ -156,7 +171,9 @@ def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(
     ), line
 
 
-def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_path: Path, local_ray: None) -> None:
+def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(
+    ray_train: ModuleType, uneven: Path, tmp_path: Path, local_ray: None
+) -> None:
     audit = tmp_path / "audit"
     cfg = split_config(uneven, audit, num_epochs=2, max_steps=3)
     first = ray_train.run(cfg, storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}")
@@ -180,7 +197,9 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(uneven: Path, tmp_p
     assert second.history[0]["train_samples"] == 120 - 48, "the resumed run trained only on the rest of epoch 1"
 
 
-def test_a_killed_worker_is_restarted_from_the_last_checkpoint(shards: Path, tmp_path: Path, local_ray: None) -> None:
+def test_a_killed_worker_is_restarted_from_the_last_checkpoint(
+    ray_train: ModuleType, shards: Path, tmp_path: Path, local_ray: None
+) -> None:
     import os
     import signal
     import threading

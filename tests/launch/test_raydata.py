@@ -21,7 +21,6 @@ from conftest import audited, made_shards, small_config, tar_keys
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
-from raywds.launch import ray_train
 from raywds.loader.loader import PerRank
 from raywds.loader.stages import Batch, bad_sample_id
 from raywds.plan.modes import epoch_plan
@@ -29,7 +28,6 @@ from raywds.plan.position import Position, done_in
 from raywds.train.doctor import diagnose
 from raywds.world import World
 
-raydata = pytest.importorskip("raywds.launch.raydata")
 pytestmark = pytest.mark.ray
 
 
@@ -42,6 +40,8 @@ def run_epoch(
     data: Path, cfg: TrainConfig, world_size: int, epoch: int = 0, position: Position | None = None, loaders=None
 ) -> list[list[Batch]]:
     """Every rank's batches of `epoch` from `loaders` (the plane unless given), checked against the plan's counts."""
+    from raywds.launch import raydata  # Ray Data: imported where used, not in every collection
+
     loaders = loaders if loaders is not None else raydata.RayData(raydata.Plane())
     manifest = read_manifest(cfg.data, shards_at=cfg.shards_at)
     plan = epoch_plan(manifest, cfg, world_size, epoch=epoch, done=done_in(position, epoch))
@@ -89,6 +89,8 @@ def test_a_samples_crop_is_the_per_rank_loaders(uneven: Path, local_ray: None) -
 
 
 def test_resample_epochs_give_every_rank_equal_full_batches(shards: Path, local_ray: None) -> None:
+    from raywds.launch import raydata
+
     cfg = plane_config(shards, mode="resample")
     ranks = run_epoch(shards, cfg, 3)
     assert [len(r) for r in ranks] == [5, 5, 5]  # ceil(120 / (3 x 8))
@@ -134,6 +136,8 @@ def test_three_ray_train_workers_on_the_plane_train_every_sample_once(
 ) -> None:
     """Ray Train, 3 ranks, split mode on 9 shards of 1..30 samples: the trainers' own ledger
     (the exact-epoch check, epoch_duplicates/missing) and the audit files each epoch."""
+    from raywds.launch import ray_train
+
     audit = tmp_path / "audit"
     cfg = plane_config(uneven, mode="split", num_epochs=2, audit_dir=str(audit), pg_timeout_s=60)
     run = ray_train.run(cfg, num_workers=3, storage_path=str(tmp_path), name="plane", data_plane="ray")
@@ -160,6 +164,8 @@ def test_three_ray_train_workers_on_the_plane_train_every_sample_once(
 
 
 def test_validation_through_the_plane_is_exact(shards: Path, local_ray: None) -> None:
+    from raywds.launch import raydata
+
     cfg = plane_config(shards)
     plane = raydata.RayData(raydata.Plane())
     manifest = read_manifest(str(shards))
@@ -183,6 +189,8 @@ def test_an_epoch_stays_within_the_object_store_bound(ten_thousand: Path, local_
     """A slow rank (the trainer) and faster decode tasks: with the default settings the pipeline
     stops at its object store budget (--plane-store-mb, 1024 MB) rather than fill the store with
     the epoch's 1.5 GB of decoded crops (1.2 GB measured without a budget), and never spills."""
+    from raywds.launch import raydata
+
     cfg = plane_config(ten_thousand, mode="split", batch_size_per_rank=64, image_size_px=224)
     plane = raydata.Plane()
     budget_mb = plane.object_store_bytes_per_rank / 2**20

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = """
 import multiprocessing
 import heavy  # stands for Lightning: each import of it appends its process's PID to a file
@@ -32,6 +34,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # a rank and its fork server, each importing torch: about 7 s
 def test_a_worker_from_the_fork_server_does_not_import_the_scripts_modules_again(tmp_path: Path) -> None:
     """A worker started from a fork server runs the rank's script again as its main module. Before
     the server preloaded the script's own imports, each of the three workers imported `heavy`
