@@ -43,15 +43,13 @@ def _worker_stream(
 ) -> Iterator[Batch]:
     """One DataLoader worker: its shards' samples in order, shuffled, batched (ids and labels only)."""
 
+    no_pixels = torch.empty(0, 0, 0, dtype=torch.uint8)  # one for every sample: only stacked, never written
+
     def samples() -> Iterator[tuple[torch.Tensor, int, int, str]]:
         for shard in shards:
-            for i, label in enumerate(labels(shard, offsets[shard.name])):
-                yield (
-                    torch.empty(0, 0, 0, dtype=torch.uint8),
-                    label,
-                    offsets[shard.name] + i,
-                    shard.name,
-                )  # no pixels; the shard stands in for the key
+            first = offsets[shard.name]
+            for i, label in enumerate(labels(shard, first)):
+                yield no_pixels, label, first + i, shard.name  # the shard stands in for the key
 
     batch: list[tuple[torch.Tensor, int, int, str]] = []
     for sample in shuffled(samples(), buffer=buffer, rng=rng):

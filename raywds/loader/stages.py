@@ -244,7 +244,11 @@ def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
 
 
 def _samples(batch: Batch) -> list[Sample]:
-    return [(batch.images[i], int(batch.labels[i]), int(batch.ids[i]), batch.keys[i]) for i in range(len(batch.keys))]
+    """The batch's samples again (image views, not copies): one unbind and two tolist calls, not
+    four tensor indexings a sample (`device` batches hold JPEG bytes: indexed)."""
+    images = batch.images
+    crops = images.unbind(0) if isinstance(images, torch.Tensor) else [images[i] for i in range(len(images))]
+    return list(zip(crops, batch.labels.tolist(), batch.ids.tolist(), batch.keys))
 
 
 def rebatched(
