@@ -215,13 +215,16 @@ class Encoded:
 
     def decode(self, device: str) -> torch.Tensor:
         """uint8 NCHW on `device`: one batched decode_jpeg call, then crop, resize and flip there."""
-        samples = [self[i] for i in range(len(self))]
-        images = torchvision.io.decode_jpeg(
-            [s.data for s in samples], mode=torchvision.io.ImageReadMode.RGB, device=device
-        )
+        offsets = self.offsets.tolist()  # plain ints: `self[i]` a sample took 8 ms a batch of 256
+        data = [self.data[start:end] for start, end in zip(offsets, offsets[1:])]
+        images = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
+        boxes = self.boxes.tolist()
         if torch.device(device).type == "cpu":
-            return stack_crops([cropped(img, s.box, s.flip, s.size) for img, s in zip(images, samples)])
-        return _resized_together(images, self.boxes.tolist(), self.flips.to(device), self.size)
+            flips = self.flips.tolist()
+            return stack_crops(
+                [cropped(img, tuple(box), flip, self.size) for img, box, flip in zip(images, boxes, flips)]
+            )
+        return _resized_together(images, boxes, self.flips.to(device), self.size)
 
 
 def _resized_together(
