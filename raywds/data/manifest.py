@@ -245,6 +245,9 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+NUM_SAMPLES = operator.attrgetter("num_samples")  # a sort key; sum(map(NUM_SAMPLES, shards)) runs in C
+
+
 def deal(shards: Sequence[ShardInfo], num_slots: int) -> list[list[ShardInfo]]:
     """Deal shards to `num_slots` slots, balancing sample counts (largest first, to the lightest slot).
 
@@ -265,9 +268,6 @@ def deal(shards: Sequence[ShardInfo], num_slots: int) -> list[list[ShardInfo]]:
         slots[key % num_slots].append(shard)
         replace(lightest, key + shard.num_samples * per_sample + num_slots)
     return slots
-
-
-NUM_SAMPLES = operator.attrgetter("num_samples")  # a sort key; sum(map(NUM_SAMPLES, shards)) runs in C
 
 
 def shardsum(names: list[str]) -> list[str]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -202,6 +202,14 @@ class Encoded:
             self.data[self.offsets[i] : self.offsets[i + 1]], (top, left, height, width), bool(self.flips[i]), self.size
         )
 
+    def __iter__(self) -> Iterator[EncodedImage]:
+        """Every sample, read from plain ints: `self[i]` a sample took 8 ms a batch of 256."""
+        offsets = self.offsets.tolist()
+        for start, end, (top, left, height, width), flip in zip(
+            offsets, offsets[1:], self.boxes.tolist(), self.flips.tolist()
+        ):
+            yield EncodedImage(self.data[start:end], (top, left, height, width), flip, self.size)
+
     @classmethod
     def of(cls, images: list[EncodedImage]) -> Encoded:
         lengths = torch.tensor([0] + [len(im.data) for im in images], dtype=torch.long)
@@ -215,16 +223,13 @@ class Encoded:
 
     def decode(self, device: str) -> torch.Tensor:
         """uint8 NCHW on `device`: one batched decode_jpeg call, then crop, resize and flip there."""
-        offsets = self.offsets.tolist()  # plain ints: `self[i]` a sample took 8 ms a batch of 256
-        data = [self.data[start:end] for start, end in zip(offsets, offsets[1:])]
-        images = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
-        boxes = self.boxes.tolist()
+        samples = list(self)
+        images = torchvision.io.decode_jpeg(
+            [s.data for s in samples], mode=torchvision.io.ImageReadMode.RGB, device=device
+        )
         if torch.device(device).type == "cpu":
-            flips = self.flips.tolist()
-            return stack_crops(
-                [cropped(img, tuple(box), flip, self.size) for img, box, flip in zip(images, boxes, flips)]
-            )
-        return _resized_together(images, boxes, self.flips.to(device), self.size)
+            return stack_crops([cropped(img, s.box, s.flip, s.size) for img, s in zip(images, samples)])
+        return _resized_together(images, self.boxes.tolist(), self.flips.to(device), self.size)
 
 
 def _resized_together(

@@ -244,11 +244,9 @@ def fold_single_tail(batches: Iterable[Batch]) -> Iterator[Batch]:
 
 
 def _samples(batch: Batch) -> list[Sample]:
-    """The batch's samples again (image views, not copies): one unbind and two tolist calls, not
-    four tensor indexings a sample (`device` batches hold JPEG bytes: indexed)."""
-    images = batch.images
-    crops = images.unbind(0) if isinstance(images, torch.Tensor) else [images[i] for i in range(len(images))]
-    return list(zip(crops, batch.labels.tolist(), batch.ids.tolist(), batch.keys))
+    """The batch's samples again (image views, not copies; a `device` batch's JPEG bytes and crops),
+    labels and ids as plain ints read once, not four tensor indexings a sample."""
+    return list(zip(batch.images, batch.labels.tolist(), batch.ids.tolist(), batch.keys))
 
 
 def rebatched(
