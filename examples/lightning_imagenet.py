@@ -30,9 +30,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from raywds.cli import worker_count
 from raywds.config import TrainConfig, resolve
-from raywds.flags import add_config_flags, given
+from raywds.flags import add_flags, given
+from raywds.launch.options import worker_count
 from raywds.lightning import ShardDataModule
 from raywds.train.compute import Compute
 from raywds.train.model import build_model
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ray", type=worker_count, metavar="N|MIN..MAX", help="train in Ray Train workers: N, or MIN..MAX (elastic)"
     )
-    add_config_flags(parser, skip=("data",))
+    add_flags(parser, TrainConfig, with_defaults=False)  # every training flag, None unless given
     args = parser.parse_args(argv)
     if not args.data and not args.demo:
         parser.error("give --data SHARDS, or --demo")

@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from raywds.errors import RaywdsError
-from raywds.flags import given
-
-DEMO_DIR = "runs/demo"
+from raywds.flags import given, values
 
 
 def _config(args: argparse.Namespace, data: str) -> Any:
@@ -71,18 +69,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from raywds.data.manifest import shard_url
     from raywds.data.upload import convert_to_bucket
 
-    options = ConvertOptions(
-        maxcount=args.maxcount,
-        maxsize=args.maxsize,
-        num_workers=args.workers,
-        seed=args.seed,
-        prefix=args.prefix,
-        strict=args.strict,
-        overwrite=args.overwrite,
-        val_labels=args.val_labels,
-        val_wnids=args.val_wnids,
-        max_side_px=args.max_side_px,
-    )
+    options = ConvertOptions(**values(args, ConvertOptions))
     if s3.is_s3(args.out):
         manifest = convert_to_bucket(
             Path(args.src), args.out, options, staging=args.staging and Path(args.staging), endpoint=args.s3_endpoint

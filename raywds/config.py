@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raywds.errors import ConfigError
+from raywds.fields import flag
 
 # The choices of each setting; the CLI's --help and choices come from these (raywds.flags).
 Mode = Literal["resample", "split"]
@@ -22,13 +23,17 @@ MemoryFormat = Literal["auto", "channels_last", "contiguous"]
 Decoder = Literal["cpu", "device", "pil"]
 
 
-def flag(name: str) -> dict[str, str]:
-    """A field's command-line flag, where it is not `--` and the field name with dashes."""
-    return {"flag": name}
+@dataclass(frozen=True, kw_only=True)
+class S3Endpoint:
+    """Which store s3:// paths name; every command that reads or writes them takes it."""
+
+    s3_endpoint: str | None = None
+    """The S3-compatible store's URL for s3:// paths (MinIO, AIStore, SeaweedFS, R2...); default
+    AWS_ENDPOINT_URL, else AWS. Credentials come from boto3's chain (AWS_* variables, ~/.aws, a role)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class TrainConfig(S3Endpoint):
     """Everything a training run needs to know; the world (rank, size) is passed separately."""
 
     data: str
@@ -98,9 +103,6 @@ class TrainConfig:
     """Retries of a failed shard read (backoff 1, 2, 4 s, resuming where it stopped)."""
     cache_dir: str | None = None
     """Keep http and s3 shards on local disk after their first read (for repeated epochs over slow links)."""
-    s3_endpoint: str | None = None
-    """The S3-compatible store's URL for s3:// data (MinIO, AIStore, SeaweedFS, R2...); default
-    AWS_ENDPOINT_URL, else AWS. Credentials come from boto3's chain (AWS_* variables, ~/.aws, a role)."""
     verify_hashes: bool = False
     """Hash each shard while reading it and fail at its end, naming it, when its sha256 differs
     from the manifest's: catches corruption no decoder can see (a flipped bit in pixels or a class)."""

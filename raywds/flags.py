@@ -1,8 +1,11 @@
-"""The training flags of `raywds train` and `raywds ray`, made from TrainConfig itself: one
-flag per field, its help the field's docstring, its choices the field's Literal type, its
-default the field's default. A flag is `--` and the field name with dashes, unless the field
-names another (`field(metadata=flag("--epochs"))`). A flag not given is None, so the recipe
-and the config file underneath it keep their values.
+"""Every command's flags, made from documented dataclasses (TrainConfig, ConvertOptions, the
+options in raywds.options and raywds.launch.options): one flag per field, its help the field's
+docstring, its default the field's default, its choices the field's Literal type. A flag is `--`
+and the field name with dashes, unless the field says otherwise (raywds.fields.flag). A field
+without a default is a required flag or positional.
+
+    add_flags(parser, ServeOptions)                      # each flag's default the field's
+    add_flags(parser, TrainConfig, with_defaults=False)  # each None unless given (given())
 """
 
 from __future__ import annotations
@@ -16,33 +19,39 @@ import types
 import typing
 from typing import Any
 
-from raywds.config import TrainConfig, choices
+from raywds.config import TrainConfig
 
 NOT_FLAGS = ("data",)
-"""Fields the CLI sets otherwise (`--data` or `--demo`)."""
+"""TrainConfig fields the CLI sets otherwise (`--data` or `--demo`)."""
 
 
 @functools.cache
-def field_docs() -> dict[str, str]:
-    """Each TrainConfig field's docstring (the string literal under it in the class body)."""
-    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(after.value.value).split())  # type: ignore[union-attr]
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), base classes' too."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+        for node, after in zip(body, body[1:]):
+            documented = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            if isinstance(node, ast.AnnAssign) and documented:
+                docs[node.target.id] = " ".join(str(after.value.value).split())  # type: ignore[union-attr]
     return docs
 
 
-def _value_type(field: dataclasses.Field[Any]) -> Any:
-    """int, float or str: the field's type without None; a number or a word for `int | Literal[...]`."""
-    hint = typing.get_type_hints(TrainConfig)[field.name]
+def _value_type(cls: type, field: dataclasses.Field[Any]) -> Any:
+    """The field's type without None: a number or a word for `int | Literal[...]`."""
+    hint = typing.get_type_hints(cls)[field.name]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         kinds = [a for a in typing.get_args(hint) if a is not type(None)]
         words = [w for a in kinds if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
         if words and int in kinds:
             return _int_or(tuple(words))
         hint = kinds[0]
-    return str if typing.get_origin(hint) is typing.Literal else hint
+    if typing.get_origin(hint) is list:  # nargs or append: each value's type
+        (hint,) = typing.get_args(hint)
+    return hint
 
 
 def _int_or(words: tuple[str, ...]) -> Any:
@@ -55,48 +64,75 @@ def _int_or(words: tuple[str, ...]) -> Any:
     return parse
 
 
-def flag_fields() -> list[dataclasses.Field[Any]]:
-    return [f for f in dataclasses.fields(TrainConfig) if f.name not in NOT_FLAGS]
+def flag_fields(cls: type = TrainConfig) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(cls) if not (cls is TrainConfig and f.name in NOT_FLAGS)]
 
 
 def flag_name(field: dataclasses.Field[Any]) -> str:
-    return str(field.metadata.get("flag", "--" + field.name.replace("_", "-")))
+    return str(field.metadata.get("flag") or "--" + field.name.replace("_", "-"))
 
 
-def _help(field: dataclasses.Field[Any]) -> str:
-    text = field_docs().get(field.name, "")
-    default = field.default
-    if default is None or default is False:
+def _has_default(field: dataclasses.Field[Any]) -> bool:
+    return field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
+
+
+def _help(cls: type, field: dataclasses.Field[Any]) -> str:
+    text = field_docs(cls).get(field.name, "")
+    if not _has_default(field) or field.default is None or field.default is False:
         return text  # None and False say nothing
-    return f"{text} (default {default})"
+    return f"{text} (default {field.default})"
 
 
-def add_config_flags(
+def _options(cls: type, field: dataclasses.Field[Any], with_defaults: bool) -> dict[str, Any]:
+    """add_argument's keywords for the field, but its name."""
+    how, hint = field.metadata, _value_type(cls, field)
+    options: dict[str, Any] = {"help": _help(cls, field)}
+    if not how.get("positional"):
+        options["dest"] = field.name
+    if hint is bool:  # None unless given, where the config underneath keeps its value
+        options.update({"action": "store_true"} if with_defaults else {"action": "store_const", "const": True})
+    else:
+        parse = how.get("parse") or (str if typing.get_origin(hint) is typing.Literal else hint)
+        options.update(type=parse, action="append" if how.get("append") else "store")
+    choices = how.get("choices") or (typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None)
+    if choices:
+        options["choices"] = list(choices)
+    options.update({key: how[key] for key in ("nargs", "metavar") if key in how})
+    if not _has_default(field):
+        options.update({} if how.get("positional") else {"required": True})
+    elif with_defaults and not (how.get("positional") and field.default is None):
+        options["default"] = field.default
+    return options
+
+
+def add_flags(
     parser: argparse.ArgumentParser,
+    cls: type,
     *,
     skip: tuple[str, ...] = (),
     only: tuple[str, ...] | None = None,
-    with_defaults: bool = False,
+    with_defaults: bool = True,
     aliases: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
-    """One flag per TrainConfig field (those in `only`, but `skip`), each None unless given, or
-    `with_defaults` the field's default (for commands that use the values without a config)."""
-    for field in flag_fields():
+    """One flag (or positional) per field of the dataclass `cls` (those in `only`, but `skip`),
+    each the field's default, or unless `with_defaults` None until given."""
+    groups: dict[str, Any] = {}
+    for field in flag_fields(cls):
         if field.name in skip or (only is not None and field.name not in only):
             continue
-        kind = _value_type(field)
-        options: dict[str, Any] = {"dest": field.name, "help": _help(field)}
-        if kind is bool:
-            options.update(action="store_const", const=True)
-        else:
-            options.update(type=kind)
-        if field.name in choices():
-            options.update(choices=choices()[field.name])
-        if with_defaults:
-            options.update(default=field.default)
-        parser.add_argument(flag_name(field), *(aliases or {}).get(field.name, ()), **options)
+        exclusive = field.metadata.get("exclusive")
+        if exclusive and exclusive not in groups:
+            groups[exclusive] = parser.add_mutually_exclusive_group()
+        target = groups[exclusive] if exclusive else parser
+        names = [field.name] if field.metadata.get("positional") else [flag_name(field)]
+        target.add_argument(*names, *(aliases or {}).get(field.name, ()), **_options(cls, field, with_defaults))
+
+
+def values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of `cls` as the parsed flags hold them."""
+    return {f.name: getattr(args, f.name) for f in flag_fields(cls) if hasattr(args, f.name)}
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
-    """The config fields set by flags (None: not given)."""
+    """The TrainConfig fields set by flags (None: not given)."""
     return {f.name: getattr(args, f.name, None) for f in flag_fields()}

@@ -10,8 +10,6 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "raywds"
 MAX_MODULE_LINES = 300
 MAX_FUNCTION_LINES = 60
-TABLES = {"raywds/cli.py:build_parser"}
-"""Functions that are a table of CLI flags, one line each."""
 
 
 def modules() -> list[Path]:
@@ -32,7 +30,7 @@ def test_no_function_is_over_60_lines() -> None:
     for path in modules():
         where = str(path.relative_to(PACKAGE.parent))
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and f"{where}:{node.name}" not in TABLES:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
                     long[f"{where}:{node.name}"] = length

@@ -25,7 +25,7 @@ import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from raywds.data.resume import JOURNAL, STATE, Journal, prepare_output, still_go
 from raywds.data.tarwriter import TAR_END_BYTES, TarWriter, tar_cost
 from raywds.data.verify import check_members, sha256_file
 from raywds.errors import ConfigError, DataError
+from raywds.fields import flag
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +49,7 @@ class ConvertOptions:
     """Most samples per shard."""
     maxsize: int = 1 << 30
     """Most bytes per shard (a lone sample larger than this still gets its own shard)."""
-    num_workers: int = 1
+    num_workers: int = field(default=1, metadata=flag("--workers"))
     """Processes writing shards at once."""
     seed: int = 0
     """Seeds the sample shuffle before sharding."""
@@ -62,7 +63,7 @@ class ConvertOptions:
     """Labels for a flat val/ folder: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt."""
     val_wnids: Path | None = None
     """wnid of each ILSVRC2012_ID for the devkit ground truth: meta.mat or a text file in ID order."""
-    max_side_px: int | None = None
+    max_side_px: int | None = field(default=None, metadata=flag("--max-side"))
     """Downscale images whose longer side exceeds this (re-encoded, for fast experiments); None keeps every byte."""
 
 

@@ -36,6 +36,7 @@ from raywds.launch.cluster import (
     start_autoscaling_coordinator,
     wait_for_coordinator,
 )
+from raywds.launch.options import DATA_PLANES, DEFAULTS, DataPlane
 from raywds.launch.raydata import Plane, RayData
 from raywds.launch.runstore import as_uri, hold_run_folder, open_run_dir, ray_storage
 from raywds.plan.checks import check_plan
@@ -48,11 +49,9 @@ from raywds.world import World
 
 log = logging.getLogger(__name__)
 
-DATA_PLANES = ("loader", "ray")
 """`--data-plane`: each rank's own DataLoader workers, or Ray Data tasks anywhere in the cluster."""
 PLANE_TASK_CPUS = 1.0
 """CPUs one Ray Data read-and-decode task reserves."""
-PLANE_STORE_MB = 1024
 """Object store memory each rank's Ray Data pipeline may fill with blocks in flight (--plane-store-mb)."""
 
 
@@ -136,15 +135,15 @@ def run(
     cfg: TrainConfig,
     *,
     num_workers: int | tuple[int, int] | None = None,
-    storage_path: str | None = None,
+    storage_path: str = DEFAULTS.storage_path,
     name: str | None = None,
-    num_checkpoints_to_keep: int | None = 2,
-    max_failures: int = 0,
-    resize_check_s: float = 60.0,
+    num_checkpoints_to_keep: int | None = DEFAULTS.keep_checkpoints,
+    max_failures: int = DEFAULTS.max_failures,
+    resize_check_s: float = DEFAULTS.resize_check_s,
     node_wait_s: float | None = None,
-    data_plane: str = "loader",
+    data_plane: DataPlane = DEFAULTS.data_plane,
     worker_resources: dict[str, float] | None = None,
-    plane_store_mb: int = PLANE_STORE_MB,
+    plane_store_mb: int = DEFAULTS.plane_store_mb,
 ) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics.
     `num_workers` (MIN, MAX) is elastic; after a failure (a worker or its node lost) Ray restarts
@@ -168,7 +167,7 @@ def run(
     nodes = alive_nodes()
     decoding = f", decoding on Ray Data tasks of {PLANE_TASK_CPUS:g} CPU anywhere in the cluster" if plane else ""
     print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s)){decoding}", flush=True)
-    storage, local = split_storage(storage_path or "runs/ray")
+    storage, local = split_storage(storage_path)
     name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
     # Rank 0 appends metrics.jsonl to the run folder where it is a path (local, shared or file://).
     cfg = dataclasses.replace(cfg, out_dir=os.path.join(local or storage, name))

@@ -10,11 +10,17 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from raywds.serve.net import ANY_HOST, free_port
+
+Network = Literal["host", "bridge"]
+"""Docker: `host` (the container shares the host's network) or `bridge` (a published port)."""
+NETWORKS: tuple[str, ...] = typing.get_args(Network)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +35,7 @@ class Spec:
     """The port to listen on; 0 for a free one."""
     image: str
     """Docker: the nginx image."""
-    network: str
+    network: Network
     """Docker: `host` (the container shares the host's network) or `bridge` (a published port)."""
     pull: bool
     """Docker: pull the image when it is not here."""

@@ -20,7 +20,7 @@ from types import TracebackType
 from raywds.data.manifest import MANIFEST
 from raywds.errors import ServerError
 from raywds.serve import docker, embedded, nginx  # the backends (raywds.serve.docker, not the SDK)
-from raywds.serve.backend import Spec, Start
+from raywds.serve.backend import NETWORKS, Network, Spec, Start
 from raywds.serve.net import ANY_HOST, advertised_host, hostport, wait_ready
 
 STARTS: dict[str, Start] = {"docker": docker.start, "nginx": nginx.start, "embedded": embedded.start}
@@ -40,7 +40,7 @@ class ShardServer:
         port: int = 0,
         advertise: str | None = None,
         image: str = docker.DOCKER_IMAGE,
-        network: str = "host",
+        network: Network = "host",
         pull: bool = True,
         ready_timeout_s: float = 30.0,
         idle_timeout_s: float = embedded.IDLE_TIMEOUT_S,
@@ -62,8 +62,8 @@ class ShardServer:
             )
         if num_threads < 1:
             raise ServerError(f"num_threads={num_threads} must be at least 1; the default is {embedded.NUM_THREADS}")
-        if network not in ("host", "bridge"):
-            raise ServerError(f"network {network!r} is not host or bridge")
+        if network not in NETWORKS:
+            raise ServerError(f"network {network!r} is not one of {', '.join(NETWORKS)}")
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ServerError(f"shard directory {self.root} does not exist; run `raywds convert` first")

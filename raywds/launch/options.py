@@ -1,0 +1,80 @@
+"""What `raywds ray` takes besides the training config, with the one default of each: the CLI's
+flags are made from RayOptions (raywds.flags) and raywds.launch.ray_train.run's keywords default
+to the same values. Imports no Ray, so `raywds --help` does not load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from raywds.fields import flag
+
+DataPlane = Literal["loader", "ray"]
+DATA_PLANES: tuple[str, ...] = typing.get_args(DataPlane)
+
+
+def worker_count(text: str) -> int | tuple[int, int]:
+    """`--num-workers`: N, or MIN..MAX for an elastic run."""
+    try:
+        if ".." in text:
+            low, high = (int(part) for part in text.split("..", 1))
+            return (low, high)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither N nor MIN..MAX") from None
+
+
+def resource(text: str) -> tuple[str, float]:
+    """`--worker-resource`: NAME=AMOUNT."""
+    name, _, amount = text.partition("=")
+    try:
+        if not name or float(amount) <= 0:
+            raise ValueError
+        return name, float(amount)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=AMOUNT with AMOUNT above 0") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayOptions:
+    """How a run uses the Ray cluster."""
+
+    serve: bool = False
+    """Serve the --data folder from this driver, so workers on every node read it over HTTP."""
+    num_workers: int | tuple[int, int] | None = field(
+        default=None, metadata=flag(parse=worker_count, metavar="N|MIN..MAX")
+    )
+    """Ray Train workers (default: one per cluster GPU, else 2 CPU workers); MIN..MAX is elastic:
+    start with what the cluster holds, shrink when a node is lost, grow when nodes come."""
+    address: str | None = None
+    """Ray cluster address (default: RAY_ADDRESS, a running `ray start`, else a new local cluster)."""
+    storage_path: str = "runs/ray"
+    """Ray Train storage for checkpoints and results: a folder, a folder every node shares, or s3://…"""
+    max_failures: int = 3
+    """Restarts after a worker or its node is lost, each resuming from the latest checkpoint; as
+    many waits for a fixed worker count to fit again."""
+    node_wait_s: float | None = None
+    """After a failure, how long Ray waits for the workers to fit on the cluster before that
+    restart counts as failed too (default: Ray's, 60)."""
+    resize_check_s: float = 60.0
+    """Elastic runs: how often Ray checks whether more workers fit."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in the run folder."""
+    data_plane: DataPlane = "loader"
+    """Who reads and decodes the shards: each rank's own DataLoader workers (loader), or Ray Data
+    tasks on any node of the cluster (ray; --loader-workers then has no effect)."""
+    plane_store_mb: int = 1024
+    """--data-plane ray: object store memory each rank's pipeline may fill with blocks."""
+    worker_resource: list[tuple[str, float]] | None = field(
+        default=None, metadata=flag(parse=resource, append=True, metavar="NAME=AMOUNT")
+    )
+    """A custom Ray resource each training worker reserves, so the workers run only on nodes that
+    have it (`ray start --resources '{"trainer": 8}'`); repeatable."""
+    name: str | None = None
+    """Ray Train run name (default raywds-DATE-TIME; reusing a name resumes that run)."""
+
+
+DEFAULTS = RayOptions()
