@@ -19,7 +19,7 @@ With --address (a running cluster, e.g. two real machines): the plane with its t
 the driver's node, then free to use every node; the ratio is what the other nodes add (goal
 >= 1.7x for two equal nodes). Without --address a private local Ray is started (its own temp
 dir and token) and stopped. --two-nodes (root, iproute2) starts the tests' two-node cluster
-(two network namespaces on this machine, tests/netnodes.py, one logical CPU each) and runs the
+(two network namespaces on this machine, tests/support/netnodes.py, one logical CPU each) and runs the
 --address comparison there from the head node: on one machine that shows the second node's
 tasks being used, not two machines' speed.
 
@@ -141,7 +141,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.two_nodes:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import netnodes  # the tests' two-node cluster
+        from support import netnodes  # the tests' two-node cluster
 
         with netnodes.two_nodes("rwpb2-", head_cpus=1, worker_cpus=1) as cluster:
             flags = ["--images", str(args.images), "--copies", str(args.copies), "--repeats", str(args.repeats)]

@@ -15,7 +15,7 @@ Ray runs on a private temp dir with a token of its own, and is stopped by its ow
 start out of every run. --timeline prints, for the last run of each Ray kind, every process the
 run started: when it first appeared (seconds from the command's start) and the CPU seconds it used.
 --two-nodes (root, iproute2) also runs `raywds ray` on the tests' two-node cluster (two network
-namespaces on this machine, tests/netnodes.py), a rank on each node, started once beforehand as
+namespaces on this machine, tests/support/netnodes.py), a rank on each node, started once beforehand as
 a user's cluster would be: on one machine that shows the cost of the network path, not speed-up.
 """
 
@@ -40,7 +40,7 @@ from raywds.data.demo import prepare
 
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import raycluster  # noqa: E402  # the tests' private clusters: own temp dir, token and ports; stopped by PID
+from support import raycluster  # noqa: E402  # the tests' private clusters: own temp dir, token and ports; stopped by PID
 
 Timeline = dict[int, tuple[float, float, str]]
 """pid -> (first seen, s after the command's start; CPU s used; command line or Ray's title)."""
@@ -228,7 +228,7 @@ def long_lived_cluster(env: dict[str, str]) -> Iterator[Cluster]:
 
 
 def two_nodes(job: list[str], work: Path, repeats: int, env: dict[str, str]) -> list[dict[str, float]]:
-    import netnodes  # the tests' two-node cluster
+    from support import netnodes  # the tests' two-node cluster
 
     runs = []
     with netnodes.two_nodes("rwb2-") as cluster:

@@ -5,7 +5,7 @@ from S3 against the loader from local disk.
 
 On `copies` x the photos in DIR (by default ../shared/data/imagenet-sample-100, real ImageNet
 JPEGs; generated photo-like JPEGs without it) converted to NUM_SHARDS shards, put into a private
-SeaweedFS (`weed mini`, started by tests/s3server.py on 127.0.0.1 with its own ports and keys, and
+SeaweedFS (`weed mini`, started by tests/support/s3server.py on 127.0.0.1 with its own ports and keys, and
 stopped at the end), in one run:
 
 1. raw bytes/s, every shard read once whole, by: raywds's reader (`open_shard("s3://...")`: one
@@ -59,7 +59,7 @@ from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import s3server  # the tests' private SeaweedFS: own temp dir, ports and keys; stopped by its PID
+from support import s3server  # the tests' private SeaweedFS: own temp dir, ports and keys; stopped by its PID
 
 NUM_SHARDS = 16
 PREFIX = "bench"

@@ -14,7 +14,7 @@ from raywds.config import RECIPES, S3Endpoint, TrainConfig
 from raywds.data.convert import ConvertOptions
 from raywds.fields import flag
 from raywds.launch.options import RayOptions
-from raywds.serve import BACKENDS, NETWORKS, Network
+from raywds.serve import BACKENDS, NETWORKS
 
 DEMO_DIR = "runs/demo"
 
@@ -79,7 +79,7 @@ class ServeOptions:
     """Host name or IP workers should use (default: this node's IP, or 127.0.0.1 with --local)."""
     image: str = "nginx:stable"
     """Docker image with nginx."""
-    network: Network = field(default="host", metadata=flag(choices=NETWORKS))
+    network: str = field(default="host", metadata=flag(choices=tuple(NETWORKS)))
     """Docker: host networking, or publish the port from a bridge network."""
     no_pull: bool = False
     """Docker: use only a local image, never pull one."""

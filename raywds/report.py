@@ -8,7 +8,6 @@ metrics.jsonl (written by local runs, torchrun and Ray runs alike), as one PNG.
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from raywds.data import s3
 from raywds.errors import ConfigError
+from raywds.train.rows import epochs, read_rows
 from raywds.train.stagetimes import shares
 
 
@@ -39,13 +39,10 @@ def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"no metrics.jsonl in {run_dir}: give the --out folder of a run, or a Ray run folder")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    epochs = {
-        row["epoch"]: row for row in rows if "train_loss" in row
-    }  # a resumed run may repeat an epoch: keep the last
-    if not epochs:
+    finished = epochs(read_rows(path))  # a resumed run may repeat an epoch: the last counts
+    if not finished:
         raise ConfigError(f"{path} has no finished epoch yet")
-    return [epochs[e] for e in sorted(epochs)]
+    return finished
 
 
 def _step_bars(ax: Any, row: dict[str, Any]) -> None:

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import gc
 import os
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-import raycluster
-import s3server
+from support import raycluster, s3server
+from support.data import SMALL, UNEVEN_SIZES, made_shards, recut
+from support.runs import FORKSERVER_PRELOAD
 
 from raywds import console
-from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.demo import DemoSpec, write_tree
 
@@ -25,51 +23,10 @@ def console_lines() -> None:
     console.configure()
 
 
-def small_config(data: str | Path, **overrides: object) -> TrainConfig:
-    """The config the tests share: the demo model on small crops, one loader worker, adamw at a
-    fixed rate without warm-up; each test overrides what it is about."""
-    values: dict = dict(
-        data=str(data),
-        model="demo",
-        optimizer="adamw",
-        lr=3e-3,
-        batch_size_per_rank=16,
-        image_size_px=28,
-        crop_scale_min=0.5,
-        num_loader_workers_per_rank=1,
-        num_epochs=4,
-        warmup_epochs=0.0,
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
-
-
-def need_jpeg_extension() -> None:
-    """Skip where raywds.loader._jpeg was not built, except under RAYWDS_REQUIRE_JPEG_EXT (set by
-    .ci/run): there its absence is a failure."""
-    from raywds.loader import decode
-
-    if decode._jpeg is None:
-        if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
-            pytest.fail("raywds.loader._jpeg was not built (a C compiler and libjpeg's headers are needed)")
-        pytest.skip("raywds.loader._jpeg was not built", allow_module_level=True)
-
-
-SMALL = DemoSpec(num_train_per_class=12, num_val_per_class=5, image_side_px=32, seed=7)
-
-
 @pytest.fixture(scope="session")
 def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """10 classes, 120 train and 50 val JPEGs."""
     return write_tree(tmp_path_factory.mktemp("tree"), SMALL)
-
-
-def made_shards(factory: pytest.TempPathFactory, name: str, spec: DemoSpec, options: ConvertOptions) -> Path:
-    """A demo tree made by `spec`, converted by `options` into a folder of its own."""
-    tree = write_tree(factory.mktemp(name), spec)
-    out = factory.mktemp(f"{name}-shards")
-    convert(tree, out, options)
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -84,41 +41,6 @@ def shards(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tree as shards of at most 16 samples: 8 train shards (7 x 16 + 8) and 4 val shards."""
     out = tmp_path_factory.mktemp("shards")
     convert(tree, out, ConvertOptions(maxcount=16, seed=3))
-    return out
-
-
-UNEVEN_SIZES = [1, 30, 7, 16, 2, 25, 9, 13, 17]  # 120 samples in 9 shards of very different sizes
-
-
-def recut(shards: Path, out: Path, sizes: list[int]) -> Path:
-    """The converter's train samples, re-cut into shards of `sizes` (val shards copied as they are)."""
-    import hashlib
-    import json
-    import shutil
-
-    import webdataset as wds
-
-    manifest = json.loads((shards / "manifest.json").read_text())
-    samples = []
-    for shard in manifest["splits"]["train"]["shards"]:
-        samples += list(wds.WebDataset(str(shards / shard["name"]), shardshuffle=False))
-    assert sum(sizes) == len(samples)
-    out.mkdir(parents=True)
-    written, start = [], 0
-    for i, size in enumerate(sizes):
-        name = f"uneven-train-{i:06d}.tar"
-        with wds.TarWriter(str(out / name), mtime=0) as sink:
-            for sample in samples[start : start + size]:
-                sink.write({k: v for k, v in sample.items() if k in ("__key__", "jpg", "cls", "json")})
-        start += size
-        data = (out / name).read_bytes()
-        written.append(
-            {"name": name, "num_samples": size, "num_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        )
-    for shard in manifest["splits"]["val"]["shards"]:
-        shutil.copy(shards / shard["name"], out / shard["name"])
-    manifest["splits"]["train"] = {"num_samples": sum(sizes), "shards": written}
-    (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 
 
@@ -138,7 +60,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def s3_server_session() -> Iterator[s3server.S3Server]:
-    """One private SeaweedFS S3 server for the session (tests/s3server.py), started when a test
+    """One private SeaweedFS S3 server for the session (tests/support/s3server.py), started when a test
     first asks for it: ~1.5 s to start, ~140-170 MiB resident."""
     with s3server.s3_server() as server:
         yield server
@@ -167,67 +89,6 @@ def s3(s3_server_session: s3server.S3Server, monkeypatch: pytest.MonkeyPatch) ->
     for upload in client.list_multipart_uploads(Bucket=server.bucket).get("Uploads", []):
         client.abort_multipart_upload(Bucket=server.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
     client.delete_bucket(Bucket=server.bucket)
-
-
-def tar_keys(shards: Path, split: str = "train") -> list[str]:
-    """Every sample key of a split, read straight from the tars (not through raywds)."""
-    import json
-    import tarfile
-
-    manifest = json.loads((shards / "manifest.json").read_text())
-    keys = []
-    for shard in manifest["splits"][split]["shards"]:
-        with tarfile.open(shards / shard["name"]) as tar:
-            keys += list(dict.fromkeys(m.name.split(".", 1)[0] for m in tar.getmembers()))  # tar order
-    return keys
-
-
-def audited(files: Iterable[Path], shards: Path) -> Counter:
-    """The keys of the samples in audit files (raywds.train.audit: int64 ids numbered through the
-    training split in manifest order), named by the tars' own keys (`tar_keys`)."""
-    keys = tar_keys(shards)
-    return Counter(keys[i] for f in files for i in np.fromfile(f, dtype="<i8").tolist())
-
-
-def epoch_keys(audit: Path, epoch: int, data: Path) -> Counter:
-    """Keys trained on in `epoch`, over every rank and process that wrote audit files to `audit`."""
-    return audited(audit.glob(f"epoch{epoch:04d}-*.ids"), data)
-
-
-def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the TensorBoard event files in `folder`, as TensorBoard's own reader
-    loads them: tag -> [(step, value)] in the order written (values are float32 there)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep all, no sampling
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
-def assert_charts_hold(folder: Path, rows: list[dict], num_ranks: int) -> None:
-    """The event files in `folder` hold the numbers of these metrics.jsonl rows, and no others:
-    each epoch row's at its epoch (validation only where it ran), its per-rank lists one chart
-    per rank (where each rank's epoch went too), each progress row's at its global step."""
-    from raywds.train.stagetimes import shares  # imports torch: not at collection in the controller
-
-    epochs = [r for r in rows if "train_loss" in r]
-    progress = [r for r in rows if r.get("kind") == "progress"]
-    keys = ("train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "data_wait_max")
-    expected = {f"epoch/{key}": [(r["epoch"], r[key]) for r in epochs if key in r] for key in keys}
-    for key in ("images_per_s_per_rank", "data_wait_per_rank"):
-        for rank in range(num_ranks):
-            expected[f"epoch/{key}/rank{rank}"] = [(r["epoch"], r[key][rank]) for r in epochs]
-    for key in ("loss", "lr", "images_per_s_rank0", "data_wait_rank0"):
-        expected[f"progress/{key}"] = [(r["step"], r[key]) for r in progress]
-    for part in ("data_wait", "copy", "compute", "waiting_for_other_ranks", "other"):
-        for rank in range(num_ranks):
-            expected[f"epoch/step_time/{part}/rank{rank}"] = [
-                (r["epoch"], shares(r["stages"])[part.replace("_", " ")][rank]) for r in epochs
-            ]
-    charts = tensorboard_scalars(folder)
-    assert sorted(charts) == sorted(expected)
-    for tag, points in expected.items():  # event files hold float32
-        assert charts[tag] == [(step, pytest.approx(value, rel=1e-6)) for step, value in points], tag
 
 
 # --- Ray: every cluster a test starts is private (its own temp dir, ports and token) -------------
@@ -298,7 +159,7 @@ def home_ray_untouched() -> Iterator[None]:
         changed = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
         pytest.fail(
             f"the tests {'created' if before is None else 'changed'} {Path.home() / '.ray'} ({', '.join(changed)}): "
-            "a test started Ray without a token of its own (tests/raycluster.py)"
+            "a test started Ray without a token of its own (tests/support/raycluster.py)"
         )
 
 
@@ -389,8 +250,6 @@ def embedded_servers_stop_at_once() -> Iterator[None]:
         yield
 
 
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "raywds.train.trainer", "raywds.loader.loader"]
-"""What the fork server that starts the tests' gloo ranks and simulated ranks' loader workers imports once."""
 FORKSERVER_USERS = {"test_train.py", "test_loader.py", "test_faults.py"}
 """Test modules that start ranks or distributed loaders from this process's fork server."""
 
@@ -407,28 +266,3 @@ def forkserver_started_early(request: pytest.FixtureRequest) -> None:
 
     multiprocessing.forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
     multiprocessing.forkserver.ensure_running()
-
-
-def made_stages(*ranks: tuple[float, float, float], workers: int = 1, handover: float = 0.0) -> dict:
-    """An epoch row's `stages` (raywds.train.doctor) of ranks given as (loader images/s a worker,
-    model images/s, samples), each waiting as long as it computes, `handover` of that wait for
-    batches already made."""
-    out: dict = {key: [] for key in ("seconds", "samples", "wait_s", "handover_s", "startup_s", "copy_s")}
-    out.update({key: [] for key in ("forward_s", "backward_s", "own_s", "read_s", "decode_s", "collate_s")})
-    out.update(read_bytes=[], decoded=[], host=[], slow_shard=[])
-    for each, model, samples in ranks:
-        compute = samples / model
-        for key, value in dict(
-            seconds=2 * compute, samples=samples, wait_s=compute, handover_s=handover * compute
-        ).items():
-            out[key].append(value)
-        for key, value in dict(startup_s=0.0, copy_s=0.0, forward_s=compute / 2, backward_s=compute / 2).items():
-            out[key].append(value)
-        for key, value in dict(own_s=compute, read_s=0.0, decode_s=samples / each, collate_s=0.0).items():
-            out[key].append(value)
-        out["read_bytes"].append(1e6)
-        out["decoded"].append(samples)
-        out["host"].append("node")
-        out["slow_shard"].append(["", 0.0, 0])
-    settings = {"loader_workers": workers, "batch_size": 8, "cores_per_rank": 8, "decode": "cpu", "device": "cpu"}
-    return {**out, **settings, "cache_dir": False, "data_from": "shards/"}

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import assert_charts_hold
+from support.runs import SUMMARY, assert_charts_hold, command
 
 from raywds.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYWDS = Path(sys.executable).parent / "raywds"
-SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
 
 
 @dataclass
@@ -75,8 +74,8 @@ def raywds(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, t
 def test_the_installed_script_lists_every_command() -> None:
     out = subprocess.run([str(RAYWDS), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0
-    for command in ("demo", "convert", "serve", "plan", "report", "train", "ray"):
-        assert re.search(rf"^\s+{command}\s", out.stdout, re.M), command
+    for name in ("demo", "convert", "serve", "plan", "report", "train", "ray"):
+        assert re.search(rf"^\s+{name}\s", out.stdout, re.M), name
 
 
 @pytest.mark.parametrize("command", ["demo", "convert", "serve", "plan", "report", "train", "ray"])
@@ -132,7 +131,7 @@ def test_convert_then_train_from_the_command_line(raywds: Callable[..., Ran], tr
 def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
     """The README's first command, shortened to 12 batches of 32 at 32 px (the flags any run takes):
     generate, convert, serve, train, summary."""
-    out = subprocess.run(
+    out = command(
         [
             str(ROOT / "run-local"),
             "--epochs",
@@ -145,10 +144,7 @@ def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
             str(tmp_path / "demo"),
             "--out",
             str(tmp_path / "run"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ]
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"serving .* at http://127\.0\.0\.1:\d+ \((nginx|embedded|docker)\)", out.stdout)

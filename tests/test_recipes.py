@@ -4,14 +4,12 @@ torchrun drives the same loop without Ray."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.runs import SUMMARY, command
 
 from raywds.config import RECIPES, TrainConfig, resolve
 from raywds.errors import ConfigError
@@ -20,8 +18,6 @@ from raywds.train.model import DemoNet
 from raywds.train.optim import make_optimizer
 from raywds.train.trainer import train
 from raywds.world import World
-
-SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
 
 
 def test_imagenet_recipe_is_the_reference_one() -> None:
@@ -93,7 +89,7 @@ def test_the_cuda_path_bf16_and_channels_last_runs_on_the_cpu(shards: Path) -> N
 @pytest.mark.slow
 def test_torchrun_two_processes_without_ray(shards: Path, tmp_path: Path) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
-    out = subprocess.run(
+    out = command(
         [
             str(torchrun),
             "--nproc-per-node",
@@ -117,11 +113,7 @@ def test_torchrun_two_processes_without_ray(shards: Path, tmp_path: Path) -> Non
             "split",
             "--out",
             str(tmp_path / "run"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        ]
     )
     assert out.returncode == 0, out.stderr[-3000:]
     match = SUMMARY.search(out.stdout)

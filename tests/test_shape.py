@@ -48,3 +48,53 @@ def test_mode_names_appear_only_where_config_text_is_parsed() -> None:
         if re.search(r"""["'](split|resample)["']""", line) and str(p.relative_to(PACKAGE.parent)) not in allowed
     }
     assert found == set()
+
+
+VARIANTS = {"decode", "data_plane", "network", "backend"}
+"""Settings whose value names a variant: each is parsed once into what owns the difference
+(raywds.loader.decoding's DECODINGS, raywds.launch.ray_train's PLACES, raywds.serve's NETWORKS and
+its backends' start functions). Modes have their own check above."""
+
+
+def _named(node: ast.expr) -> str | None:
+    """`x`, `a.x` or `a["x"]` -> "x"."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return str(node.slice.value)
+    return None
+
+
+def _text(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    return isinstance(node, ast.Tuple | ast.List | ast.Set) and any(_text(e) for e in node.elts)
+
+
+def test_variants_are_never_compared_as_text() -> None:
+    """No `cfg.decode == "device"`, `data_plane == "loader"` or `spec.network == "host"`: the
+    branch belongs to the variant's object. (It found six such comparisons in four modules.)"""
+    found = set()
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            if any(_named(s) in VARIANTS for s in sides) and any(_text(s) for s in sides):
+                found.add(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == set()
+
+
+def test_no_test_imports_conftest() -> None:
+    """Fixtures live in tests/conftest.py, which pytest loads; what tests share besides fixtures
+    is the tests/support package, imported by name."""
+    tests = PACKAGE.parent / "tests"
+    found = {
+        f"{p.relative_to(tests)}:{i}: {line.strip()}"
+        for p in sorted(tests.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.match(r"\s*(from|import) (tests\.)?conftest\b", line)
+    }
+    assert found == set()

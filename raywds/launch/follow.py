@@ -22,6 +22,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from raywds.train.rows import kind
+
 METRICS = "metrics.jsonl"
 CONFIGS = ("raywds-config.json", "config.json")
 """Where a run folder keeps its resolved config: a Ray run's driver writes the first, local runs the second."""
@@ -52,14 +54,14 @@ class RunProgress:
     def add(self, row: dict[str, Any]) -> None:
         """One row of metrics.jsonl: a progress row, a finished epoch, or an in-epoch checkpoint."""
         epochs = f"/{self.num_epochs}" if self.num_epochs else ""
-        if row.get("kind") == "progress":
+        if kind(row) == "progress":
             epoch, self.steps_per_epoch = int(row["epoch"]), int(row["steps_in_epoch"])
             start = self.epoch_end_steps.get(epoch - 1, (epoch - 1) * self.steps_per_epoch)
             self.steps = start + int(row["step_in_epoch"])
             self.status = f"epoch {epoch}{epochs}  loss {row['loss']:.3f}"
-        elif row.get("inside_epoch"):  # its epoch is 0-based, its step counts the whole run
+        elif kind(row) == "checkpoint":  # its epoch is 0-based, its step counts the whole run
             self.steps = int(row["step"])
-        elif "step" in row and "epoch" in row:
+        else:
             epoch, self.steps = int(row["epoch"]), int(row["step"])
             self.epoch_end_steps[epoch] = self.steps
             if self.steps_per_epoch is None:
@@ -126,6 +128,8 @@ class Follower:
     def __init__(self, run_dir: Path, progress: RunProgress, bar: Any, poll_s: float):
         self.run_dir, self.progress, self.bar, self.poll_s = run_dir, progress, bar, poll_s
         self.reader = RowReader(run_dir / METRICS)
+        self.polls = 0
+        """Reads done so far (by the thread or `stop()`): a caller can wait for the next one."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"follow {run_dir.name}", daemon=True)
 
@@ -144,6 +148,7 @@ class Follower:
             config = run_config(self.run_dir)
             progress.num_epochs, progress.max_steps = config.get("num_epochs"), config.get("max_steps")
         rows, restarted = self.reader.read()
+        self.polls += 1
         if restarted:
             self.progress = progress = RunProgress(progress.num_epochs, progress.max_steps)
         if not rows and not restarted:

@@ -36,12 +36,14 @@ from raywds.launch.cluster import (
     start_autoscaling_coordinator,
     wait_for_coordinator,
 )
-from raywds.launch.options import DATA_PLANES, DEFAULTS, DataPlane
+from raywds.launch.options import DEFAULTS, DataPlane
 from raywds.launch.raydata import Plane, RayData
 from raywds.launch.runstore import as_uri, hold_run_folder, open_run_dir, ray_storage
+from raywds.loader.decoding import decoding
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
 from raywds.train.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from raywds.train.rows import kind
 from raywds.train.rundir import Metrics, RunDir
 from raywds.train.state import check_unfinished
 from raywds.train.trainer import train
@@ -184,7 +186,7 @@ def run(
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
     checkpoint = as_uri(result.checkpoint.path, storage) if result.checkpoint is not None else None
     history = sorted(
-        (dict(m) for _, m in result.best_checkpoints or [] if not m.get("inside_epoch")), key=lambda m: m["epoch"]
+        (dict(m) for _, m in result.best_checkpoints or [] if kind(m) == "epoch"), key=lambda m: m["epoch"]
     )
     return RayRun(dict(result.metrics), checkpoint, as_uri(result.path, storage), plan, history)
 
@@ -194,16 +196,30 @@ def place(
 ) -> tuple[TrainConfig, WorkerPlan, Plane | None]:
     """The config the workers get, the workers the cluster can hold, and the Ray Data plane's
     settings (None for each rank's own loader)."""
-    if data_plane not in DATA_PLANES:
-        raise ConfigError(f"--data-plane {data_plane!r} is not one of {', '.join(DATA_PLANES)}")
-    if data_plane == "loader":
-        workers = cfg.num_loader_workers_per_rank  # auto: every CPU the cluster has per GPU
-        plan = plan_workers(
-            ray.cluster_resources(), num_workers, loader_workers=None if workers == "auto" else workers
-        )  # RAY
-        return cfg, plan, None
-    if cfg.decode == "device":
-        raise ConfigError("--decode device needs each rank's own loader: use --data-plane loader, or --decode cpu")
+    if data_plane not in PLACES:
+        raise ConfigError(f"--data-plane {data_plane!r} is not one of {', '.join(PLACES)}")
+    return PLACES[data_plane](cfg, num_workers, plane_store_mb)
+
+
+def _own_loaders(
+    cfg: TrainConfig, num_workers: int | tuple[int, int] | None, plane_store_mb: int
+) -> tuple[TrainConfig, WorkerPlan, None]:
+    """`--data-plane loader`: each rank reads and decodes with its own DataLoader workers."""
+    workers = cfg.num_loader_workers_per_rank  # auto: every CPU the cluster has per GPU
+    plan = plan_workers(
+        ray.cluster_resources(), num_workers, loader_workers=None if workers == "auto" else workers
+    )  # RAY
+    return cfg, plan, None
+
+
+def _ray_data(
+    cfg: TrainConfig, num_workers: int | tuple[int, int] | None, plane_store_mb: int
+) -> tuple[TrainConfig, WorkerPlan, Plane]:
+    """`--data-plane ray`: Ray Data tasks on any node read and decode each rank's shards."""
+    if not decoding(cfg.decode).in_workers:
+        raise ConfigError(
+            f"--decode {cfg.decode} needs each rank's own loader: use --data-plane loader or --decode cpu"
+        )
     # No DataLoader workers: each rank is one slot of the plan, its shards read by Ray Data tasks.
     cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=0)
     plan = plan_workers(ray.cluster_resources(), num_workers, plane_task_cpus=PLANE_TASK_CPUS)  # RAY
@@ -214,6 +230,10 @@ def place(
         trainer_gpus=plan.num_workers if plan.use_gpu else 0,
     )
     return cfg, plan, plane
+
+
+PLACES = {"loader": _own_loaders, "ray": _ray_data}
+"""Each --data-plane (raywds.launch.options.DATA_PLANES): where the data is read and decoded."""
 
 
 def make_trainer(

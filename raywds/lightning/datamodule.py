@@ -31,6 +31,7 @@ from raywds.data.columns import sample_counts
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError, DataError
 from raywds.lightning.epochs import EpochRun, ExactEpochs
+from raywds.loader.decoding import decoding
 from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.stages import Batch, bad_sample_id
 from raywds.plan.checks import check_plan
@@ -60,7 +61,7 @@ class Batches:
 class ShardDataModule(pl.LightningDataModule):
     def __init__(self, cfg: TrainConfig):
         super().__init__()
-        if cfg.decode == "device":
+        if not decoding(cfg.decode).in_workers:
             raise ConfigError("the Lightning DataModule decodes on the CPU: use --decode cpu or pil")
         if cfg.num_loader_workers_per_rank == "auto":  # no epoch is measured here: start as raywds train does
             cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=first(len(os.sched_getaffinity(0))).workers)

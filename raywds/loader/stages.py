@@ -26,6 +26,7 @@ from raywds.errors import ConfigError, DataError
 from raywds.loader import crops, decode
 from raywds.loader.clock import Spent
 from raywds.loader.decode import Encoded
+from raywds.loader.decoding import decoding
 from raywds.loader.readers import Failures, ReadPolicy
 from raywds.plan import seeds
 
@@ -59,12 +60,7 @@ Decoder = Callable[[bytes, int], Any]
 
 def train_decoder(cfg: TrainConfig, epoch: int) -> Decoder:
     """`--decode`'s training crop, each sample's drawn from its own generator (crops.crop_rng)."""
-    size, scale = cfg.image_size_px, (cfg.crop_scale_min, 1.0)
-    crop: Callable[..., Any]
-    if cfg.decode == "pil":
-        crop = decode.reference_train(size, scale)
-    else:
-        crop = bind(decode.encoded_crop if cfg.decode == "device" else decode.train_crop, size=size, scale=scale)
+    crop = decoding(cfg.decode).train_crop(cfg.image_size_px, (cfg.crop_scale_min, 1.0))
     return bind(_seeded, crop, cfg.seed, epoch)
 
 
@@ -74,8 +70,7 @@ def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample
 
 def val_decoder(cfg: TrainConfig) -> Decoder:
     """The validation centre crop (no randomness: the sample id is not needed)."""
-    size = cfg.image_size_px
-    return bind(_unseeded, decode.reference_val(size) if cfg.decode == "pil" else bind(decode.val_crop, size=size))
+    return bind(_unseeded, decoding(cfg.decode).val_crop(cfg.image_size_px))
 
 
 def _unseeded(fn: Callable[[bytes], Any], data: bytes, sample_id: int) -> Any:

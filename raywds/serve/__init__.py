@@ -1,6 +1,6 @@
 """Serve a shard folder over HTTP: nginx in Docker, the local nginx, or an embedded server."""
 
-from raywds.serve.backend import NETWORKS, Network
+from raywds.serve.backend import NETWORKS
 from raywds.serve.docker import LABEL, LABEL_VALUE, docker_client, stop_all, stray_containers
 from raywds.serve.net import advertised_host, free_port
 from raywds.serve.server import BACKENDS, ShardServer
@@ -10,7 +10,6 @@ __all__ = [
     "LABEL",
     "LABEL_VALUE",
     "NETWORKS",
-    "Network",
     "ShardServer",
     "advertised_host",
     "docker_client",

@@ -10,17 +10,53 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Protocol
 
-from raywds.serve.net import ANY_HOST, free_port
+from raywds.serve.net import ANY_HOST, free_port, hostport
 
-Network = Literal["host", "bridge"]
-"""Docker: `host` (the container shares the host's network) or `bridge` (a published port)."""
-NETWORKS: tuple[str, ...] = typing.get_args(Network)
+
+class Network(Protocol):
+    """Docker: how the nginx container is reached (`--network`)."""
+
+    name: str
+
+    def container(self, host: str, port: int) -> dict[str, Any]:
+        """The Docker SDK's `containers.run` keywords."""
+        ...
+
+    def listen(self, host: str, port: int) -> str:
+        """nginx's `listen` inside the container."""
+        ...
+
+
+class HostNetwork:
+    """The container shares the host's network: nginx listens on the server's own address."""
+
+    name = "host"
+
+    def container(self, host: str, port: int) -> dict[str, Any]:
+        return {"network_mode": "host"}
+
+    def listen(self, host: str, port: int) -> str:
+        return hostport(host, port)
+
+
+class BridgeNetwork:
+    """A bridge network: nginx listens on every address inside, the port published on the host's `host`."""
+
+    name = "bridge"
+
+    def container(self, host: str, port: int) -> dict[str, Any]:
+        return {"ports": {f"{port}/tcp": (host, port)}}
+
+    def listen(self, host: str, port: int) -> str:
+        return f"0.0.0.0:{port}"
+
+
+NETWORKS: dict[str, Network] = {n.name: n for n in (HostNetwork(), BridgeNetwork())}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +72,7 @@ class Spec:
     image: str
     """Docker: the nginx image."""
     network: Network
-    """Docker: `host` (the container shares the host's network) or `bridge` (a published port)."""
+    """Docker: how the container is reached (NETWORKS)."""
     pull: bool
     """Docker: pull the image when it is not here."""
     idle_timeout_s: float

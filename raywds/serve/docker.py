@@ -18,7 +18,6 @@ from typing import Any
 
 from raywds.errors import ServerError
 from raywds.serve.backend import Running, Spec, run_dir
-from raywds.serve.net import hostport
 from raywds.serve.nginx import nginx_conf
 
 DOCKER_IMAGE = "nginx:stable"
@@ -126,9 +125,7 @@ def _run(client: Any, spec: Spec, port: int, conf_dir: str) -> Any:
 
     name = f"raywds-shards-{os.getpid()}-{port}-{uuid.uuid4().hex[:6]}"
     host = spec.host or "0.0.0.0"
-    options: dict[str, Any] = (
-        {"network_mode": "host"} if spec.network == "host" else {"ports": {f"{port}/tcp": (host, port)}}
-    )
+    options = spec.network.container(host, port)
     try:
         return client.containers.run(
             spec.image,
@@ -164,7 +161,7 @@ def start(spec: Spec, cleanup: contextlib.ExitStack) -> Running:
     _image_here(client, spec.image, spec.pull)
     port = spec.free_port()
     conf_dir = run_dir(cleanup)
-    listen = hostport(spec.host or "0.0.0.0", port) if spec.network == "host" else f"0.0.0.0:{port}"
+    listen = spec.network.listen(spec.host or "0.0.0.0", port)
     Path(conf_dir, "nginx.conf").write_text(
         nginx_conf(root=INSIDE, listen=listen, run_dir="/tmp", as_root=True, error_log="stderr")
     )

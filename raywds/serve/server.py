@@ -20,7 +20,7 @@ from types import TracebackType
 from raywds.data.manifest import MANIFEST
 from raywds.errors import ServerError
 from raywds.serve import docker, embedded, nginx  # the backends (raywds.serve.docker, not the SDK)
-from raywds.serve.backend import NETWORKS, Network, Spec, Start
+from raywds.serve.backend import NETWORKS, Spec, Start
 from raywds.serve.net import ANY_HOST, advertised_host, hostport, wait_ready
 
 STARTS: dict[str, Start] = {"docker": docker.start, "nginx": nginx.start, "embedded": embedded.start}
@@ -40,7 +40,7 @@ class ShardServer:
         port: int = 0,
         advertise: str | None = None,
         image: str = docker.DOCKER_IMAGE,
-        network: Network = "host",
+        network: str = "host",
         pull: bool = True,
         ready_timeout_s: float = 30.0,
         idle_timeout_s: float = embedded.IDLE_TIMEOUT_S,
@@ -75,7 +75,7 @@ class ShardServer:
         """The port listened on once started; as asked (0: any free one) before."""
         self.advertise = advertise
         self.image = image
-        self.network = network
+        self.network = NETWORKS[network]
         self.pull = pull
         self.ready_timeout_s = ready_timeout_s
         self.idle_timeout_s = idle_timeout_s

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ class BucketRunDir(RunDir):
         super().__init__(local, append=True)
         self.sent: dict[str, tuple[int, int]] = {}
 
-    def append(self, row: Metrics) -> None:
+    def append(self, row: Mapping[str, Any]) -> None:
         super().append(row)
         self.push(self.metrics_path)
         if self.events is not None:

@@ -11,6 +11,7 @@ import math
 import statistics
 from typing import Any
 
+from raywds.loader.decoding import decoding
 from raywds.train.stagetimes import Rank, ranks
 
 WAITS = 0.10
@@ -29,6 +30,15 @@ MORE_SERVERS = (
     "shards from object storage (s3://) or several servers of the same shards "
     "(--shards-at http://a:8080,http://b:8080): one server's link or disk is full"
 )
+
+
+REGION = "--decode cpu: decodes only the crop's part of each JPEG, at a reduced scale"
+
+
+def _whole_in_workers(stages: dict[str, Any]) -> bool:
+    """The workers decode every JPEG whole (`--decode pil`): `--decode cpu` would not."""
+    how = decoding(stages["decode"])
+    return how.in_workers and not how.region
 
 
 def _mb(num_bytes: float) -> str:
@@ -160,14 +170,14 @@ def _decode_bound(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, 
         gain = min(wanted, made * usable / max(workers, 1)) / made
         enough = "" if usable == needed else f", as many as its {cores} cores allow ({needed} would keep up)"
         fixes.append(f"--loader-workers {usable}{enough}: about {gain:.1f}x the images/s")
-    if stages["device"] == "cuda" and stages["decode"] != "device":
+    if stages["device"] == "cuda" and decoding(stages["decode"]).in_workers:
         fixes.append("--decode device: the GPU decodes the JPEGs, the workers only read them")
     if needed > cores:
         idle = stages.get("idle_cpus")  # under Ray: the cluster's CPUs free as the run started
         room = "`ray status` lists them" if idle is None else f"{idle:g} were idle as the run started"
         fixes.append(f"--data-plane ray: decode on the cluster's idle CPUs too ({room}; CPU-only nodes may join)")
-    if stages["decode"] == "pil":
-        fixes.append("--decode cpu: decodes only the crop's part of each JPEG, at a reduced scale")
+    if _whole_in_workers(stages):
+        fixes.append(REGION)
     return line, fixes
 
 
@@ -185,6 +195,6 @@ def _plane(worst: Rank, stages: dict[str, Any], head: str) -> tuple[str, list[st
     fixes = [f"more CPUs for the plane's tasks, about {needed} a rank: CPU-only nodes join the cluster (`ray status`)"]
     if spent.read_s >= 0.5 * spent.busy_s:
         fixes.append(MORE_SERVERS)
-    if stages["decode"] == "pil":
-        fixes.append("--decode cpu: decodes only the crop's part of each JPEG, at a reduced scale")
+    if _whole_in_workers(stages):
+        fixes.append(REGION)
     return line, fixes

@@ -11,7 +11,6 @@ import logging
 import math
 import sys
 import time
-from typing import Any
 
 from tqdm import tqdm
 
@@ -19,6 +18,7 @@ from raywds.config import TrainConfig
 from raywds.errors import DataError
 from raywds.train.doctor import diagnose
 from raywds.train.loop import EpochResult
+from raywds.train.rows import ProgressRow, kind
 from raywds.train.rundir import Metrics, RunDir
 from raywds.train.stagetimes import stage_times
 from raywds.world import World
@@ -60,20 +60,20 @@ class ProgressLog:
             so_far.loss_sum,
             so_far.data_wait_s,
         )
-        row: dict[str, Any] = {
-            "kind": "progress",
-            "time": time.time(),
-            "epoch": self.epoch + 1,
-            "step": self.first_step + step,
-            "step_in_epoch": step,
-            "steps_in_epoch": self.num_steps,
-            "loss": loss_sum / max(num_samples, 1),
-            "lr": lr,
-            "images_per_s_rank0": num_samples / max(seconds, 1e-9),
-            "data_wait_rank0": data_wait_s / max(seconds, 1e-9),
-            "eta_epoch_s": (self.num_steps - step) * seconds / step,
-            "doctor_rank0": diagnose({"stages": stage_times(self.world, so_far, self.cfg, data_from, alone=True)})[0],
-        }
+        row = ProgressRow(
+            kind="progress",
+            time=time.time(),
+            epoch=self.epoch + 1,
+            step=self.first_step + step,
+            step_in_epoch=step,
+            steps_in_epoch=self.num_steps,
+            loss=loss_sum / max(num_samples, 1),
+            lr=lr,
+            images_per_s_rank0=num_samples / max(seconds, 1e-9),
+            data_wait_rank0=data_wait_s / max(seconds, 1e-9),
+            eta_epoch_s=(self.num_steps - step) * seconds / step,
+            doctor_rank0=diagnose({"stages": stage_times(self.world, so_far, self.cfg, data_from, alone=True)})[0],
+        )
         doctor = ""
         if time.monotonic() - self.last_doctor >= DOCTOR_EVERY_S:  # the first row's, then every few minutes
             self.last_doctor = time.monotonic()
@@ -128,14 +128,14 @@ def epoch_line(m: Metrics, num_epochs: int) -> str:
 
 def summary(m: Metrics) -> str:
     """The end of a run: the summary line, then the doctor's verdict on its last epoch."""
-    if m.get("inside_epoch") or "stages" not in m:
+    if kind(m) != "epoch" or "stages" not in m:
         return summary_line(m)
     return summary_line(m) + "\n" + "\n".join("doctor: " + line for line in diagnose(m))
 
 
 def summary_line(m: Metrics) -> str:
     """The one line a script can parse at the end of a run."""
-    if m.get("inside_epoch"):
+    if kind(m) == "checkpoint":
         return (
             f"stopped at step {m['step']} inside epoch {m['epoch'] + 1}  samples seen {m['samples_seen']}  "
             "(continue with --resume)"

@@ -1,6 +1,7 @@
 """A run's folder, written by rank 0 of local, torchrun and Ray runs alike:
 
-RUN_DIR/metrics.jsonl   a row per finished epoch, per in-epoch checkpoint, and progress rows ("kind": "progress")
+RUN_DIR/metrics.jsonl   a row per finished epoch, per in-epoch checkpoint, and progress rows, each with its
+                        "kind" (raywds.train.rows)
 RUN_DIR/config.json     the resolved config (raywds-config.json beside a Ray run's own files)
 RUN_DIR/checkpoint.pt   the latest checkpoint (local runs; Ray keeps its own checkpoint folders)
 RUN_DIR/best/           the checkpoint with the best validation top-1, and its metrics.json
@@ -10,6 +11,7 @@ RUN_DIR/tensorboard/    with --tensorboard: the rows' numbers as TensorBoard sca
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,7 @@ class RunDir:
         path.write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
         return path
 
-    def append(self, row: Metrics) -> None:
+    def append(self, row: Mapping[str, Any]) -> None:
         """One row of metrics.jsonl (and its numbers in TensorBoard, when open)."""
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -14,11 +14,12 @@ for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from raywds.errors import ConfigError
+from raywds.train.rows import kind
 from raywds.train.stagetimes import shares
 
 FOLDER = "tensorboard"
@@ -33,13 +34,13 @@ PROGRESS_SCALARS = ("loss", "lr", "images_per_s_rank0", "data_wait_rank0")
 """A progress row's charts (rank 0's view inside an epoch, raywds.train.progress)."""
 
 
-def scalars(row: dict[str, Any]) -> Iterator[tuple[str, float, int]]:
+def scalars(row: Mapping[str, Any]) -> Iterator[tuple[str, float, int]]:
     """(tag, value, step) for the numbers of one metrics.jsonl row: an epoch row's at its epoch,
     a progress row's at its global step; an in-epoch checkpoint's row has none to chart."""
-    if row.get("kind") == "progress":
+    if kind(row) == "progress":
         for key in PROGRESS_SCALARS:
             yield f"progress/{key}", row[key], row["step"]
-    elif "train_loss" in row:
+    elif kind(row) == "epoch":
         for key in EPOCH_SCALARS:
             if key in row:
                 yield f"epoch/{key}", row[key], row["epoch"]
@@ -73,7 +74,7 @@ class EventWriter:
         self.folder = folder
         self.writer = SummaryWriter(str(folder))
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, row: Mapping[str, Any]) -> None:
         for tag, value, step in scalars(row):
             self.writer.add_scalar(tag, value, step)
         # On disk before append returns, whatever file layer tensorboard uses (TensorFlow's, where

@@ -32,6 +32,7 @@ from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import build_model
 from raywds.train.optim import lr_at, make_optimizer
 from raywds.train.progress import ProgressLog, epoch_line, too_many_bad
+from raywds.train.rows import EpochRow, checkpoint_row
 from raywds.train.rundir import Metrics, RunDir
 from raywds.train.stagetimes import stage_times
 from raywds.train.state import Epoch, Progress, check_unfinished, checkpoint_state, restore
@@ -195,15 +196,7 @@ class Trainer:
             log.info(
                 f"step {steps}: checkpoint inside epoch {epoch.index + 1} ({done}/{self.num_samples} samples done)"
             )
-        self.emit(
-            {
-                "epoch": epoch.index,
-                "step": steps,
-                "samples_seen": samples_seen,
-                "epoch_samples_done": done,
-                "inside_epoch": True,
-            }
-        )
+        self.emit(checkpoint_row(epoch.index, steps, samples_seen, done))
 
     def finish_epoch(self, epoch: Epoch, result: EpochResult) -> None:
         cfg, world = self.cfg, self.world
@@ -249,29 +242,31 @@ class Trainer:
             world, [result.num_samples / max(result.seconds, 1e-9), result.data_wait_s / max(result.seconds, 1e-9)]
         )
         counted = tally(epoch.ledger, world, epoch.position)
-        return {
-            "epoch": epoch.index + 1,
-            "step": start.steps + epoch.plan.max_batches,
-            "train_loss": loss_sum / max(num_samples, 1),
-            "train_samples": int(num_samples),
-            "samples_seen": start.samples_seen + int(num_samples),
-            "bad_samples": int(num_bad),
-            "bad_samples_total": start.bad_samples + int(num_bad),
-            "bad_samples_distinct": len(distinct),
-            "bad_samples_distinct_total": start.bad_samples_distinct + len(distinct),
-            "bad_shards": int(bad_shards),
-            "read_retries": int(retries),
-            "epoch_samples": counted.samples,
-            "epoch_distinct": counted.distinct,
-            "epoch_duplicates": counted.duplicates,
-            "epoch_missing": counted.missing,
-            "images_per_s": num_samples / max(seconds, 1e-9),
-            "images_per_s_per_rank": [round(r[0], 2) for r in ranks],
-            "data_wait_per_rank": [round(r[1], 4) for r in ranks],
-            "data_wait_max": max(r[1] for r in ranks),
-            "lr": lr_at(self.cfg, world, epoch.index + 1),
-            "stages": stage_times(world, result, self.cfg, self.manifest.base),
-        }
+        row = EpochRow(
+            kind="epoch",
+            epoch=epoch.index + 1,
+            step=start.steps + epoch.plan.max_batches,
+            train_loss=loss_sum / max(num_samples, 1),
+            train_samples=int(num_samples),
+            samples_seen=start.samples_seen + int(num_samples),
+            bad_samples=int(num_bad),
+            bad_samples_total=start.bad_samples + int(num_bad),
+            bad_samples_distinct=len(distinct),
+            bad_samples_distinct_total=start.bad_samples_distinct + len(distinct),
+            bad_shards=int(bad_shards),
+            read_retries=int(retries),
+            epoch_samples=counted.samples,
+            epoch_distinct=counted.distinct,
+            epoch_duplicates=counted.duplicates,
+            epoch_missing=counted.missing,
+            images_per_s=num_samples / max(seconds, 1e-9),
+            images_per_s_per_rank=[round(r[0], 2) for r in ranks],
+            data_wait_per_rank=[round(r[1], 4) for r in ranks],
+            data_wait_max=max(r[1] for r in ranks),
+            lr=lr_at(self.cfg, world, epoch.index + 1),
+            stages=stage_times(world, result, self.cfg, self.manifest.base),
+        )
+        return {**row}
 
     def emit(self, metrics: Metrics) -> None:
         self.metrics = metrics

@@ -1,5 +1,5 @@
-"""Shards in a bucket, against a real S3 server (SeaweedFS, tests/s3server.py), some requests
-through a proxy that records them (tests/s3proxy.py): convert into it, verify from it, the
+"""Shards in a bucket, against a real S3 server (SeaweedFS, tests/support/s3server.py), some requests
+through a proxy that records them (tests/support/s3proxy.py): convert into it, verify from it, the
 one-line errors."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from s3proxy import S3Proxy
-from s3server import S3Server
+from support.s3proxy import S3Proxy
+from support.s3server import S3Server
 
 from raywds.data import s3 as store
 from raywds.data.columns import ShardTable

@@ -1,4 +1,4 @@
-"""The tests' S3 server (tests/s3server.py, SeaweedFS) and fault proxy (tests/s3proxy.py) behave as
+"""The tests' S3 server (tests/support/s3server.py, SeaweedFS) and fault proxy (tests/support/s3proxy.py) behave as
 S3 does where raywds's S3 reader leans on it: SigV4 enforced, S3's error codes, ranged GETs,
 multipart uploads; and the proxy's faults reach boto3 as a real SlowDown or reset would."""
 
@@ -12,8 +12,8 @@ import boto3
 import pytest
 import urllib3
 from botocore.exceptions import ClientError, ResponseStreamingError
-from s3proxy import S3Proxy
-from s3server import S3Server
+from support.s3proxy import S3Proxy
+from support.s3server import S3Server
 
 NO_RETRIES = {"total_max_attempts": 1}
 

@@ -1,4 +1,4 @@
-"""The image from the repository's Dockerfile, built on a local Debian base (tests/image.py) and
+"""The image from the repository's Dockerfile, built on a local Debian base (tests/support/image.py) and
 run as users run it: `raywds --help`, the demo in one container, and a Ray cluster of two
 containers on a private link, to which a third container submits the RayJob manifest's own
 entrypoint with `ray job submit`, as KubeRay does. Every container is removed by id, pass or fail.
@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import image
 import pytest
-from manifests import rayjob_entrypoint, shard_server_command, values
-from netnodes import SUMMARY, ranks, require
+from support import image
+from support.manifests import rayjob_entrypoint, shard_server_command, values
+from support.netnodes import SUMMARY, ranks, require
 
 pytestmark = pytest.mark.image
 
@@ -78,7 +78,7 @@ def test_the_image_runs_raywds_as_a_user_with_the_region_decoder(engine: Any, bu
     assert "usage: raywds" in out and "jpeg raywds.loader._jpeg" in out and "nginx version" in out, out
 
 
-@pytest.mark.timeout(1800)  # the image's build (tests/image.py) comes first: minutes on a busy machine
+@pytest.mark.timeout(1800)  # the image's build (tests/support/image.py) comes first: minutes on a busy machine
 def test_the_demo_trains_in_one_container(engine: Any, built: str) -> None:
     """The demo as the README runs it (generate, convert, serve with the image's nginx, train),
     for 2 of its 6 epochs: 2 already pass 0.9 top-1. Under a loaded CI machine the whole demo

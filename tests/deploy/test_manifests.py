@@ -19,7 +19,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from manifests import DEPLOY, rayjob_entrypoint, render, shard_server_command, torchrun_command, values
+from support.manifests import DEPLOY, rayjob_entrypoint, render, shard_server_command, torchrun_command, values
 
 CRDS = Path(__file__).parent / "crds"
 KUBERNETES = "1.34"

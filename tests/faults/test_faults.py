@@ -22,11 +22,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import shardedit as edit
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import audited, small_config
+from support import shardedit as edit
+from support.data import audited
+from support.runs import small_config
 
 from raywds.cli import main
 from raywds.config import TrainConfig

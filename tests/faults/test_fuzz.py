@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-import shardedit as edit
+from support import shardedit as edit
 
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert

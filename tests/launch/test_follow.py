@@ -35,18 +35,25 @@ def wait_until(check: Callable[[], bool], follower: Follower, timeout_s: float =
         time.sleep(0.01)
 
 
+def read_twice(follower: Follower) -> None:
+    """Until the follower has read the file twice more: whatever it had to see, it saw (a sleep
+    instead passed without a read at all on a slow machine, and could not fail)."""
+    first = follower.polls
+    wait_until(lambda: follower.polls >= first + 2, follower)
+
+
 def test_the_bar_follows_progress_and_epoch_rows_to_the_end(tmp_path: Path) -> None:
     run_dir, out = tmp_path / "run", io.StringIO()
     with follow(run_dir, num_epochs=2, poll_s=0.01, file=out) as follower:
         bar = follower.bar
-        time.sleep(0.05)  # no folder yet: the bar waits
+        read_twice(follower)  # no folder yet: the bar waits
         assert (bar.n, bar.total) == (0, None)
         append(run_dir, progress_row(1, 5, 10))
         wait_until(lambda: (bar.n, bar.total) == (5, 20), follower)
         append(run_dir, epoch_row(1, 10), progress_row(2, 4, 10))
         wait_until(lambda: bar.n == 14, follower)
         append(run_dir, progress_row(2, 9, 10), end="")  # half written: not read until its newline
-        time.sleep(0.05)
+        read_twice(follower)
         assert bar.n == 14
         with (run_dir / "metrics.jsonl").open("a") as f:
             f.write("\n")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from raycluster import cluster_processes, describe, is_running, token_env, write_token
+from support.raycluster import cluster_processes, describe, is_running, token_env, write_token
 
 from raywds.serve import free_port
 

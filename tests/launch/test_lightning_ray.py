@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import small_config
+from support.runs import small_config
 
 from raywds.data.manifest import read_manifest
 from raywds.train.audit import audit

@@ -1,4 +1,4 @@
-"""raywds on a real two-node Ray cluster (tests/netnodes.py): a rank on each node, exact split
+"""raywds on a real two-node Ray cluster (tests/support/netnodes.py): a rank on each node, exact split
 epochs across nodes, `ray job submit`, the worker node slower than the head and named so by the
 doctor, and a node lost mid-epoch, with a fixed worker count and elastic. The driver runs on
 the head node, as a user's does."""
@@ -14,11 +14,11 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import netnodes
 import pytest
-from conftest import audited, tar_keys
-from netnodes import HEAD_IP, RANK, RAYWDS, SUMMARY, WORKER_IP, TwoNodes, ranks, raywds_ray
-from raycluster import RAY, HeadNode
+from support import netnodes
+from support.data import audited, tar_keys
+from support.netnodes import HEAD_IP, RANK, RAYWDS, SUMMARY, WORKER_IP, TwoNodes, ranks, raywds_ray
+from support.raycluster import RAY, HeadNode
 
 from raywds.train.audit import NAME, kept
 from raywds.train.steptime import SLOW_RANK

@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from raycluster import cluster_processes, describe, worker_roles, write_token
+from support.raycluster import cluster_processes, describe, worker_roles, write_token
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDGET = "application/vnd.jupyter.widget-view+json"

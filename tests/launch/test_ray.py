@@ -12,7 +12,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import assert_charts_hold, epoch_keys, small_config, tar_keys
+from support.data import epoch_keys, tar_keys
+from support.runs import assert_charts_hold, small_config
 
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError

@@ -1,4 +1,4 @@
-"""`raywds ray` with its data and its run folder in a bucket of a real S3 server (SeaweedFS, tests/s3server.py),
+"""`raywds ray` with its data and its run folder in a bucket of a real S3 server (SeaweedFS, tests/support/s3server.py),
 run as a user runs it: the CLI in a process of its own, which starts a private local Ray cluster
 (RAY_ADDRESS=local, its own temp dir and token) whose workers find the store through the AWS variables."""
 
@@ -14,10 +14,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from support.data import audited, tar_keys
+from support.raycluster import token_env, write_token
+from support.runs import small_config
+from support.s3server import S3Server
+
 from raywds.data.upload import upload
-from tests.conftest import audited, small_config, tar_keys
-from tests.raycluster import token_env, write_token
-from tests.s3server import S3Server
 
 RAYWDS = [sys.executable, "-m", "raywds"]
 

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import audited, made_shards, small_config, tar_keys
+from support.data import audited, made_shards, tar_keys
+from support.runs import small_config
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest

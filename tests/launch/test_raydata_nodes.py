@@ -1,4 +1,4 @@
-"""The Ray Data plane on a real two-node cluster (tests/netnodes.py): the training workers hold a
+"""The Ray Data plane on a real two-node cluster (tests/support/netnodes.py): the training workers hold a
 custom resource only the head has, so both ranks run there, while the read-and-decode tasks run
 on both nodes; the demo trained this way reaches the per-rank loader's top-1."""
 
@@ -9,10 +9,10 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import netnodes
 import pytest
-from netnodes import HEAD_IP, SUMMARY, WORKER_IP, TwoNodes, ranks, raywds_ray
-from raycluster import HeadNode
+from support import netnodes
+from support.netnodes import HEAD_IP, SUMMARY, WORKER_IP, TwoNodes, ranks, raywds_ray
+from support.raycluster import HeadNode
 
 from raywds.data.manifest import read_manifest
 

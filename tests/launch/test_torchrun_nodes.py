@@ -1,5 +1,5 @@
 """Multi-node without Ray: `torchrun --nnodes 2 --rdzv-backend c10d` started on each of two
-machines (network namespaces joined by a veth pair, tests/netnodes.py), both reading the head's
+machines (network namespaces joined by a veth pair, tests/support/netnodes.py), both reading the head's
 shard server, in split mode: every sample once, proven by the audit files."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import netnodes
 import pytest
-from conftest import audited, tar_keys
-from netnodes import HEAD_IP, WORKER_IP
+from support import netnodes
+from support.data import audited, tar_keys
+from support.netnodes import HEAD_IP, WORKER_IP
 
 pytestmark = pytest.mark.multinode
 BIN = Path(sys.executable).parent

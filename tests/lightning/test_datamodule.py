@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import small_config
+from support.runs import small_config
 
 from raywds.errors import ConfigError
 

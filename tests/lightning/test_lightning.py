@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import epoch_keys, small_config, tar_keys
+from support.data import epoch_keys, tar_keys
+from support.runs import small_config
 
 from raywds.data.manifest import read_manifest
 from raywds.plan.modes import epoch_plan

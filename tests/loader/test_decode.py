@@ -9,8 +9,8 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import need_jpeg_extension
 from PIL import Image, ImageFilter, JpegImagePlugin
+from support.runs import need_jpeg_extension
 from torchvision import transforms
 
 from raywds.loader import crops, decode
@@ -265,3 +265,17 @@ def test_a_gpu_batch_is_resized_together_as_each_crop_alone() -> None:
     assert together.is_contiguous(memory_format=torch.channels_last)
     assert (together.int() - alone.int()).abs().max() <= 1
     assert (together.int() - alone.flip(-1).int()).abs().float().mean() > 5  # the flips matter on these photos
+
+
+def test_each_decode_choice_has_its_object() -> None:
+    import typing
+
+    from raywds.config import Decoder
+    from raywds.errors import ConfigError
+    from raywds.loader.decoding import DECODINGS, decoding
+
+    assert tuple(DECODINGS) == typing.get_args(Decoder)
+    assert [d.name for d in DECODINGS.values() if not d.in_workers] == ["device"]
+    assert [d.name for d in DECODINGS.values() if d.region] == ["cpu"]
+    with pytest.raises(ConfigError, match="not one of cpu, device, pil"):
+        decoding("gpu")

@@ -9,8 +9,8 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import need_jpeg_extension
 from PIL import Image
+from support.runs import need_jpeg_extension
 
 from raywds.loader import decode
 

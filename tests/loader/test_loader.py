@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import UNEVEN_SIZES, small_config, tar_keys
+from support.data import UNEVEN_SIZES, tar_keys
+from support.runs import small_config
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest

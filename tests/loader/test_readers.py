@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import small_config, tar_keys
+from support.data import tar_keys
+from support.runs import small_config
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import small_config
-from s3proxy import S3Proxy
-from s3server import S3Server
+from support.runs import small_config
+from support.s3proxy import S3Proxy
+from support.s3server import S3Server
 
 from raywds.data.manifest import read_manifest
 from raywds.data.upload import upload

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import small_config
+from support.runs import small_config
 
 from raywds.data.manifest import read_manifest
 from raywds.loader.loader import train_loader, val_loader

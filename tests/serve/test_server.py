@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import docker_nginx
 import pytest
 import webdataset as wds
+from support import docker_nginx
 
 from raywds.data.manifest import read_manifest
 from raywds.errors import ServerError
@@ -372,9 +372,13 @@ def test_embedded_server_hangs_up_on_idle_clients_and_bounds_its_threads(shards:
 @pytest.mark.timeout(60)
 def test_embedded_server_stops_at_once_with_every_thread_busy(shards: Path) -> None:
     """Its accept loop, waiting for a free thread, does not hold up the end of the `with` block."""
+    before = {t.ident for t in threading.enumerate()}
     with ShardServer(shards, backend="embedded", idle_timeout_s=30.0, num_threads=2) as server:
         idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(4)]
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10  # until both its threads hold a connection: the accept loop waits
+        while len([t for t in threading.enumerate() if t.ident not in before and "process_request" in t.name]) < 2:
+            assert time.monotonic() < deadline, "the server never had both threads busy"
+            time.sleep(0.01)
         started = time.monotonic()
     assert time.monotonic() - started < 3
     for sock in idle:

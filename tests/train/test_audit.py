@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import small_config
+from support.runs import small_config
 
 from raywds.cli import main
 from raywds.train.audit import kept

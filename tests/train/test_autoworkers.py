@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FORKSERVER_PRELOAD, epoch_keys, made_stages, small_config, tar_keys
+from support.data import epoch_keys, tar_keys
+from support.runs import FORKSERVER_PRELOAD, made_stages, small_config
 
 from raywds.cli import main
 from raywds.config import TrainConfig

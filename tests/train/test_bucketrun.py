@@ -9,9 +9,9 @@ import logging
 
 import pytest
 import torch
+from support.s3server import S3Server
 
 from raywds.train.bucketrun import BucketRunDir
-from tests.s3server import S3Server
 
 
 def rows(s3: S3Server, key: str) -> list[dict]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import small_config
+from support.runs import small_config
 
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError, StorageError

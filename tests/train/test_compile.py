@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-from conftest import small_config
+from support.runs import small_config
 
 from raywds.train.compute import Compute
 from raywds.train.trainer import train

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
-from conftest import small_config
 from PIL import Image, ImageFilter
+from support.runs import small_config
 
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FORKSERVER_PRELOAD, made_stages, small_config
+from support.runs import FORKSERVER_PRELOAD, made_stages, small_config
 
 from raywds.train.doctor import diagnose
 from raywds.train.rundir import RunDir

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import FORKSERVER_PRELOAD, UNEVEN_SIZES, epoch_keys, small_config, tar_keys
+from support.data import UNEVEN_SIZES, epoch_keys, tar_keys
+from support.runs import FORKSERVER_PRELOAD, small_config
 from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig

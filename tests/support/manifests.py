@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 
 
 def values(**overrides: str) -> dict[str, str]:

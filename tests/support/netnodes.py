@@ -27,7 +27,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from raycluster import NODE_FLAGS, RAY, HeadNode, cluster_processes, head_node, ray_temp_dir, session_logs, stop_cluster
+from support.raycluster import (
+    NODE_FLAGS,
+    RAY,
+    HeadNode,
+    cluster_processes,
+    head_node,
+    ray_temp_dir,
+    session_logs,
+    stop_cluster,
+)
+from support.runs import SUMMARY  # re-exported: the two-node tests parse the summary line `raywds ray` ends with
 
 HEAD_IP, WORKER_IP = "10.231.0.1", "10.231.0.2"
 
@@ -254,8 +264,6 @@ def two_nodes(
 
 
 RAYWDS = Path(sys.executable).parent / "raywds"
-SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
-"""The summary line `raywds ray` ends with."""
 RANK = re.compile(r"rank (\d+) of (\d+) on node (\S+) \(pid (\d+)\)")
 """Each rank's start line."""
 

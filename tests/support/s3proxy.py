@@ -28,7 +28,7 @@ import time
 import urllib.parse
 from types import TracebackType
 
-from s3server import HOST, S3Server
+from support.s3server import HOST, S3Server
 
 CHUNK_BYTES = 64 * 1024
 SLOWDOWN_BODY = (

@@ -24,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUITE = "bookworm"
 MIRROR = os.environ.get("RAYWDS_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 BASE = f"raywds-test-base:{SUITE}-torch{metadata.version('torch').split('+')[0]}"

@@ -1,0 +1,84 @@
+"""The tests' data: the demo tree's size, shards made and re-cut, and the sample keys read
+straight from the tars (not through raywds), by which audits are checked."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raywds.data.convert import ConvertOptions, convert
+from raywds.data.demo import DemoSpec, write_tree
+
+SMALL = DemoSpec(num_train_per_class=12, num_val_per_class=5, image_side_px=32, seed=7)
+
+
+def made_shards(factory: pytest.TempPathFactory, name: str, spec: DemoSpec, options: ConvertOptions) -> Path:
+    """A demo tree made by `spec`, converted by `options` into a folder of its own."""
+    tree = write_tree(factory.mktemp(name), spec)
+    out = factory.mktemp(f"{name}-shards")
+    convert(tree, out, options)
+    return out
+
+
+UNEVEN_SIZES = [1, 30, 7, 16, 2, 25, 9, 13, 17]  # 120 samples in 9 shards of very different sizes
+
+
+def recut(shards: Path, out: Path, sizes: list[int]) -> Path:
+    """The converter's train samples, re-cut into shards of `sizes` (val shards copied as they are)."""
+    import hashlib
+    import json
+    import shutil
+
+    import webdataset as wds
+
+    manifest = json.loads((shards / "manifest.json").read_text())
+    samples = []
+    for shard in manifest["splits"]["train"]["shards"]:
+        samples += list(wds.WebDataset(str(shards / shard["name"]), shardshuffle=False))
+    assert sum(sizes) == len(samples)
+    out.mkdir(parents=True)
+    written, start = [], 0
+    for i, size in enumerate(sizes):
+        name = f"uneven-train-{i:06d}.tar"
+        with wds.TarWriter(str(out / name), mtime=0) as sink:
+            for sample in samples[start : start + size]:
+                sink.write({k: v for k, v in sample.items() if k in ("__key__", "jpg", "cls", "json")})
+        start += size
+        data = (out / name).read_bytes()
+        written.append(
+            {"name": name, "num_samples": size, "num_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        )
+    for shard in manifest["splits"]["val"]["shards"]:
+        shutil.copy(shards / shard["name"], out / shard["name"])
+    manifest["splits"]["train"] = {"num_samples": sum(sizes), "shards": written}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def tar_keys(shards: Path, split: str = "train") -> list[str]:
+    """Every sample key of a split, read straight from the tars (not through raywds)."""
+    import json
+    import tarfile
+
+    manifest = json.loads((shards / "manifest.json").read_text())
+    keys = []
+    for shard in manifest["splits"][split]["shards"]:
+        with tarfile.open(shards / shard["name"]) as tar:
+            keys += list(dict.fromkeys(m.name.split(".", 1)[0] for m in tar.getmembers()))  # tar order
+    return keys
+
+
+def audited(files: Iterable[Path], shards: Path) -> Counter:
+    """The keys of the samples in audit files (raywds.train.audit: int64 ids numbered through the
+    training split in manifest order), named by the tars' own keys (`tar_keys`)."""
+    keys = tar_keys(shards)
+    return Counter(keys[i] for f in files for i in np.fromfile(f, dtype="<i8").tolist())
+
+
+def epoch_keys(audit: Path, epoch: int, data: Path) -> Counter:
+    """Keys trained on in `epoch`, over every rank and process that wrote audit files to `audit`."""
+    return audited(audit.glob(f"epoch{epoch:04d}-*.ids"), data)
