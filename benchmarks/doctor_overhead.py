@@ -31,6 +31,7 @@ from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.loader.clock import RESIZING, Clock
 from raywds.loader.loader import _loader, train_stages
+from raywds.loader.settings import LoaderConfig
 from raywds.plan.modes import epoch_plan
 from raywds.train.model import build_model
 from raywds.train.steptime import StepTimer
@@ -45,7 +46,9 @@ def loader_rate(shards: Path, clocked: bool, num_images: int) -> float:
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
     clock = Clock() if clocked else None
     stages, skips, where = train_stages(manifest, cfg, 0, plan, epoch=0, clock=clock)
-    return timed(_loader(stages, cfg, World(), where, partial=True, skips=skips, clock=clock), num_images)
+    return timed(
+        _loader(stages, LoaderConfig.of(cfg), World(), where, partial=True, skips=skips, clock=clock), num_images
+    )
 
 
 def clock_s(count: int = 200_000) -> float:

@@ -55,6 +55,7 @@ from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.launch import raydata
 from raywds.loader.loader import train_loader
+from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import train_decoder
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
@@ -104,9 +105,9 @@ def plane_rate(shards: Path, only_node: str | None = None) -> float:
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
     plane = raydata.RayData(raydata.Plane())
     if only_node is None:
-        return rate(plane.train(manifest, cfg, World(), plan, epoch=0), lambda b: len(b.keys))
+        return rate(plane.train(manifest, LoaderConfig.of(cfg), World(), plan, epoch=0), lambda b: len(b.keys))
     pinned = NodeAffinitySchedulingStrategy(only_node, soft=False)
-    source = raydata.ShardSource(manifest, "train", plan.slot(0, 0), cfg, exact=True)
+    source = raydata.ShardSource(manifest, "train", plan.slot(0, 0), LoaderConfig.of(cfg), exact=True)
     ds = ray.data.read_datasource(source, override_num_blocks=len(plan.slot(0, 0)), scheduling_strategy=pinned)
     ds = ds.map_batches(
         raydata._decode,

@@ -32,12 +32,12 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 from ray.util.debug import log_once
 
-from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ShardError, one_line, own_cause
-from raywds.loader.loader import EpochLoader, expected, read_policy, split_slots
+from raywds.loader.loader import EpochLoader, expected, split_slots
 from raywds.loader.plane import Batches, Columns, decode_rows, shard_rows
 from raywds.loader.readers import ReadPolicy
+from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, Decoder, train_decoder, val_decoder
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
@@ -86,7 +86,7 @@ class ShardSource(Datasource):  # RAY
         manifest: Manifest,
         split: str,
         shards: Sequence[ShardInfo],
-        cfg: TrainConfig,
+        cfg: LoaderConfig,
         *,
         exact: bool,
         left_out: dict[str, np.ndarray] | None = None,
@@ -94,7 +94,7 @@ class ShardSource(Datasource):  # RAY
         self.shards = shards
         self.expected = expected(manifest, split, {s.name for s in shards})
         self.urls = [manifest.url(s) for s in shards]
-        self.policy = read_policy(cfg, skip_unreadable=not exact)
+        self.policy = cfg.read_policy(skip_unreadable=not exact)
         self.verify_hashes = cfg.verify_hashes
         self.left_out = left_out or {}
         """By shard name, a bool per sample already trained on, for the shards a resumed epoch partly trained on."""
@@ -148,7 +148,7 @@ class RayData:
         manifest: Manifest,
         split: str,
         shards: Sequence[ShardInfo],
-        cfg: TrainConfig,
+        cfg: LoaderConfig,
         *,
         epoch: int | None,
         exact: bool,
@@ -169,7 +169,7 @@ class RayData:
             num_cpus=self.plane.task_cpus,
         )
 
-    def blocks(self, ds: ray.data.Dataset, cfg: TrainConfig, shuffle_seed: int | None) -> Iterator[Columns]:
+    def blocks(self, ds: ray.data.Dataset, cfg: LoaderConfig, shuffle_seed: int | None) -> Iterator[Columns]:
         buffer = cfg.shuffle_buffer_samples if shuffle_seed is not None else 0
         return iter(
             ds.iter_batches(  # RAY
@@ -184,14 +184,14 @@ class RayData:
     def train(
         self,
         manifest: Manifest,
-        cfg: TrainConfig,
+        cfg: LoaderConfig,
         world: World,
         plan: EpochPlan,
         *,
         epoch: int,
         position: Position | None = None,
     ) -> EpochLoader:
-        rank, exact = world.rank, plan.mode.exact
+        cfg, rank, exact = LoaderConfig.of(cfg), world.rank, plan.mode.exact
         left_out, reseed = already_done(position, epoch, manifest.shards("train"))
         draws = plan.mode.shards_for(
             plan, manifest.shards("train"), rank=rank, worker=0, seed=cfg.seed, epoch=epoch, reseed=reseed
@@ -230,7 +230,8 @@ class RayData:
 
         return EpochLoader(stream, plan, rank)
 
-    def val(self, manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
+    def val(self, manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[Batch]:
+        cfg = LoaderConfig.of(cfg)
         shards = split_slots(manifest, "val", world.world_size)[world.rank]
         batches = Batches(cfg.batch_size_per_rank, partial=True, pin_memory=world.device.startswith("cuda"))
         if not shards:

@@ -33,6 +33,7 @@ from raywds.errors import ConfigError, DataError
 from raywds.lightning.epochs import EpochRun, ExactEpochs
 from raywds.loader.decoding import decoding
 from raywds.loader.loader import train_loader, val_loader
+from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, bad_sample_id
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan, parse
@@ -66,6 +67,8 @@ class ShardDataModule(pl.LightningDataModule):
         if cfg.num_loader_workers_per_rank == "auto":  # no epoch is measured here: start as raywds train does
             cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=first(len(os.sched_getaffinity(0))).workers)
         self.cfg = cfg
+        self.loader_cfg = LoaderConfig.of(cfg)
+        """The loader's slice of the config, built once (its worker count is fixed here)."""
         self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at, s3_endpoint=cfg.s3_endpoint)
         self.mode = parse(cfg.mode)
         self.num_classes = len(self.manifest.classes)
@@ -123,7 +126,7 @@ class ShardDataModule(pl.LightningDataModule):
         if self.audit is None:
             self.audit = Audit(cfg.audit_dir, world, self.steps_before + (position.step if position else 0))
         self.epoch = EpochRun(index, plan, position, Ledger(self.sizes))
-        batches = train_loader(self.manifest, cfg, world, plan, epoch=index, position=position)
+        batches = train_loader(self.manifest, self.loader_cfg, world, plan, epoch=index, position=position)
         return Batches(batches, self.epoch.step_before + len(batches))
 
     def val_dataloader(self) -> Iterable[Batch]:
@@ -131,7 +134,7 @@ class ShardDataModule(pl.LightningDataModule):
         padding: ranks may take different numbers of batches, and none makes a collective)."""
         if "val" not in self.manifest.splits:
             return []
-        return val_loader(self.manifest, self.cfg, self.world())
+        return val_loader(self.manifest, self.loader_cfg, self.world())
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """A training batch is counted here, as the step that trains it begins; the model gets (images, labels)."""

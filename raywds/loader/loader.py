@@ -26,6 +26,7 @@ from raywds.data.manifest import Manifest, ShardInfo, deal, shard_url
 from raywds.loader.blocks import Blocks, HandedOver
 from raywds.loader.clock import Clock
 from raywds.loader.readers import Expected, ReadPolicy, tar_samples
+from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import (
     Batch,
     Skips,
@@ -42,21 +43,14 @@ from raywds.loader.starting import start_method
 from raywds.loader.watch import Whereabouts
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
-from raywds.plan.modes import loader_slots
 from raywds.plan.position import Position, already_done
 from raywds.plan.resample import PREFETCH
 from raywds.world import World
 
 
-def read_policy(cfg: TrainConfig, *, skip_unreadable: bool) -> ReadPolicy:
+def read_policy(cfg: TrainConfig | LoaderConfig, *, skip_unreadable: bool) -> ReadPolicy:
     """Exact passes (split, validation) raise on a shard that stays unreadable; resample skips it."""
-    return ReadPolicy(
-        read_timeout_s=cfg.read_timeout_s,
-        retries=cfg.read_retries,
-        skip_unreadable=skip_unreadable,
-        cache_dir=cfg.cache_dir,
-        s3_endpoint=cfg.s3_endpoint,
-    )
+    return LoaderConfig.of(cfg).read_policy(skip_unreadable=skip_unreadable)
 
 
 def expected(manifest: Manifest, split: str, names: set[str] | None = None) -> dict[str, Expected]:
@@ -75,7 +69,7 @@ def _read_stages(
     source: Any,
     manifest: Manifest,
     split: str,
-    cfg: TrainConfig,
+    cfg: LoaderConfig,
     skips: Skips,
     where: Whereabouts,
     names: set[str] | None = None,
@@ -103,7 +97,7 @@ def _read_stages(
 
 def _loader(
     stages: list[Any],
-    cfg: TrainConfig,
+    cfg: LoaderConfig,
     world: World,
     where: Whereabouts | None = None,
     *,
@@ -157,7 +151,7 @@ class EpochLoader:
 
 
 def drawn(
-    plan: EpochPlan, shards: Sequence[ShardInfo], cfg: TrainConfig, rank: int, *, epoch: int, reseed: int = 0
+    plan: EpochPlan, shards: Sequence[ShardInfo], cfg: LoaderConfig, rank: int, *, epoch: int, reseed: int = 0
 ) -> list[list[ShardInfo]]:
     """resample: each of `rank`'s workers' shard draws for the epoch, made here: what a worker can
     read (its share of the rank's batches, PREFETCH batches ahead, its shuffle buffer and the
@@ -172,7 +166,7 @@ def drawn(
 
 def train_stages(
     manifest: Manifest,
-    cfg: TrainConfig,
+    cfg: TrainConfig | LoaderConfig,
     rank: int,
     plan: EpochPlan,
     *,
@@ -184,6 +178,7 @@ def train_stages(
     slots (split) or draws (resample), the manifest's entries for those shards and the flags of
     those partly trained on; never the plan, the manifest or the position. `clock` times the
     reading, decoding and collating (raywds.loader.clock)."""
+    cfg = LoaderConfig.of(cfg)
     shards = manifest.shards("train")
     flags, reseed = already_done(position, epoch, shards)
     if plan.slots:
@@ -194,7 +189,7 @@ def train_stages(
     source = bind(worker_urls, [[manifest.url(s) for s in slot] for slot in mine], rank)
     index, first = manifest.index("train"), manifest.first_ids("train")
     left_out = {shard_url(manifest.base, n): (first[index[n]], f) for n, f in flags.items() if n in names}
-    skips, where = Skips(read_policy(cfg, skip_unreadable=not plan.mode.exact)), Whereabouts()
+    skips, where = Skips(cfg.read_policy(skip_unreadable=not plan.mode.exact)), Whereabouts()
     decode = train_decoder(cfg, epoch)
     stages = [
         *_read_stages(source, manifest, "train", cfg, skips, where, names, clock),
@@ -206,11 +201,18 @@ def train_stages(
 
 
 def train_loader(
-    manifest: Manifest, cfg: TrainConfig, world: World, plan: EpochPlan, *, epoch: int, position: Position | None = None
+    manifest: Manifest,
+    cfg: TrainConfig | LoaderConfig,
+    world: World,
+    plan: EpochPlan,
+    *,
+    epoch: int,
+    position: Position | None = None,
 ) -> EpochLoader:
     """This rank's training batches for `epoch` as `plan` deals them; after `position`, only
-    what the epoch has not yet delivered (exact mode) or a reseeded stream (resample)."""
-    rank, exact = world.rank, plan.mode.exact
+    what the epoch has not yet delivered (exact mode) or a reseeded stream (resample). `cfg`: the
+    run's LoaderConfig (a TrainConfig is sliced here)."""
+    cfg, rank, exact = LoaderConfig.of(cfg), world.rank, plan.mode.exact
     clock = Clock()
     stages, skips, where = train_stages(manifest, cfg, rank, plan, epoch=epoch, position=position, clock=clock)
     loader = _loader(stages, cfg, world, where, partial=exact, skips=skips, clock=clock)
@@ -231,13 +233,14 @@ def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[Sha
     return deal(list(manifest.shards(split)), num_slots)
 
 
-def val_loader(manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]:
+def val_loader(manifest: Manifest, cfg: TrainConfig | LoaderConfig, world: World) -> Iterable[Batch]:
     """This rank's share of the validation split: every sample once across ranks, no padding."""
-    workers = loader_slots(cfg)
+    cfg = LoaderConfig.of(cfg)
+    workers = cfg.slots
     slots = split_slots(manifest, "val", world.world_size * workers)
     mine = slots[world.rank * workers : (world.rank + 1) * workers]
     urls = [[manifest.url(s) for s in slot] for slot in mine]
-    skips, where = Skips(read_policy(cfg, skip_unreadable=False)), Whereabouts()
+    skips, where = Skips(cfg.read_policy(skip_unreadable=False)), Whereabouts()
     names = {s.name for slot in mine for s in slot}
     stages = [
         *_read_stages(bind(worker_urls, urls, world.rank), manifest, "val", cfg, skips, where, names),
@@ -253,7 +256,7 @@ class Loaders(Protocol):
     def train(
         self,
         manifest: Manifest,
-        cfg: TrainConfig,
+        cfg: LoaderConfig,
         world: World,
         plan: EpochPlan,
         *,
@@ -261,7 +264,7 @@ class Loaders(Protocol):
         position: Position | None = None,
     ) -> EpochLoader: ...
 
-    def val(self, manifest: Manifest, cfg: TrainConfig, world: World) -> Iterable[Batch]: ...
+    def val(self, manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[Batch]: ...
 
 
 class PerRank:

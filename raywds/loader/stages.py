@@ -28,6 +28,7 @@ from raywds.loader.clock import Spent
 from raywds.loader.decode import Encoded
 from raywds.loader.decoding import decoding
 from raywds.loader.readers import Failures, ReadPolicy
+from raywds.loader.settings import LoaderConfig
 from raywds.plan import seeds
 
 IMAGE_KEYS = ("jpg", "png", "webp", "jpeg")
@@ -58,7 +59,7 @@ Decoder = Callable[[bytes, int], Any]
 """A sample's image bytes and id -> what its batch carries (raywds.loader.decode)."""
 
 
-def train_decoder(cfg: TrainConfig, epoch: int) -> Decoder:
+def train_decoder(cfg: TrainConfig | LoaderConfig, epoch: int) -> Decoder:
     """`--decode`'s training crop, each sample's drawn from its own generator (crops.crop_rng)."""
     crop = decoding(cfg.decode).train_crop(cfg.image_size_px, (cfg.crop_scale_min, 1.0))
     return bind(_seeded, crop, cfg.seed, epoch)
@@ -68,7 +69,7 @@ def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample
     return crop(data, rng=crops.crop_rng(seed, epoch, sample_id))
 
 
-def val_decoder(cfg: TrainConfig) -> Decoder:
+def val_decoder(cfg: TrainConfig | LoaderConfig) -> Decoder:
     """The validation centre crop (no randomness: the sample id is not needed)."""
     return bind(_unseeded, decoding(cfg.decode).val_crop(cfg.image_size_px))
 

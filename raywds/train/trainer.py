@@ -18,6 +18,7 @@ from raywds.data.columns import sample_counts
 from raywds.data.manifest import read_manifest
 from raywds.errors import DataError
 from raywds.loader.loader import Loaders, PerRank
+from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan, parse
@@ -107,9 +108,11 @@ class Trainer:
     def run_epoch(self, index: int) -> bool:
         """Train epoch `index` (or what is left of it), evaluate, report; True when max_steps stopped it."""
         self.cfg = cfg = self.workers.config(index)  # --loader-workers auto: the epoch's count, chosen now
-        world = self.world
+        self.loader_cfg, world = LoaderConfig.of(cfg), self.world
         epoch = self.begin(index)
-        batches = self.loaders.train(self.manifest, cfg, world, epoch.plan, epoch=index, position=epoch.position)
+        batches = self.loaders.train(
+            self.manifest, self.loader_cfg, world, epoch.plan, epoch=index, position=epoch.position
+        )
 
         def lr(step: int) -> float:
             """Step `step`'s rate (0-based, this run's part of the epoch) where it ends: warm-up's first step learns."""
@@ -212,7 +215,8 @@ class Trainer:
             )
         validate = (epoch.index + 1) % cfg.val_every_epochs == 0 or epoch.index + 1 == cfg.num_epochs
         if validate and "val" in self.manifest.splits:  # a train-only manifest trains without validation
-            metrics.update(evaluate(self.model, self.loaders.val(self.manifest, cfg, world), world, self.compute))
+            batches = self.loaders.val(self.manifest, self.loader_cfg, world)
+            metrics.update(evaluate(self.model, batches, world, self.compute))
         self.progress = Progress(
             epoch=epoch.index + 1,
             steps=metrics["step"],

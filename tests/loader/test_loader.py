@@ -275,3 +275,17 @@ def test_a_samples_crop_depends_on_seed_epoch_and_id_only(uneven: Path, decode: 
     assert sum(not torch.equal(one[i], later[i]) for i in one) > 100, "the next epoch draws new crops"
     reseeded = crops_by_id(epoch(uneven, config(uneven, num_loader_workers_per_rank=0, seed=1, **base), 1))
     assert sum(not torch.equal(one[i], reseeded[i]) for i in one) > 100, "another seed draws new crops"
+
+
+def test_the_loader_config_is_the_run_configs_slice() -> None:
+    from raywds.errors import ConfigError
+    from raywds.loader.settings import LoaderConfig
+
+    cfg = small_config("shards/", num_loader_workers_per_rank=3, cache_dir="/tmp/c", verify_hashes=True, seed=5)
+    sliced = LoaderConfig.of(cfg)
+    assert LoaderConfig.of(sliced) is sliced
+    assert (sliced.loader_workers, sliced.slots, sliced.batch_size_per_rank, sliced.seed) == (3, 3, 16, 5)
+    assert sliced.read_policy(skip_unreadable=True).cache_dir == "/tmp/c" and sliced.verify_hashes
+    assert LoaderConfig.of(small_config("shards/", num_loader_workers_per_rank=0)).slots == 1
+    with pytest.raises(ConfigError, match="chosen at each epoch's start"):
+        LoaderConfig.of(small_config("shards/", num_loader_workers_per_rank="auto"))
