@@ -115,6 +115,20 @@ def test_an_elastic_worker_plan_needs_only_its_minimum_now(ray_train: ModuleType
         worker_count("2-8")
 
 
+def test_each_data_plane_has_its_placement_and_run_takes_the_commands_defaults(ray_train: ModuleType) -> None:
+    import inspect
+
+    from raywds.launch.options import DATA_PLANES, DEFAULTS
+
+    assert tuple(ray_train.PLACES) == DATA_PLANES
+    run = inspect.signature(ray_train.run).parameters
+    assert run["max_failures"].default == DEFAULTS.max_failures == 3, "one default, the command line's"
+    assert run["storage_path"].default == DEFAULTS.storage_path
+    assert run["num_checkpoints_to_keep"].default == DEFAULTS.keep_checkpoints
+    with pytest.raises(ConfigError, match="--data-plane 'dask' is not one of loader, ray"):
+        ray_train.place(small_config("unused"), 2, "dask", 1024)
+
+
 def test_storage_uris_pass_through_and_paths_become_absolute(tmp_path: Path) -> None:
     from raywds.launch.cluster import split_storage  # imports Ray
 
