@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from raywds.config import RECIPES, S3Endpoint, TrainConfig
-from raywds.data.convert import ConvertOptions
+from raywds.data.options import ConvertOptions
 from raywds.fields import flag
 from raywds.launch.options import RayOptions
 from raywds.serve import BACKENDS, NETWORKS

@@ -25,7 +25,7 @@ import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,37 +34,11 @@ from tqdm import tqdm
 
 from raywds.data.layout import IMAGE_EXTENSIONS, Found, Source, scan
 from raywds.data.manifest import FORMAT, TIMM_INFO, ShardInfo, write_json_atomic, write_manifest
+from raywds.data.options import ConvertOptions
 from raywds.data.resume import JOURNAL, STATE, Journal, prepare_output, still_good  # noqa: F401 - the names of the files convert writes, for its callers
 from raywds.data.tarwriter import TAR_END_BYTES, TarWriter, tar_cost
 from raywds.data.verify import check_members, sha256_file
 from raywds.errors import ConfigError, DataError
-from raywds.fields import flag
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConvertOptions:
-    """How to read the source and cut the shards."""
-
-    maxcount: int = 1000
-    """Most samples per shard."""
-    maxsize: int = 1 << 30
-    """Most bytes per shard (a lone sample larger than this still gets its own shard)."""
-    num_workers: int = field(default=1, metadata=flag("--workers"))
-    """Processes writing shards at once."""
-    seed: int = 0
-    """Seeds the sample shuffle before sharding."""
-    prefix: str = "imagenet"
-    """Shard names are PREFIX-SPLIT-NNNNNN.tar."""
-    strict: bool = False
-    """Stop at the first unreadable image instead of skipping it."""
-    overwrite: bool = False
-    """Replace shards in OUT that were made with other settings."""
-    val_labels: Path | None = None
-    """Labels for a flat val/ folder: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt."""
-    val_wnids: Path | None = None
-    """wnid of each ILSVRC2012_ID for the devkit ground truth: meta.mat or a text file in ID order."""
-    max_side_px: int | None = field(default=None, metadata=flag("--max-side"))
-    """Downscale images whose longer side exceeds this (re-encoded, for fast experiments); None keeps every byte."""
 
 
 def plan_shards(sources: list[Source], split: str, options: ConvertOptions) -> list[list[Source]]:
@@ -236,7 +210,10 @@ def check_outside(src: Path, out: Path) -> None:
         )
 
 
-def convert(src: Path, out: Path, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
+DEFAULTS = ConvertOptions()
+
+
+def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[str, Any]:
     """Convert the tree at `src` into shards under `out`; returns the manifest it wrote."""
     check_outside(src, out)
     if options.max_side_px is not None and options.max_side_px < 8:

@@ -1,0 +1,36 @@
+"""`raywds convert`'s options (raywds.data.convert takes them; the command's flags are made from
+them, raywds.flags). Apart from the converter, so that building the command line imports no
+PIL, numpy or tqdm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from raywds.fields import flag
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertOptions:
+    """How to read the source and cut the shards."""
+
+    maxcount: int = 1000
+    """Most samples per shard."""
+    maxsize: int = 1 << 30
+    """Most bytes per shard (a lone sample larger than this still gets its own shard)."""
+    num_workers: int = field(default=1, metadata=flag("--workers"))
+    """Processes writing shards at once."""
+    seed: int = 0
+    """Seeds the sample shuffle before sharding."""
+    prefix: str = "imagenet"
+    """Shard names are PREFIX-SPLIT-NNNNNN.tar."""
+    strict: bool = False
+    """Stop at the first unreadable image instead of skipping it."""
+    overwrite: bool = False
+    """Replace shards in OUT that were made with other settings."""
+    val_labels: Path | None = None
+    """Labels for a flat val/ folder: LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt."""
+    val_wnids: Path | None = None
+    """wnid of each ILSVRC2012_ID for the devkit ground truth: meta.mat or a text file in ID order."""
+    max_side_px: int | None = field(default=None, metadata=flag("--max-side"))
+    """Downscale images whose longer side exceeds this (re-encoded, for fast experiments); None keeps every byte."""
