@@ -219,10 +219,12 @@ def short_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     setting for the backoff; forked loader workers inherit the patch)."""
     import dataclasses
 
-    from raywds.loader import loader
+    from raywds.loader.settings import LoaderConfig
 
-    policy = loader.read_policy
-    monkeypatch.setattr(loader, "read_policy", lambda cfg, **kw: dataclasses.replace(policy(cfg, **kw), backoff_s=0.05))
+    policy = LoaderConfig.read_policy
+    monkeypatch.setattr(
+        LoaderConfig, "read_policy", lambda self, **kw: dataclasses.replace(policy(self, **kw), backoff_s=0.05)
+    )
 
 
 @pytest.fixture(autouse=True)

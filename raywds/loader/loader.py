@@ -25,7 +25,7 @@ from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest, ShardInfo, deal, shard_url
 from raywds.loader.blocks import Blocks, HandedOver
 from raywds.loader.clock import Clock
-from raywds.loader.readers import Expected, ReadPolicy, tar_samples
+from raywds.loader.readers import Expected, tar_samples
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import (
     Batch,
@@ -46,11 +46,6 @@ from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position, already_done
 from raywds.plan.resample import PREFETCH
 from raywds.world import World
-
-
-def read_policy(cfg: TrainConfig | LoaderConfig, *, skip_unreadable: bool) -> ReadPolicy:
-    """Exact passes (split, validation) raise on a shard that stays unreadable; resample skips it."""
-    return LoaderConfig.of(cfg).read_policy(skip_unreadable=skip_unreadable)
 
 
 def expected(manifest: Manifest, split: str, names: set[str] | None = None) -> dict[str, Expected]:

@@ -33,8 +33,9 @@ from raywds.cli import main
 from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo, read_manifest
 from raywds.errors import DataError
-from raywds.loader.loader import expected, read_policy
+from raywds.loader.loader import expected
 from raywds.loader.plane import Batches, decode_rows, shard_rows
+from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import bad_sample_id, train_decoder
 from raywds.plan.modes import Resample
 from raywds.train.compute import Compute
@@ -624,7 +625,7 @@ def test_the_ray_data_planes_steps_count_a_bad_sample_the_same_way(shards: Path,
     manifest = read_manifest(str(data))
     cfg = small_config(data, mode="resample", num_epochs=1, max_bad_samples=1)
     url = manifest.url(manifest.shards("train")[1])
-    policy = read_policy(cfg, skip_unreadable=True)
+    policy = LoaderConfig.of(cfg).read_policy(skip_unreadable=True)
     draw = [
         decode_rows(c, train_decoder(cfg, 0), policy, size=28)
         for c in shard_rows(url, expected(manifest, "train")[url], policy)
