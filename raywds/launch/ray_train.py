@@ -51,10 +51,8 @@ from raywds.world import World
 
 log = logging.getLogger(__name__)
 
-"""`--data-plane`: each rank's own DataLoader workers, or Ray Data tasks anywhere in the cluster."""
 PLANE_TASK_CPUS = 1.0
 """CPUs one Ray Data read-and-decode task reserves."""
-"""Object store memory each rank's Ray Data pipeline may fill with blocks in flight (--plane-store-mb)."""
 
 
 def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDir | None = None) -> None:

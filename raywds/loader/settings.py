@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from raywds.config import TrainConfig
 from raywds.loader.readers import ReadPolicy
+from raywds.plan.modes import loader_slots
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +47,7 @@ class LoaderConfig:
     @property
     def slots(self) -> int:
         """Slots per rank: its DataLoader workers, or 1 when the training process reads."""
-        return max(1, self.loader_workers)
+        return loader_slots(self.loader_workers)
 
     def read_policy(self, *, skip_unreadable: bool) -> ReadPolicy:
         """Exact passes (split, validation) raise on a shard that stays unreadable; resample skips it."""

@@ -35,9 +35,9 @@ def parse(name: str) -> Mode:
     return MODES[name]
 
 
-def loader_slots(cfg: TrainConfig) -> int:
-    """Slots per rank: its DataLoader workers, or 1 when the main process reads."""
-    return max(1, cfg.loader_workers)
+def loader_slots(workers: int) -> int:
+    """Slots per rank: its DataLoader `workers`, or 1 when the main process reads."""
+    return max(1, workers)
 
 
 def nodes_of(canonical_nodes: int, ranks_per_node: int) -> Nodes | None:
@@ -59,7 +59,7 @@ def epoch_plan(
     return parse(cfg.mode).plan(
         manifest.shards("train"),
         num_ranks=num_ranks,
-        num_workers=loader_slots(cfg),
+        num_workers=loader_slots(cfg.loader_workers),
         batch_size=cfg.batch_size_per_rank,
         seed=cfg.seed,
         epoch=epoch,
