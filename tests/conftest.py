@@ -125,16 +125,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     gc.freeze()  # and what the tests left: the collection at exit, 1.5 s after test_train.py, walks none of it
 
 
+RAY_FREE_LAUNCH_FILES = ("tests/launch/test_follow.py", "tests/launch/test_torchrun_nodes.py")
+"""Files in tests/launch/ that start no Ray (the notebook's progress bar; torchrun across two network
+namespaces of their own): scheduled as the other files are, beside the Ray tests."""
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under pytest-xdist (`-n 2`, the default in pyproject.toml): every test in tests/launch/ (those
-    that start Ray are all there) in one worker, one after another, as in one process; the other
-    files each whole in whichever worker is free, beside them. (xdist's own `loadgroup` marks do
-    not take under pytest 9: it renames node ids by a field pytest no longer reads.)"""
+    """Under pytest-xdist (`-n 2`, the default in pyproject.toml): every test in tests/launch/ that
+    starts Ray (those that do are all there) in one worker, one after another, as in one process;
+    the other files each whole in whichever worker is free, beside them. (xdist's own `loadgroup`
+    marks do not take under pytest 9: it renames node ids by a field pytest no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayInOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "tests/launch/" if nodeid.startswith("tests/launch/") else nodeid.split("::", 1)[0]
+            file = nodeid.split("::", 1)[0]
+            return "tests/launch/" if file.startswith("tests/launch/") and file not in RAY_FREE_LAUNCH_FILES else file
 
     return RayInOneWorker(config, log)
 

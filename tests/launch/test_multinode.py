@@ -41,11 +41,19 @@ JOB = re.compile(
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster(user_cluster: HeadNode) -> Iterator[TwoNodes]:
+def unseen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder on the head node that the worker node cannot see (an empty tmpfs of its own there)."""
+    return tmp_path_factory.mktemp("local-only")
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(user_cluster: HeadNode, unseen: Path) -> Iterator[TwoNodes]:
     """The worker node is a slow node: each rank there computes 100 ms of CPU longer in each step
-    (its Ray's environment), which the doctor must name."""
+    (its Ray's environment), which the doctor must name; and it cannot see `unseen`, from its first
+    start on, so that no test restarts it for that (each restart waits for the GCS to find the old
+    node dead)."""
     netnodes.require()
-    with netnodes.two_nodes("rwm-", worker_env={SLOW_RANK: f"*:{SLOW_S}"}) as cluster:
+    with netnodes.two_nodes("rwm-", worker_env={SLOW_RANK: f"*:{SLOW_S}"}, worker_private=[str(unseen)]) as cluster:
         yield cluster
 
 
@@ -263,17 +271,10 @@ def test_a_node_that_stays_lost_is_an_error_naming_it_in_bounded_time(
 
 
 def test_a_storage_path_other_nodes_cannot_see_is_refused_before_training(
-    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+    two_node_cluster: TwoNodes, unseen: Path, demo: Path
 ) -> None:
-    storage = tmp_path / "local-only"
-    storage.mkdir()
-    two_node_cluster.lose_worker()
-    try:
-        two_node_cluster.start_worker(private=[str(storage)])  # its own empty tmpfs over that path
-        out = raywds_ray(two_node_cluster, "--demo", "--demo-dir", str(demo.parent), "--storage-path", str(storage))
-    finally:
-        two_node_cluster.lose_worker()
-        two_node_cluster.start_worker()
+    storage = unseen  # the worker node has its own empty tmpfs over that path
+    out = raywds_ray(two_node_cluster, "--demo", "--demo-dir", str(demo.parent), "--storage-path", str(storage))
     assert out.returncode == 1, out.stdout[-3000:]
     assert f"raywds: error: --storage-path {storage} is on this machine only: node(s) {WORKER_IP} cannot see" in (
         out.stderr

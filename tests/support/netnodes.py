@@ -9,7 +9,7 @@ node with its own raylet, Ray temp dir and ports, the whole cluster on one token
 
 Needs root and iproute2's `ip`. Torn down by the PIDs it started and the namespaces it made, also
 when a test fails. The file system is shared: the nodes see the same /tmp (as nodes see an NFS
-mount), unless a node runs under `unshare -m` (see `start_worker(private=...)`).
+mount), except the paths given as `worker_private`, which the worker node sees as empty tmpfs mounts.
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ from support.raycluster import (
 from support.runs import SUMMARY  # re-exported: the two-node tests parse the summary line `raywds ray` ends with
 
 HEAD_IP, WORKER_IP = "10.231.0.1", "10.231.0.2"
+
+HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+"""The GCS checks each node every second and takes it for dead after 3 failed checks in a row
+(Ray's defaults: every 3 s, 5 failures), so a lost node is noticed about 3 s after it dies rather
+than about 15: each of the tests that lose one waited that long, and what raywds does after is the
+same. Each check still waits Ray's 10 s for an answer, so a node slow to answer on a busy machine
+is not taken for dead."""
 
 
 def available() -> str | None:
@@ -144,6 +151,8 @@ class TwoNodes:
     env: dict[str, str]
     worker_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Set on the worker node's Ray only (its raylet, and so every process it starts there)."""
+    worker_private: tuple[str, ...] = ()
+    """Paths the worker node cannot see: each an empty tmpfs of its own there (`in_namespace`)."""
 
     @property
     def gcs_address(self) -> str:
@@ -165,10 +174,11 @@ class TwoNodes:
     ) -> subprocess.Popen[str]:
         return subprocess.Popen(self.on_head(args), text=True, env={**self.env, **(env or {})}, **kwargs)  # type: ignore[call-overload]
 
-    def start_worker(self, *, num_cpus: int = 1, private: Sequence[str] = ()) -> None:
-        """`ray start --address` on the worker node, its temp dir its own; waits until it is alive."""
+    def start_worker(self, *, num_cpus: int = 1) -> None:
+        """`ray start --address` on the worker node, its temp dir its own, `worker_private` hidden
+        from it; waits until it is alive."""
         args = [
-            *in_namespace(self.namespaces[1], private_mounts=private),
+            *in_namespace(self.namespaces[1], private_mounts=self.worker_private),
             str(RAY),
             "start",
             "--address",
@@ -222,11 +232,13 @@ def two_nodes(
     head_resources: Mapping[str, float] | None = None,
     env: Mapping[str, str] | None = None,
     worker_env: Mapping[str, str] | None = None,
+    worker_private: Sequence[str] = (),
 ) -> Iterator[TwoNodes]:
     """A head node and a worker node in two namespaces named after this process, each with a Ray
     temp dir of its own, the head with `head_resources` (custom resources) if given, the worker's
-    Ray with `worker_env` added; on exit both nodes' processes are stopped by PID and the
-    namespaces deleted."""
+    Ray with `worker_env` added and the paths in `worker_private` hidden from it (each an empty
+    tmpfs there, also after the node is lost and started again); on exit both nodes' processes
+    are stopped by PID and the namespaces deleted."""
     tag = f"rw{os.getpid() % 100000}"
     with ExitStack() as stack:
         namespaces = stack.enter_context(veth_pair(tag))
@@ -234,7 +246,7 @@ def two_nodes(
         worker_temp = stack.enter_context(ray_temp_dir(prefix + "w-"))
         # RAY_DEDUP_LOGS=0: Ray folds lines that differ only in their numbers, from different
         # workers, into one ("[repeated 2x across cluster]"), and the tests read every rank's line.
-        base = {**(env or os.environ), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0"}
+        base = {**(env or os.environ), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0", **HEALTH_CHECKS}
         # Every process of the cluster (and the drivers) gets RAY_ADDRESS: Ray Train's actors that
         # call ray.init(address="auto") would otherwise find every Ray on this machine, not one per
         # machine as on a real cluster, and refuse to choose. The namespace's ports are all free.
@@ -258,6 +270,7 @@ def two_nodes(
             head_temp / "auth_token",
             {**head.env, "RAY_ADDRESS": address},
             worker_env or {},
+            tuple(str(p) for p in worker_private),
         )
         cluster.start_worker(num_cpus=worker_cpus)
         yield cluster
