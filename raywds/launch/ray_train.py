@@ -38,6 +38,7 @@ from raywds.launch.cluster import (
     wait_for_coordinator,
 )
 from raywds.launch.options import DEFAULTS, DataPlane
+from raywds.launch.polls import controller_polls
 from raywds.launch.raydata import Plane, RayData
 from raywds.launch.runstore import as_uri, hold_run_folder, open_run_dir, ray_storage
 from raywds.loader.decoding import decoding
@@ -54,24 +55,6 @@ log = logging.getLogger(__name__)
 
 PLANE_TASK_CPUS = 1.0
 """CPUs one Ray Data read-and-decode task reserves."""
-
-POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
-POLL_S = 0.5
-"""How often Ray Train's controller polls the workers, where raywds sets it (Ray's default: 2 s).
-The poll is also how a worker's `ray.train.report` reaches the controller: each worker holds one
-report at a time and waits for the next poll to take it, and the controller sees the training
-function end only at a poll. At 2 s a 2-epoch demo run spent 5.9 s after its last step (validation,
-checkpoint, shutdown), 2.8 s at 0.25 s (benchmarks/ray_cost.py, docs/performance.md). A poll
-that is late is waited for at the next one, silently; a worker is taken for dead only after Ray's
-10 minutes of hanging polls, whatever the interval."""
-MAX_POLLED_WORKERS = 64
-"""Above this many workers raywds leaves Ray's 2 s: each poll is a call to every worker."""
-
-
-def controller_polls(num_workers: int) -> dict[str, str]:
-    """The controller's poll interval for a run of `num_workers`, as the environment Ray Train
-    hands its controller (a user's own RAY_TRAIN_HEALTH_CHECK_INTERVAL_S wins: `cluster.environ`)."""
-    return {POLL_ENV: str(POLL_S)} if num_workers <= MAX_POLLED_WORKERS else {}
 
 
 def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDir | None = None) -> None:

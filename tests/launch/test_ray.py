@@ -129,27 +129,26 @@ def test_each_data_plane_has_its_placement_and_run_takes_the_commands_defaults(r
         ray_train.place(small_config("unused"), 2, "dask", 1024)
 
 
-def test_the_controller_polls_often_on_small_runs_and_a_users_setting_wins(
-    ray_train: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_controller_polls_often_on_small_runs_and_a_users_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
 
     from raywds.launch.cluster import environ
+    from raywds.launch.polls import POLL_ENV, controller_polls
 
     # Ray Train hands this variable from the driver to its controller; if a Ray stops doing so, the
     # setting does nothing and this fails.
-    assert ray_train.POLL_ENV in ENV_VARS_TO_PROPAGATE
-    assert ray_train.controller_polls(2) == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
-    assert ray_train.controller_polls(64) == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
-    assert ray_train.controller_polls(65) == {}, "at scale, Ray's own 2 s: each poll calls every worker"
-    monkeypatch.delenv(ray_train.POLL_ENV, raising=False)
-    with environ(ray_train.controller_polls(2)):
-        assert os.environ[ray_train.POLL_ENV] == "0.5"
-    assert ray_train.POLL_ENV not in os.environ, "set for the run only"
-    monkeypatch.setenv(ray_train.POLL_ENV, "3")
-    with environ(ray_train.controller_polls(2)):
-        assert os.environ[ray_train.POLL_ENV] == "3", "the user's own interval"
-    assert os.environ[ray_train.POLL_ENV] == "3"
+    assert POLL_ENV in ENV_VARS_TO_PROPAGATE
+    assert controller_polls(2) == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    assert controller_polls(64) == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    assert controller_polls(65) == {}, "at scale, Ray's own 2 s: each poll calls every worker"
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    with environ(controller_polls(2)):
+        assert os.environ[POLL_ENV] == "0.5"
+    assert POLL_ENV not in os.environ, "set for the run only"
+    monkeypatch.setenv(POLL_ENV, "3")
+    with environ(controller_polls(2)):
+        assert os.environ[POLL_ENV] == "3", "the user's own interval"
+    assert os.environ[POLL_ENV] == "3"
 
 
 def test_storage_uris_pass_through_and_paths_become_absolute(tmp_path: Path) -> None:
