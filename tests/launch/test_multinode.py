@@ -181,11 +181,11 @@ class Driver:
         return code
 
 
-def split_run(demo: Path, tmp_path: Path, workers: str, *extra: str) -> list[str]:
-    """Flags for a split-mode run of 2 epochs from the head's server, checkpointing every 8 steps."""
+def split_run(demo: Path, tmp_path: Path, workers: str, *extra: str, epochs: int = 2) -> list[str]:
+    """Flags for a split-mode run of `epochs` from the head's server, checkpointing every 8 steps."""
     return [
         *("--recipe", "demo", "--data", str(demo), "--serve", "--server-backend", "embedded", "--mode", "split"),
-        *("--num-workers", workers, "--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "8"),
+        *("--num-workers", workers, "--epochs", str(epochs), "--batch-size", "16", "--checkpoint-every-steps", "8"),
         *("--audit-dir", str(tmp_path / "audit"), "--storage-path", str(tmp_path / "ray"), *extra),
     ]
 
@@ -228,11 +228,19 @@ def test_a_lost_node_with_a_fixed_worker_count_restarts_when_it_returns(
     assert SUMMARY.search(driver.output), driver.output[-2000:]
 
 
+EPOCHS_ELASTIC = 8
+
+
 def test_an_elastic_run_shrinks_on_node_loss_and_grows_back_with_exact_epochs(
     two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
 ) -> None:
+    # Enough epochs that the run is still going when it grows back: alone on the head a rank trains
+    # an epoch in about 5 s, and from the shrink to the new group's first lines (the node's start,
+    # the controller's next resize check, the group's restart) took 26 s. With 2 epochs the run
+    # once ended 11 s after the shrink, before it could grow; with 8 it would train 40 s alone.
     driver = Driver(
-        two_node_cluster, *split_run(demo, tmp_path, "1..2", "--resize-check-s", "5", "--node-wait-s", "20")
+        two_node_cluster,
+        *split_run(demo, tmp_path, "1..2", "--resize-check-s", "2", "--node-wait-s", "20", epochs=EPOCHS_ELASTIC),
     )
     try:
         driver.wait_for(r"step \d+: checkpoint inside epoch 1 ")
@@ -250,7 +258,7 @@ def test_an_elastic_run_shrinks_on_node_loss_and_grows_back_with_exact_epochs(
     regrown = {ip for _, n, ip, pid in starts[alone[0] :] if n == "2" and pid not in before}
     assert regrown == {HEAD_IP, WORKER_IP}, f"grew back to a rank on each node:\n{driver.timeline()}"
     assert "restarted: resuming from the checkpoint at step" in driver.output
-    assert_every_epoch_exact(tmp_path / "audit", demo, 2)
+    assert_every_epoch_exact(tmp_path / "audit", demo, EPOCHS_ELASTIC)
 
 
 def test_a_node_that_stays_lost_is_an_error_naming_it_in_bounded_time(
