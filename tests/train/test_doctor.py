@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from support.runs import FORKSERVER_PRELOAD, made_stages, small_config
 
+from raywds.loader.stages import SLOW_DECODE
 from raywds.train.doctor import diagnose
 from raywds.train.rundir import RunDir
 from raywds.train.stagetimes import ranks
@@ -32,6 +33,9 @@ from raywds.world import World
 
 torch.multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 HOST = socket.gethostname()
+
+
+PLANTED_DECODE_S = 0.03
 
 
 def rows(run: Path) -> list[dict]:
@@ -105,7 +109,12 @@ def test_one_slow_shard_is_named(shards: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_decoding_with_one_worker_is_named_and_more_workers_help(large: Path, tmp_path: Path) -> None:
+def test_decoding_with_one_worker_is_named_and_more_workers_help(
+    large: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each crop of the large JPEGs also waits 30 ms (SLOW_DECODE), so that the loader's pace is
+    set by how many workers decode at once, not by the cores other tests or a load left free."""
+    monkeypatch.setenv(SLOW_DECODE, str(PLANTED_DECODE_S))
     one = small_config(str(large), decode="pil", image_size_px=32, num_epochs=1, batch_size_per_rank=8)
     train(one, World(), run_dir=RunDir(tmp_path / "one"))
     row = rows(tmp_path / "one")[-1]
@@ -118,18 +127,8 @@ def test_decoding_with_one_worker_is_named_and_more_workers_help(large: Path, tm
     more = dataclasses.replace(one, num_loader_workers_per_rank=cores)
     train(more, World(), run_dir=RunDir(tmp_path / "more"))
     again = rows(tmp_path / "more")[-1]
-    alone, beside = each_worker(row), each_worker(again)
-    # Each of `cores` workers beside the training process decodes a little slower (about 0.8x on 2 cores);
-    # far slower, the cores more workers would use were busy with other work: they cannot help here now.
-    if beside < 0.7 * alone:
-        pytest.skip(f"other work held the cores: each worker decoded {beside:.0f} images/s, not {alone:.0f}")
-    faster = again["images_per_s"] > 1.15 * row["images_per_s"]
-    waited, waits = row["data_wait_per_rank"][0], again["data_wait_per_rank"][0]
-    if not faster and waits < 0.5 * waited:  # the loader kept up; the training process itself had no core free
-        pytest.skip(
-            f"other work held the training process: it waited {waits:.0%} for data, not {waited:.0%}, yet ran no faster"
-        )
-    assert faster, (row["images_per_s"], again["images_per_s"], waited, waits)
+    assert again["images_per_s"] > 1.3 * row["images_per_s"], (row["images_per_s"], again["images_per_s"])
+    assert each_worker(row) < 1 / PLANTED_DECODE_S, row["stages"]  # the planted wait was timed as decoding
 
 
 def each_worker(row: dict) -> float:
