@@ -1,7 +1,8 @@
 """What Ray costs a training run: the same job under `torchrun --nproc-per-node 2 -m raywds
 train` (the baseline) and `raywds ray --num-workers 2` on a fresh local Ray cluster, in turn.
 
-    .venv/bin/python benchmarks/ray_cost.py [--epochs 2] [--repeats 3] [--long-lived] [--timeline] [--two-nodes]
+    .venv/bin/python benchmarks/ray_cost.py [--epochs 2] [--repeats 3] [--long-lived] [--bare] [--timeline]
+                                            [--two-nodes]
 
 Both run the demo recipe on the demo shards, two CPU ranks over gloo, rank 0 writing a progress
 row per step (`--log-every 0`, each row with its wall time). From those rows and the process's
@@ -12,7 +13,10 @@ start and end:
 Ray runs on a private temp dir with a token of its own, and is stopped by its own driver.
 --long-lived also runs `raywds ray --address` against one cluster started beforehand with
 `ray start --head` (as a user keeps one running between jobs), which leaves the cluster's own
-start out of every run. --timeline prints, for the last run of each Ray kind, every process the
+start out of every run. --bare also runs, on each kind of cluster, a Ray Train run that trains nothing (benchmarks/
+bare_ray_train.py: plain Ray Train, no raywds; 2 gloo workers pass 8 barriers): the time to its
+first "step" is Ray Train's own way to a training function, and its whole run Ray's floor.
+--timeline prints, for the last run of each Ray kind, every process the
 run started: when it first appeared (seconds from the command's start) and the CPU seconds it used.
 --two-nodes (root, iproute2) also runs `raywds ray` on the tests' two-node cluster (two network
 namespaces on this machine, tests/support/netnodes.py), a rank on each node, started once beforehand as
@@ -160,6 +164,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None, help="keep the demo shards and runs here (default: a temp dir)")
     parser.add_argument("--long-lived", action="store_true", help="also on a cluster started once beforehand")
+    parser.add_argument("--bare", action="store_true", help="also a Ray Train run that trains nothing, on each cluster")
     parser.add_argument("--timeline", action="store_true", help="print every process of the last Ray runs")
     parser.add_argument("--two-nodes", action="store_true", help="also on a two-node cluster (root, iproute2)")
     args = parser.parse_args()
@@ -185,6 +190,12 @@ def main() -> None:
                 times, timeline = measure(command, storage / "b" / "metrics.jsonl", cluster.env, cluster.temp)
                 results[name].append(times)
                 timelines[name] = timeline, times["to_first_step_s"]
+                if args.bare:
+                    bare, out = f"bare {name}", work / f"bare-{name.replace(', ', '-')}-{i}"
+                    command = [sys.executable, str(Path(__file__).parent / "bare_ray_train.py"), str(out)]
+                    results.setdefault(bare, []).append(
+                        measure(command + list(cluster.address[1:]), out / "metrics.jsonl", cluster.env)[0]
+                    )
     if args.two_nodes:
         results["ray, 2 nodes"] = two_nodes(job, work, args.repeats, env)
     keys = ("to_first_step_s", "step_s", "after_last_step_s", "total_s")
