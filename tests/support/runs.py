@@ -1,12 +1,14 @@
 """The tests' runs: the config they share, what gloo ranks' fork server imports, a made-up
-epoch row's stage times for the doctor, TensorBoard's charts against metrics.jsonl, and the region
-decoder's presence."""
+epoch row's stage times for the doctor, TensorBoard's charts against metrics.jsonl, the region
+decoder's presence, and the CPU other processes used meanwhile (`OthersCpu`)."""
 
 from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,32 @@ def assert_charts_hold(folder: Path, rows: list[dict], num_ranks: int) -> None:
     assert sorted(charts) == sorted(expected)
     for tag, points in expected.items():  # event files hold float32
         assert charts[tag] == [(step, pytest.approx(value, rel=1e-6)) for step, value in points], tag
+
+
+class OthersCpu:
+    """The CPU that processes other than this one and its children used while a block ran, in
+    cores (CPU seconds a second of wall time): the machine's busy time in /proc/stat less this
+    process's and its reaped children's (getrusage), over the block's wall time."""
+
+    def __enter__(self) -> OthersCpu:
+        self.cores = 0.0
+        self._start = (_machine_busy_s(), _own_cpu_s(), time.monotonic())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy, own, start = self._start
+        wall = max(time.monotonic() - start, 1e-9)
+        self.cores = max(0.0, (_machine_busy_s() - busy) - (_own_cpu_s() - own)) / wall
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds all processes have used since boot: user, nice, system, irq and softirq (guest
+    time is in user already; idle, iowait and steal are not work here)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from support.runs import FORKSERVER_PRELOAD, made_stages, small_config
+from support.runs import FORKSERVER_PRELOAD, OthersCpu, made_stages, small_config
 
 from raywds.loader.stages import SLOW_DECODE
 from raywds.train.doctor import diagnose
@@ -35,7 +35,9 @@ torch.multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 HOST = socket.gethostname()
 
 
-PLANTED_DECODE_S = 0.03
+PLANTED_DECODE_S = 0.15
+BUSY_CORES = 0.5
+"""Other processes' CPU, in cores, above which a run's loader may be starved of it."""
 
 
 def rows(run: Path) -> list[dict]:
@@ -112,8 +114,9 @@ def test_one_slow_shard_is_named(shards: Path, tmp_path: Path) -> None:
 def test_decoding_with_one_worker_is_named_and_more_workers_help(
     large: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each crop of the large JPEGs also waits 30 ms (SLOW_DECODE), so that the loader's pace is
-    set by how many workers decode at once, not by the cores other tests or a load left free."""
+    """Each crop of the large JPEGs also waits 150 ms (SLOW_DECODE), several times its own work,
+    so that the loader's pace is set by how many workers decode at once, not by the cores other
+    tests or a load left free (with 30 ms, beside the Ray tests in CI, 2 workers ran only 1.17x)."""
     monkeypatch.setenv(SLOW_DECODE, str(PLANTED_DECODE_S))
     one = small_config(str(large), decode="pil", image_size_px=32, num_epochs=1, batch_size_per_rank=8)
     train(one, World(), run_dir=RunDir(tmp_path / "one"))
@@ -139,11 +142,19 @@ def each_worker(row: dict) -> float:
 
 @pytest.mark.slow
 def test_a_model_that_is_the_limit_is_not_blamed_on_the_data(shards: Path, tmp_path: Path) -> None:
-    """Small JPEGs, a resnet18 at 64 px: compute, not data."""
+    """Small JPEGs, a resnet18 at 64 px: compute, not data. Quiet, the rank waits about 6% of its
+    steps (the bound is 10%). Where other processes held the cores meanwhile (the Ray tests beside
+    it in CI: its loader worker, busy 0.14 s of a 7.9 s epoch, still kept the rank waiting 26%),
+    the data was the limit after all, and the doctor must say why: its workers did not get the CPU."""
     cfg = small_config(str(shards), model="resnet18", image_size_px=64, num_epochs=1)
-    train(cfg, World(), run_dir=RunDir(tmp_path))
+    with OthersCpu() as others:
+        train(cfg, World(), run_dir=RunDir(tmp_path))
     lines = verdict_of(rows(tmp_path)[-1])
-    assert lines[0].startswith("the data is not the bottleneck"), lines
+    if others.cores >= BUSY_CORES and not lines[0].startswith("the data is not the bottleneck"):
+        assert "do not get the CPU they need" in lines[0], (others.cores, lines)
+        assert lines[1].startswith("1. fewer other processes on the node"), lines
+        return
+    assert lines[0].startswith("the data is not the bottleneck"), (others.cores, lines)
     assert len(lines) == 1, lines
 
 
