@@ -14,7 +14,6 @@ joined, and the time after the last row its teardown: Ray's floor for any run on
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from ray.train import RunConfig, ScalingConfig, get_context
 from ray.train.torch import TorchTrainer
 
+from raywds.launch.cluster import environ
 from raywds.launch.polls import controller_polls
 
 STEPS = 8
@@ -39,17 +39,19 @@ def train_fn(config: dict) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) not in (2, 3) or sys.argv[1].startswith("-"):
+        raise SystemExit(__doc__.split("\n\n")[1])  # the usage line; benchmarks/ray_cost.py --bare runs it
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     ray.init(address=sys.argv[2] if len(sys.argv) > 2 else None)
-    os.environ.update(controller_polls(2))
     trainer = TorchTrainer(
         train_fn,
         train_loop_config={"metrics": str(out / "metrics.jsonl")},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=str(out), name="bare"),
     )
-    trainer.fit()
+    with environ(controller_polls(2)):  # as raywds.launch.ray_train.run sets it: a user's own value wins
+        trainer.fit()
     ray.shutdown()
 
 

@@ -13,10 +13,10 @@ start and end:
 Ray runs on a private temp dir with a token of its own, and is stopped by its own driver.
 --long-lived also runs `raywds ray --address` against one cluster started beforehand with
 `ray start --head` (as a user keeps one running between jobs), which leaves the cluster's own
-start out of every run. --bare also runs, on each kind of cluster, a Ray Train run that trains nothing (benchmarks/
-bare_ray_train.py: plain Ray Train, no raywds; 2 gloo workers pass 8 barriers): the time to its
-first "step" is Ray Train's own way to a training function, and its whole run Ray's floor.
---timeline prints, for the last run of each Ray kind, every process the
+start out of every run. --bare also runs, on each kind of cluster, a Ray Train run that trains
+nothing (benchmarks/bare_ray_train.py: plain Ray Train, no raywds; 2 gloo workers pass 8
+barriers): the time to its first "step" is Ray Train's own way to a training function, and its
+whole run Ray's floor. --timeline prints, for the last run of each Ray kind, every process the
 run started: when it first appeared (seconds from the command's start) and the CPU seconds it used.
 --two-nodes (root, iproute2) also runs `raywds ray` on the tests' two-node cluster (two network
 namespaces on this machine, tests/support/netnodes.py), a rank on each node, started once beforehand as

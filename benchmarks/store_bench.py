@@ -34,7 +34,6 @@ import io
 import math
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from raywds.world import World
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import s3server  # the tests' private SeaweedFS: own temp dir, ports and keys; stopped by its PID
+from support.runs import own_cpu_s  # this process's and its reaped children's CPU seconds
 
 NUM_SHARDS = 16
 PREFIX = "bench"
@@ -156,13 +156,6 @@ def store_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid`, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """User + system CPU seconds of this process (all its threads) and of its waited-for children
-    (curl, the loader's workers)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def print_table(

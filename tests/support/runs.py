@@ -130,13 +130,13 @@ class OthersCpu:
 
     def __enter__(self) -> OthersCpu:
         self.cores = 0.0
-        self._start = (_machine_busy_s(), _own_cpu_s(), time.monotonic())
+        self._start = (_machine_busy_s(), own_cpu_s(), time.monotonic())
         return self
 
     def __exit__(self, *exc: object) -> None:
         busy, own, start = self._start
         wall = max(time.monotonic() - start, 1e-9)
-        self.cores = max(0.0, (_machine_busy_s() - busy) - (_own_cpu_s() - own)) / wall
+        self.cores = max(0.0, (_machine_busy_s() - busy) - (own_cpu_s() - own)) / wall
 
 
 def _machine_busy_s() -> float:
@@ -147,6 +147,8 @@ def _machine_busy_s() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def _own_cpu_s() -> float:
+def own_cpu_s() -> float:
+    """User + system CPU seconds of this process (all its threads) and of its waited-for children
+    (loader workers, curl)."""
     me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
