@@ -98,3 +98,26 @@ def test_no_test_imports_conftest() -> None:
         if re.match(r"\s*(from|import) (tests\.)?conftest\b", line)
     }
     assert found == set()
+
+
+def test_the_ray_driver_and_the_region_decoder_do_not_import_torchvision() -> None:
+    """Importing torchvision takes 1.5-2.5 s on these machines (its ops import torch's compiler).
+    The Ray driver never decodes, a loader worker's fork server preloads the loader, and the
+    region decoder resizes with torch alone: none of them may pay it (docs/performance.md)."""
+    import subprocess
+    import sys
+
+    from support.runs import need_jpeg_extension
+
+    need_jpeg_extension()
+    script = (
+        "import io, sys, PIL.Image\n"
+        "import raywds.launch.ray_train, raywds.launch.raydata, raywds.loader.loader\n"
+        "from raywds.loader.decode import train_crop\n"
+        "out = io.BytesIO(); PIL.Image.new('RGB', (320, 240), 'red').save(out, format='JPEG')\n"
+        "assert train_crop(out.getvalue(), 64, (0.08, 1.0)).shape == (3, 64, 64)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -12,7 +12,8 @@ Three ways, chosen by `--decode`:
   (`draft`), or else by `torchvision.io.decode_jpeg`.
 - `pil`: torchvision's own PIL transform, the reference the others are tested against.
 - `device`: workers draw the crop and send the JPEG bytes; the training device decodes the
-  batch (`decode_jpeg(..., device="cuda")` on a GPU) and crops, resizes and flips it there.
+  batch (`decode_jpeg(..., device="cuda")` on a GPU) and crops, resizes and flips it there
+  (raywds.loader.encoded).
 
 Every way gives uint8 CHW; normalising happens on the device (raywds.train.compute).
 
@@ -26,16 +27,13 @@ from __future__ import annotations
 import functools
 import io
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
-import torchvision
 from PIL import Image
 from torch.utils.data import get_worker_info
-from torchvision import transforms
-from torchvision.transforms.v2 import functional as F
 
 from raywds.loader.clock import RESIZING
 from raywds.loader.crops import Box, draw_crop, reduction
@@ -49,25 +47,43 @@ if _jpeg is not None and not hasattr(_jpeg, "decode_box"):  # built from an olde
     _jpeg = None  # type: ignore[assignment]
 
 
-def _as_rgb_tensor(img: Image.Image) -> torch.Tensor:
-    return F.pil_to_tensor(img.convert("RGB"))
+def _pil_tensor(img: Image.Image) -> torch.Tensor:
+    """A PIL image as uint8 RGB CHW (a view of HWC pixels), as torchvision's pil_to_tensor gives.
+
+    This module imports torchvision only where a decoder needs it (`pil`, `device`, or JPEGs
+    without the extension): the import takes 1.5-2.5 s (its ops import torch's compiler), which
+    the Ray driver (it never decodes), a rank's fork server (it preloads the loader) and the
+    loader workers forked from it (the `cpu` decoder needs torch alone) would each pay."""
+    return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1)
 
 
 def jpeg_tensor(data: bytes) -> torch.Tensor:
     """A whole JPEG decoded to uint8 RGB CHW by torchvision.io.decode_jpeg."""
+    import torchvision  # here, not at the top: see `_pil_tensor`
+
     return torchvision.io.decode_jpeg(
         torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=torchvision.io.ImageReadMode.RGB
     )
 
 
-def _plain_jpeg(img: Image.Image) -> bool:
+def whole_image(data: bytes, img: Image.Image) -> torch.Tensor:
+    """All of an image as uint8 RGB CHW: a plain JPEG by libjpeg-turbo (the extension's
+    decode_box of the whole image, else torchvision's decode_jpeg), anything else by PIL."""
+    if not plain_jpeg(img):
+        return _pil_tensor(img)
+    if _jpeg is not None:
+        return box_pixels(data, (0, 0, img.height, img.width))
+    return jpeg_tensor(data)
+
+
+def plain_jpeg(img: Image.Image) -> bool:
     """JPEGs decode_jpeg turns into RGB as PIL would (CMYK and others go through PIL)."""
     return img.format == "JPEG" and img.mode in ("RGB", "L")
 
 
 def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
     """Crop `box` of a uint8 CHW tensor on the CPU, resize it to size x size (bilinear,
-    antialiased) with torch's uint8 kernel, flip; a batch on a GPU goes to `_resized_together`.
+    antialiased) with torch's uint8 kernel, flip; a batch on a GPU goes to `raywds.loader.encoded.resized_together`.
     The crop is made contiguous channels-last first (copied only where it is not: `box_pixels`'
     is), with the strides torch reads as channels-last: its vectorised uint8 resize then runs
     1.7x faster than on a strided view, copy included. (unsqueeze(0) of a channels-last CHW
@@ -108,7 +124,7 @@ def train_crop(data: bytes, size: int, scale: tuple[float, float], rng: torch.Ge
     with Image.open(io.BytesIO(data)) as img:  # without the extension, or not a plain JPEG
         box, flip = draw_crop(img.height, img.width, scale, rng)
         r = reduction(box, size) if img.format == "JPEG" else 1
-        if r == 1 and _plain_jpeg(img):
+        if r == 1 and plain_jpeg(img):
             return cropped(jpeg_tensor(data), box, flip, size)
         if r > 1:
             img.draft("RGB", (img.width // r, img.height // r))  # libjpeg decodes the whole image at 1/r scale
@@ -125,20 +141,30 @@ def _resampled(img: Image.Image, box: Box, r: int, origin: tuple[int, int], flip
         Image.Resampling.BILINEAR,
         box=(left / r - x0, top / r - y0, (left + w) / r - x0, (top + h) / r - y0),
     )
-    tensor = F.pil_to_tensor(out)
+    tensor = _pil_tensor(out)
     return tensor.flip(-1) if flip else tensor
 
 
 def val_crop(data: bytes, size: int) -> torch.Tensor:
-    """Resize the short side to size / 0.875, then the centre size x size."""
-    resize = round(size / 0.875)
+    """Resize the short side to size / 0.875 (bilinear, antialiased), then the centre size x size:
+    torchvision's Resize and CenterCrop on the decoded tensor, the same sizes and pixels."""
     with Image.open(io.BytesIO(data)) as img:
-        image = jpeg_tensor(data) if _plain_jpeg(img) else _as_rgb_tensor(img)
-    return F.center_crop(F.resize(image, [resize], antialias=True), [size, size])
+        image = whole_image(data, img)
+    _, h, w = image.shape
+    short = round(size / 0.875)
+    new_h, new_w = (int(short * h / w), short) if w <= h else (short, int(short * w / h))
+    if (new_h, new_w) != (h, w):
+        batch = image.permute(1, 2, 0).contiguous()[None].permute(0, 3, 1, 2)  # channels-last: see `cropped`
+        resize = torch.nn.functional.interpolate
+        image = resize(batch, size=(new_h, new_w), mode="bilinear", antialias=True, align_corners=False)[0]
+    top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+    return image[:, top : top + size, left : left + size]
 
 
 def reference_train(size: int, scale: tuple[float, float]) -> Callable[[bytes], torch.Tensor]:
     """The `pil` decoder: torchvision's standard train transform, uint8 out."""
+    from torchvision import transforms
+
     transform = transforms.Compose(
         [transforms.RandomResizedCrop(size, scale=scale), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]
     )
@@ -159,6 +185,8 @@ def _transformed(
 
 
 def reference_val(size: int) -> Callable[[bytes], torch.Tensor]:
+    from torchvision import transforms
+
     transform = transforms.Compose(
         [transforms.Resize(round(size / 0.875)), transforms.CenterCrop(size), transforms.PILToTensor()]
     )
@@ -169,103 +197,6 @@ def open_rgb(data: bytes) -> Image.Image:
     """PIL sniffs the real format, so grayscale, CMYK and PNG-named-JPEG files all come out RGB."""
     with Image.open(io.BytesIO(data)) as img:
         return img.convert("RGB")
-
-
-class EncodedImage(NamedTuple):
-    """One sample for the `device` decoder: its JPEG bytes and the crop drawn for it."""
-
-    data: torch.Tensor
-    box: Box
-    flip: bool
-    size: int
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """A batch for the `device` decoder: every sample's JPEG bytes in one uint8 tensor (one
-    shared-memory block between processes, not one per sample), with offsets and crops."""
-
-    data: torch.Tensor
-    offsets: torch.Tensor
-    """(N + 1,) int64: sample i is data[offsets[i]:offsets[i + 1]]."""
-    boxes: torch.Tensor
-    """(N, 4) int64: top, left, height, width."""
-    flips: torch.Tensor
-    size: int
-
-    def __len__(self) -> int:
-        return len(self.flips)
-
-    def __getitem__(self, i: int) -> EncodedImage:
-        top, left, height, width = (int(v) for v in self.boxes[i])
-        return EncodedImage(
-            self.data[self.offsets[i] : self.offsets[i + 1]], (top, left, height, width), bool(self.flips[i]), self.size
-        )
-
-    def __iter__(self) -> Iterator[EncodedImage]:
-        """Every sample, read from plain ints: `self[i]` a sample took 8 ms a batch of 256."""
-        offsets = self.offsets.tolist()
-        for start, end, (top, left, height, width), flip in zip(
-            offsets, offsets[1:], self.boxes.tolist(), self.flips.tolist()
-        ):
-            yield EncodedImage(self.data[start:end], (top, left, height, width), flip, self.size)
-
-    @classmethod
-    def of(cls, images: list[EncodedImage]) -> Encoded:
-        lengths = torch.tensor([0] + [len(im.data) for im in images], dtype=torch.long)
-        return cls(
-            torch.cat([im.data for im in images]),
-            torch.cumsum(lengths, 0),
-            torch.tensor([im.box for im in images], dtype=torch.long).view(-1, 4),
-            torch.tensor([im.flip for im in images], dtype=torch.bool),
-            images[0].size,
-        )
-
-    def decode(self, device: str) -> torch.Tensor:
-        """uint8 NCHW on `device`: one batched decode_jpeg call, then crop, resize and flip there."""
-        samples = list(self)
-        images = torchvision.io.decode_jpeg(
-            [s.data for s in samples], mode=torchvision.io.ImageReadMode.RGB, device=device
-        )
-        if torch.device(device).type == "cpu":
-            return stack_crops([cropped(img, s.box, s.flip, s.size) for img, s in zip(images, samples)])
-        return _resized_together(images, self.boxes.tolist(), self.flips.to(device), self.size)
-
-
-def _resized_together(
-    images: list[torch.Tensor], boxes: list[list[int]], flips: torch.Tensor, size: int
-) -> torch.Tensor:
-    """`cropped` for a batch on a GPU, in a third of the kernel launches: each crop is resized
-    as floats (CUDA's antialiased resize takes no uint8), then the whole batch is rounded,
-    clamped, cast and flipped at once. Per image, `cropped` spent 8 small launches, which on an
-    H100 cost more than nvJPEG's decode of the batch (benchmarks/gpu_bench.py, docs/performance.md)."""
-    floats = [
-        torch.nn.functional.interpolate(
-            image[None, :, top : top + height, left : left + width].float(),
-            size=(size, size),
-            mode="bilinear",
-            antialias=True,
-            align_corners=False,
-        )
-        for image, (top, left, height, width) in zip(images, boxes)
-    ]
-    batch = torch.cat(floats).round_().clamp_(0, 255).to(torch.uint8)
-    batch = torch.where(flips.view(-1, 1, 1, 1), batch.flip(-1), batch)
-    return batch.contiguous(memory_format=torch.channels_last)
-
-
-def encoded_crop(
-    data: bytes, size: int, scale: tuple[float, float], rng: torch.Generator | None = None
-) -> EncodedImage:
-    """The `device` decoder's worker side: draw the crop (from `rng`) from the header, keep the
-    bytes. Images decode_jpeg cannot read (PNG, CMYK JPEG) are re-encoded as JPEG (quality 95)."""
-    with Image.open(io.BytesIO(data)) as img:
-        box, flip = draw_crop(img.height, img.width, scale, rng)
-        if not _plain_jpeg(img):
-            out = io.BytesIO()
-            img.convert("RGB").save(out, format="JPEG", quality=95)
-            data = out.getvalue()
-    return EncodedImage(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, size)
 
 
 OutOf = Callable[[tuple[int, ...]], torch.Tensor | None]
@@ -285,10 +216,3 @@ def stack_crops(images: list[torch.Tensor], out_of: OutOf | None = None) -> torc
         if out is None:
             out = torch.empty(shape, dtype=torch.uint8).share_memory_()
     return torch.stack(hwc, out=out).permute(0, 3, 1, 2)
-
-
-def stack(images: list[torch.Tensor] | list[EncodedImage], out_of: OutOf | None = None) -> torch.Tensor | Encoded:
-    """A batch's images: crops stacked (`stack_crops`), or encoded samples gathered."""
-    if isinstance(images[0], EncodedImage):
-        return Encoded.of(images)  # type: ignore[arg-type]
-    return stack_crops(images, out_of)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from functools import partial as bind
 from typing import Any
 
 from raywds.errors import ConfigError
-from raywds.loader import decode
+from raywds.loader import decode, encoded
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ DECODINGS: dict[str, Decoding] = {
     d.name: d
     for d in (
         Decoding("cpu", in_workers=True, region=True, train_crop=_crop(decode.train_crop), val_crop=_centre),
-        Decoding("device", in_workers=False, region=False, train_crop=_crop(decode.encoded_crop), val_crop=_centre),
+        Decoding("device", in_workers=False, region=False, train_crop=_crop(encoded.encoded_crop), val_crop=_centre),
         Decoding(
             "pil", in_workers=True, region=False, train_crop=decode.reference_train, val_crop=decode.reference_val
         ),

@@ -25,9 +25,8 @@ from torch.utils.data import get_worker_info
 
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError, DataError
-from raywds.loader import crops, decode
+from raywds.loader import crops, decode, encoded
 from raywds.loader.clock import Spent
-from raywds.loader.decode import Encoded
 from raywds.loader.decoding import decoding
 from raywds.loader.readers import Failures, ReadPolicy
 from raywds.loader.settings import LoaderConfig
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class Batch(NamedTuple):
-    images: torch.Tensor | Encoded
+    images: torch.Tensor | encoded.Encoded
     """uint8 NCHW, or (`--decode device`) the JPEG bytes and crops the device decodes."""
     labels: torch.Tensor
     ids: torch.Tensor
@@ -226,7 +225,7 @@ def collate(
     """Samples -> a Batch; in a worker, the images go into shared memory (`out_of`: raywds.loader.blocks)."""
     images, labels, ids, keys = zip(*samples)
     return Batch(
-        decode.stack(list(images), out_of),
+        encoded.stack(list(images), out_of),
         torch.as_tensor(labels, dtype=torch.long),
         torch.as_tensor(ids, dtype=torch.long),
         list(keys),

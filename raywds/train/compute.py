@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from raywds.config import TrainConfig
-from raywds.loader.decode import Encoded
+from raywds.loader.encoded import Encoded
 
 MEAN_255 = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD_255 = (0.229 * 255, 0.224 * 255, 0.225 * 255)

@@ -4,7 +4,6 @@ torchvision classification model by name (random init, no downloads)."""
 from __future__ import annotations
 
 import torch
-import torchvision
 from torch import nn
 
 from raywds.errors import ConfigError
@@ -35,6 +34,8 @@ def build_model(name: str, num_classes: int) -> nn.Module:
     """`demo`, or any torchvision classification model name (random init: no downloads)."""
     if name == "demo":
         return DemoNet(num_classes)
+    import torchvision  # here: a 1.5-2.5 s import the demo network does not need
+
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
         raise ConfigError(

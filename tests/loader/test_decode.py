@@ -14,8 +14,10 @@ from support.runs import need_jpeg_extension
 from torchvision import transforms
 
 from raywds.loader import crops, decode
+from raywds.loader import encoded as device_decoder
 from raywds.loader.crops import reduction
-from raywds.loader.decode import Encoded, encoded_crop, reference_train, reference_val, train_crop, val_crop
+from raywds.loader.decode import reference_train, reference_val, train_crop, val_crop
+from raywds.loader.encoded import Encoded, encoded_crop
 from raywds.train.compute import Compute
 
 SCALE = (0.08, 1.0)
@@ -211,6 +213,22 @@ def test_val_crop_matches_the_reference() -> None:
         assert mean_abs(val_crop(data, 224), reference_val(224)(data)) < 1.5
 
 
+@pytest.mark.parametrize("shape", [(500, 375), (375, 500), (256, 300), (333, 257)])
+def test_val_crop_is_torchvisions_resize_and_centre_crop_on_the_decoded_image(shape: tuple[int, int]) -> None:
+    """val_crop resizes and crops with torch alone (no torchvision import in loader workers):
+    the same sizes, offsets and pixels as torchvision's tensor Resize and CenterCrop, for
+    landscape, portrait, already-short-enough and odd sizes; a PNG goes through PIL."""
+    from torchvision.transforms.v2 import functional as F
+
+    for fmt in ("JPEG", "PNG"):
+        data = encoded(photo(*shape), fmt)
+        image = decode.jpeg_tensor(data) if fmt == "JPEG" else F.pil_to_tensor(Image.open(io.BytesIO(data)))
+        want = F.center_crop(F.resize(image, [256], antialias=True), [224, 224])
+        got = val_crop(data, 224)
+        assert got.shape == want.shape == (3, 224, 224)
+        assert torch.equal(got, want), f"{shape} {fmt}: {(got.int() - want.int()).abs().max()} grey levels apart"
+
+
 def test_device_decode_equals_the_cpu_path_and_normalises(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`--decode device` on a CPU: the same draws as the cpu decoder give the same pixels, and
     a PNG sample is re-encoded as JPEG on the worker side."""
@@ -238,18 +256,20 @@ def test_collate_in_a_worker_uses_shared_memory() -> None:
 
     class Crops(IterableDataset):
         def __iter__(self):  # type: ignore[no-untyped-def]
-            stacked = decode.stack([torch.full((3, 4, 4), i, dtype=torch.uint8) for i in range(3)])
+            stacked = device_decoder.stack([torch.full((3, 4, 4), i, dtype=torch.uint8) for i in range(3)])
             yield stacked, stacked.is_shared()
 
     ((batch, shared_in_worker),) = list(DataLoader(Crops(), batch_size=None, num_workers=1))
     assert batch.shape == (3, 3, 4, 4) and batch[2].max() == 2
     assert shared_in_worker, "the worker stacks straight into shared memory: no copy when it hands the batch over"
-    assert decode.stack([torch.zeros(3, 2, 2, dtype=torch.uint8)]).is_shared() is False, "outside workers: plain memory"
+    assert device_decoder.stack([torch.zeros(3, 2, 2, dtype=torch.uint8)]).is_shared() is False, (
+        "outside workers: plain memory"
+    )
 
 
 def test_a_gpu_batch_is_resized_together_as_each_crop_alone() -> None:
     """`--decode device` on a GPU resizes every crop as floats (CUDA's antialiased resize has no
-    uint8 kernel) and rounds, casts and flips the batch at once (decode._resized_together); that
+    uint8 kernel) and rounds, casts and flips the batch at once (device_decoder.resized_together); that
     must be what `cropped` gives crop by crop with the CPU's uint8 kernel, within one grey level,
     flips on the right images. Run here on CPU tensors: the float path is the same code."""
     g = torch.Generator().manual_seed(5)
@@ -259,7 +279,7 @@ def test_a_gpu_batch_is_resized_together_as_each_crop_alone() -> None:
     ]
     drawn = [crops.draw_crop(im.shape[1], im.shape[2], SCALE, g) for im in images]
     flips = torch.tensor([True, False, True, False])
-    together = decode._resized_together(images, [list(box) for box, _ in drawn], flips, 64)
+    together = device_decoder.resized_together(images, [list(box) for box, _ in drawn], flips, 64)
     alone = torch.stack([decode.cropped(im, box, bool(flip), 64) for im, (box, _), flip in zip(images, drawn, flips)])
     assert together.shape == (4, 3, 64, 64) and together.dtype == torch.uint8
     assert together.is_contiguous(memory_format=torch.channels_last)

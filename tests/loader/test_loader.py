@@ -18,7 +18,7 @@ from support.runs import small_config
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError
-from raywds.loader.decode import Encoded
+from raywds.loader.encoded import Encoded
 from raywds.loader.loader import expected, train_loader, val_loader
 from raywds.loader.readers import ReadPolicy, tar_samples
 from raywds.loader.stages import Batch, fold_single_tail, rebatched

@@ -24,7 +24,7 @@ from support.runs import small_config
 
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
-from raywds.loader.decode import Encoded
+from raywds.loader.encoded import Encoded
 from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
