@@ -1,7 +1,7 @@
 """Shards from an S3-compatible store: raywds's reader against the usual clients, and the loader
 from S3 against the loader from local disk.
 
-    ./run-venv && .venv/bin/python benchmarks/store_bench.py [--images DIR] [--copies 20] [--rounds 3]
+    ./run-venv && .venv/bin/python benchmarks/store_bench.py [--images DIR] [--copies 20] [--rounds 3] [--skip-images N]
 
 On `copies` x the photos in DIR (by default ../shared/data/imagenet-sample-100, real ImageNet
 JPEGs; generated photo-like JPEGs without it) converted to NUM_SHARDS shards, put into a private
@@ -17,10 +17,14 @@ stopped at the end), in one run:
    `open_input_file` read whole (one GET). Each against boto3's transfer manager.
 2. raywds's train loader (`--decode cpu`, 224 px, batch 64) with 1 and 2 DataLoader workers on
    `--data s3://bucket/prefix` and on the same shards on local disk, timed after the first batch
-   as in loader_bench.py. Each S3 row against its local row.
+   as in loader_bench.py. Each S3 row against its local row. With --skip-images N, each loader
+   is timed only after its first N images: a worker's shuffle buffer (1,000 samples) reads two
+   samples for each one it yields until it is full, so a short pass reads about twice the bytes
+   it decodes, and an epoch of thousands of samples a worker does not.
 
 Beside each row, the CPU seconds of one pass: the client's (this process's threads, curl, the
-loader's workers from their start) and the store's (the `weed` process). The store runs on the
+loader's workers from their start) and the store's (the `weed` process); and the MB the store
+sent in it (its `wchar` in /proc: what it wrote to sockets). The store runs on the
 same cores as the clients and the loader workers, so what it spends is taken from them: a remote
 store's would not be. Every byte count is checked against the manifest. This machine is shared
 and noisy, so the rows are interleaved over `rounds` rounds and the median is reported with the
@@ -120,8 +124,9 @@ def read_pyarrow_file(fs: Any, bucket: str, key: str, size: int) -> int:
     return drain(io.BytesIO(data), key, size)
 
 
-def loader_rate(data: str, workers: int, num_images: int) -> float:
-    """raywds's train loader as loader_bench.py times it, on local shards or an s3:// prefix."""
+def loader_rate(data: str, workers: int, num_images: int, skip: int = 0) -> float:
+    """raywds's train loader as loader_bench.py times it, on local shards or an s3:// prefix;
+    with `skip`, timed only after the first `skip` images (once the shuffle buffers are full)."""
     cfg = TrainConfig(
         data=data,
         model="demo",
@@ -131,7 +136,11 @@ def loader_rate(data: str, workers: int, num_images: int) -> float:
         decode="cpu",
     )
     manifest = read_manifest(data)
-    return timed(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0), num_images)
+    batches = iter(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0))
+    skipped = 0
+    while skipped < skip:
+        skipped += len(next(batches)[0])
+    return timed(batches, num_images - skipped)
 
 
 def weed_version() -> str:
@@ -152,6 +161,14 @@ def store_pid() -> int:
     raise RuntimeError(f"no `weed` child of this process ({os.getpid()}) in /proc")
 
 
+def store_sent_mb(pid: int) -> float:
+    """MB process `pid` has written (`wchar`: sockets included), as the store's bytes sent."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1]) / 1e6
+    raise RuntimeError(f"no wchar in /proc/{pid}/io")
+
+
 def store_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid`, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
@@ -166,14 +183,16 @@ def print_table(
     unit: str,
 ) -> None:
     """A markdown table: each row's median, its spread over the rounds, its ratio to the row it is
-    against (`rows`: name -> that row) and the median CPU seconds of a pass (client, store)."""
-    print(f"| row | {unit} (median) | rounds | ratio | CPU s per pass, client / store |")
-    print("| --- | --- | --- | --- | --- |")
+    against (`rows`: name -> that row), the median CPU seconds of a pass (client, store) and the
+    MB the store sent in it."""
+    print(f"| row | {unit} (median) | rounds | ratio | CPU s per pass, client / store | MB sent by the store |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, base in rows.items():
         spread = f"{min(samples[name]):,.0f}–{max(samples[name]):,.0f}"
-        client, store = (statistics.median(cpu[f"{name} {who}"]) for who in ("client", "store"))
+        client, store, sent = (statistics.median(cpu[f"{name} {who}"]) for who in ("client", "store", "sent"))
         print(
-            f"| {name} | {rate[name]:,.0f} | {spread} | {rate[name] / rate[base]:.2f}x | {client:.2f} / {store:.2f} |"
+            f"| {name} | {rate[name]:,.0f} | {spread} | {rate[name] / rate[base]:.2f}x "
+            f"| {client:.2f} / {store:.2f} | {sent:,.0f} |"
         )
 
 
@@ -184,6 +203,13 @@ def main() -> None:
     )
     parser.add_argument("--copies", type=int, default=20, help="copies of each photo (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--skip-images",
+        type=int,
+        default=0,
+        help="time each loader only after this many images: past the shuffle buffers' filling, "
+        "which reads two samples for each one it yields (default %(default)s: the whole pass)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     cores = len(os.sched_getaffinity(0))
@@ -201,6 +227,7 @@ def main() -> None:
         url = server.url(PREFIX)
         upload(root / "shards", manifest, url)  # reads every shard back once: the store's cache is warm
         shards = [(f"{PREFIX}/{s['name']}", s["num_bytes"]) for s in manifest["splits"]["train"]["shards"]]
+        skip = min(args.skip_images, n // 2)
         num_bytes = sum(size for _, size in shards)
 
         import pyarrow.fs
@@ -224,8 +251,8 @@ def main() -> None:
             name: partial(bytes_rate, shards, read) for name, read in readers.items()
         }
         for workers in (1, 2):
-            runs[f"loader, local disk, {workers}w"] = partial(loader_rate, str(root / "shards"), workers, n)
-            runs[f"loader, S3, {workers}w"] = partial(loader_rate, url, workers, n)
+            runs[f"loader, local disk, {workers}w"] = partial(loader_rate, str(root / "shards"), workers, n, skip)
+            runs[f"loader, S3, {workers}w"] = partial(loader_rate, url, workers, n, skip)
         for read in readers.values():  # each client's first request (connections, pyarrow's S3 start) untimed
             read(*shards[0])
 
@@ -234,16 +261,18 @@ def main() -> None:
             f"{n} JPEGs ({len(images)} {kind} photos x {args.copies}) in {len(shards)} shards, "
             f"{num_bytes / 1e6:.0f} MB, on {weed_version()} at {server.endpoint} (same machine), batch {BATCH}, "
             f"{cores} cores, median of {args.rounds} rounds"
+            + (f"; loaders timed after their first {skip} images" if skip else "")
         )
         store = store_pid()
         samples: dict[str, list[float]] = defaultdict(list)
         cpu: dict[str, list[float]] = defaultdict(list)
         for _ in range(args.rounds):
             for name, run in runs.items():
-                own, served = own_cpu_s(), store_cpu_s(store)
+                own, served, sent = own_cpu_s(), store_cpu_s(store), store_sent_mb(store)
                 samples[name].append(run())
                 cpu[name + " client"].append(own_cpu_s() - own)  # a loader's workers are reaped by now
                 cpu[name + " store"].append(store_cpu_s(store) - served)
+                cpu[name + " sent"].append(store_sent_mb(store) - sent)
     rate = {name: statistics.median(values) for name, values in samples.items()}
     boto3_row = "boto3 download_fileobj"
     print()
