@@ -71,7 +71,7 @@ def whole_image(data: bytes, img: Image.Image) -> torch.Tensor:
     decode_box of the whole image, else torchvision's decode_jpeg), anything else by PIL."""
     if not plain_jpeg(img):
         return _pil_tensor(img)
-    if _jpeg is not None:
+    if _jpeg is not None and _jpeg.size(data) is not None:
         return box_pixels(data, (0, 0, img.height, img.width))
     return jpeg_tensor(data)
 

@@ -217,16 +217,16 @@ def test_val_crop_matches_the_reference() -> None:
 def test_val_crop_is_torchvisions_resize_and_centre_crop_on_the_decoded_image(shape: tuple[int, int]) -> None:
     """val_crop resizes and crops with torch alone (no torchvision import in loader workers):
     the same sizes, offsets and pixels as torchvision's tensor Resize and CenterCrop, for
-    landscape, portrait, already-short-enough and odd sizes; a PNG goes through PIL."""
+    landscape, portrait, already-short-enough and odd sizes, colour and grey; a PNG goes through PIL."""
     from torchvision.transforms.v2 import functional as F
 
-    for fmt in ("JPEG", "PNG"):
-        data = encoded(photo(*shape), fmt)
+    for fmt, mode in (("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB")):
+        data = encoded(photo(*shape), fmt, mode)
         image = decode.jpeg_tensor(data) if fmt == "JPEG" else F.pil_to_tensor(Image.open(io.BytesIO(data)))
         want = F.center_crop(F.resize(image, [256], antialias=True), [224, 224])
         got = val_crop(data, 224)
         assert got.shape == want.shape == (3, 224, 224)
-        assert torch.equal(got, want), f"{shape} {fmt}: {(got.int() - want.int()).abs().max()} grey levels apart"
+        assert torch.equal(got, want), f"{shape} {fmt} {mode}: {(got.int() - want.int()).abs().max()} levels apart"
 
 
 def test_device_decode_equals_the_cpu_path_and_normalises(tmp_path) -> None:  # type: ignore[no-untyped-def]
