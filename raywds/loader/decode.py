@@ -66,14 +66,15 @@ def jpeg_tensor(data: bytes) -> torch.Tensor:
     )
 
 
-def whole_image(data: bytes, img: Image.Image) -> torch.Tensor:
-    """All of an image as uint8 RGB CHW: a plain JPEG by libjpeg-turbo (the extension's
-    decode_box of the whole image, else torchvision's decode_jpeg), anything else by PIL."""
-    if not plain_jpeg(img):
-        return _pil_tensor(img)
-    if _jpeg is not None and _jpeg.size(data) is not None:
-        return box_pixels(data, (0, 0, img.height, img.width))
-    return jpeg_tensor(data)
+def whole_image(data: bytes) -> torch.Tensor:
+    """All of an image as uint8 RGB CHW: a JPEG the region decoder reads by its decode_box of the
+    whole image (its header gives the size, no PIL), another plain JPEG by torchvision's
+    decode_jpeg, anything else by PIL."""
+    shape = _jpeg.size(data) if _jpeg is not None else None
+    if shape is not None:
+        return box_pixels(data, (0, 0, *shape))
+    with Image.open(io.BytesIO(data)) as img:
+        return jpeg_tensor(data) if plain_jpeg(img) else _pil_tensor(img)
 
 
 def plain_jpeg(img: Image.Image) -> bool:
@@ -89,10 +90,15 @@ def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tenso
     1.7x faster than on a strided view, copy included. (unsqueeze(0) of a channels-last CHW
     tensor gives the batch a stride of 3, which torch takes for another layout: 1.7x slower.)"""
     top, left, height, width = box
-    crop = image[:, top : top + height, left : left + width].permute(1, 2, 0).contiguous()[None].permute(0, 3, 1, 2)
-    resize = torch.nn.functional.interpolate
-    out = RESIZING.timed(resize, crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    return out[0].flip(-1) if flip else out[0]
+    out = RESIZING.timed(_resized, image[:, top : top + height, left : left + width], (size, size))
+    return out.flip(-1) if flip else out
+
+
+def _resized(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """A uint8 CHW image resized to `size` (height, width), bilinear and antialiased, by torch's
+    uint8 kernel on a contiguous channels-last copy (see `cropped`)."""
+    batch = image.permute(1, 2, 0).contiguous()[None].permute(0, 3, 1, 2)
+    return torch.nn.functional.interpolate(batch, size=size, mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def region(data: bytes, box: Box, r: int = 1) -> tuple[torch.Tensor, int, int]:
@@ -148,15 +154,12 @@ def _resampled(img: Image.Image, box: Box, r: int, origin: tuple[int, int], flip
 def val_crop(data: bytes, size: int) -> torch.Tensor:
     """Resize the short side to size / 0.875 (bilinear, antialiased), then the centre size x size:
     torchvision's Resize and CenterCrop on the decoded tensor, the same sizes and pixels."""
-    with Image.open(io.BytesIO(data)) as img:
-        image = whole_image(data, img)
+    image = whole_image(data)
     _, h, w = image.shape
     short = round(size / 0.875)
     new_h, new_w = (int(short * h / w), short) if w <= h else (short, int(short * w / h))
     if (new_h, new_w) != (h, w):
-        batch = image.permute(1, 2, 0).contiguous()[None].permute(0, 3, 1, 2)  # channels-last: see `cropped`
-        resize = torch.nn.functional.interpolate
-        image = resize(batch, size=(new_h, new_w), mode="bilinear", antialias=True, align_corners=False)[0]
+        image = _resized(image, (new_h, new_w))
     top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
     return image[:, top : top + size, left : left + size]
 
