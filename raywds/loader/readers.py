@@ -171,7 +171,10 @@ class Prefetch:
             with open_shard(
                 self.url, policy, size=shard.num_bytes, sha256=shard.sha256, retried=failures.retried
             ) as stream:
-                self.data = stream.read()
+                # read(size) fills one bytes object straight from the socket; read() would fill a
+                # bytearray and copy it into bytes (a 33 MB shard: 17 ms, mostly fresh pages)
+                self.data = stream.read(shard.num_bytes) if shard.num_bytes else b""
+                self.data += stream.read()  # b"" unless the shard outgrew its manifest entry
         except Exception as e:  # noqa: BLE001 - handed to the reader, which decides
             self.error = e
 

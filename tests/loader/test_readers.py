@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ from raywds.data.manifest import read_manifest
 from raywds.errors import ShardError
 from raywds.loader.http import ReadPolicy, cache_path, open_shard
 from raywds.loader.loader import train_loader, val_loader
-from raywds.loader.readers import Expected, tar_samples
+from raywds.loader.readers import Expected, Failures, Prefetch, tar_samples
 from raywds.plan.modes import epoch_plan
 from raywds.serve import ShardServer, free_port
 from raywds.world import World
@@ -183,9 +184,10 @@ def test_a_dropped_connection_resumes_with_a_range_request(odd_server: tuple[str
 def test_a_shard_read_whole_is_read_in_large_pieces(
     odd_server: tuple[str, list[dict[str, str]], bytes], monkeypatch: pytest.MonkeyPatch, size: bool
 ) -> None:
-    """A prefetched shard is read whole with .read(): io.RawIOBase's own readall would ask the
-    HTTP client for 8 KiB at a time (37 reads of this 300 KB body; 1,600 of a 13 MB shard, a
-    fifth of a loader worker's time on a local S3 store)."""
+    """A shard read to its end with .read() (the closing blocks after its last sample, or a
+    --cache-dir copy): io.RawIOBase's own readall would ask the HTTP client for 8 KiB at a time
+    (37 reads of this 300 KB body; 1,600 of a 13 MB shard, a fifth of a loader worker's time on
+    a local S3 store)."""
     from raywds.loader.http import HttpShard
 
     base, _, body = odd_server
@@ -195,6 +197,28 @@ def test_a_shard_read_whole_is_read_in_large_pieces(
     with open_shard(f"{base}/whole.tar", FAST, size=len(body) if size else None) as stream:
         assert stream.read() == body
     assert calls[0] >= len(body) and len(calls) <= 20, calls  # what has arrived at each read; all of it asked for
+
+
+def test_a_prefetched_shard_is_held_once_in_memory(tmp_path: Path) -> None:
+    """The shard fetched ahead is read with .read(size): one bytes object filled straight from
+    the socket. With .read() it filled a bytearray and then copied it into bytes, so the shard
+    was in memory twice at the peak (and a 33 MB shard cost 17 ms of a loader worker's CPU)."""
+    body = os.urandom(8 << 20)
+    (tmp_path / "big.tar").write_bytes(body)
+    (tmp_path / "manifest.json").write_text("{}")  # what the server asks of a shard folder
+    with ShardServer(tmp_path, backend="embedded") as server:
+        tracemalloc.start()
+        try:
+            ahead = Prefetch(
+                f"{server.url}/big.tar", FAST, Expected(num_samples=1, num_bytes=len(body)), Failures(FAST)
+            )
+            stream = ahead.stream()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert stream.read() == body
+    size = len(body)
+    assert peak < 1.5 * size, f"{peak / size:.2f}x the shard"  # its 1 MiB read buffer beside it
 
 
 def test_a_stalled_server_times_out(odd_server: tuple[str, list[dict[str, str]], bytes]) -> None:
