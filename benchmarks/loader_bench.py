@@ -27,6 +27,10 @@ worker's rate against the full-decode limit (per core: the loader / workers / fu
 `--scaling-only` times nothing else but the limit. Give enough images for the most workers (`--copies 100`:
 10,000 images, about ten batches of 64 per worker at 15).
 
+After the scaling table, one line gives a sample's time in the 1-worker loader by the
+loader's own clock (the stages `raywds doctor` reads: reading the shards, decoding with the crop
+and resize, collating), the rest of its time, and a full decode's time beside them.
+
 Loader passes are timed after their first batch (worker start-up excluded) over `copies` x
 the photos. This machine is shared and noisy, so the measurements are interleaved over
 `rounds` rounds and the median is reported; compare ratios within one run.
@@ -60,6 +64,7 @@ from raywds.data.manifest import read_manifest
 from raywds.data.tars import members
 from raywds.loader import crops, decode
 from raywds.loader.blocks import Blocks
+from raywds.loader.clock import Spent
 from raywds.loader.loader import train_loader
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
@@ -132,16 +137,22 @@ def tar_rate(shards: list[Path], read: Callable[[io.BufferedReader], Iterable[ob
     return count / 3 / (time.perf_counter() - start)
 
 
-def timed(batches, num_images: int) -> float:
-    """Images per second after the first batch, until `num_images` have arrived."""
+def timed(batches, num_images: int, clocks: list[Spent] | None = None) -> float:
+    """Images per second after the first batch, until `num_images` have arrived; with `clocks`,
+    also what the loader's workers say they spent on those batches (their `Spent`), appended."""
     it = iter(batches)
     first = next(it)
-    seen, start = 0, time.perf_counter()
+    seen, start, spent = 0, time.perf_counter(), Spent()
     for batch in it:
         seen += len(batch[0])
+        if clocks is not None and batch.spent is not None:
+            spent = spent.plus(batch.spent)
         if seen + len(first[0]) >= num_images:
             break
-    return seen / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    if clocks is not None:
+        clocks.append(spent)
+    return seen / elapsed
 
 
 def imagefolder_rate(root: Path, workers: int, num_images: int, size: int) -> float:
@@ -161,7 +172,13 @@ def imagefolder_rate(root: Path, workers: int, num_images: int, size: int) -> fl
 
 
 def raywds_rate(
-    shards: Path, workers: int, num_images: int, size: int, how: Decoder, reuse_blocks: bool = True
+    shards: Path,
+    workers: int,
+    num_images: int,
+    size: int,
+    how: Decoder,
+    reuse_blocks: bool = True,
+    clocks: list[Spent] | None = None,
 ) -> float:
     if not reuse_blocks:  # no block to reuse, so every batch goes into a fresh one (the workers fork from here)
         saved, Blocks.take = Blocks.take, lambda self, shape: None  # type: ignore[method-assign]
@@ -178,7 +195,28 @@ def raywds_rate(
         decode=how,
     )
     manifest = read_manifest(str(shards))
-    return timed(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0), num_images)
+    batches = train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
+    return timed(batches, num_images, clocks)
+
+
+def print_clock(clocks: list[Spent], rate: float, limit: float) -> None:
+    """Where one loader worker's time goes, a sample at a time, by the loader's own clock (the
+    stages the doctor reads), summed over every round; the rest is the 1-worker time a sample
+    that no stage counts (shuffling, the stages' own steps, waiting to hand a batch over)."""
+    spent = clocks[0]
+    for more in clocks[1:]:
+        spent = spent.plus(more)
+    if not spent.samples:
+        return
+    read, decoded, resized, collated = (
+        1e6 * s / spent.samples for s in (spent.read_s, spent.decode_s, spent.resize_s, spent.collate_s)
+    )
+    rest = 1e6 / rate - read - decoded - collated
+    print(
+        f"one worker, a sample by the loader's own clock: reading {read:.0f} us, decoding {decoded:.0f} us "
+        f"(of it resizing {resized:.0f}), collating {collated:.0f} us, the rest {rest:.0f} us; "
+        f"a full decode_jpeg {1e6 / limit:.0f} us"
+    )
 
 
 def print_scaling(rates: dict[int, float], limit: float) -> None:
@@ -221,6 +259,7 @@ def main() -> None:
         )
         datas = [p.read_bytes() for p in images] * 3
         scaling = {w: f"raywds cpu, {w}w, 224" for w in counts}
+        clocks: list[Spent] = []  # the 1-worker loader's own clock, each round
         runs: dict[str, Callable[[], float]] = {
             "limit: full decode, decode_jpeg": partial(loop_rate, datas, decode.jpeg_tensor),
             "limit: full decode, PIL": partial(loop_rate, datas, decode.open_rgb),
@@ -236,7 +275,9 @@ def main() -> None:
         runs["tar members, raywds.data.tars (samples/s)"] = partial(tar_rate, tars, members)
         for workers in sorted({1, cores}):
             runs[f"ImageFolder, {workers}w, 224"] = partial(imagefolder_rate, root / "tree", workers, n, 224)
-            runs[f"raywds cpu, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "cpu")
+            runs[f"raywds cpu, {workers}w, 224"] = partial(
+                raywds_rate, root / "shards", workers, n, 224, "cpu", clocks=clocks if workers == 1 else None
+            )
             runs[f"raywds pil, {workers}w, 224"] = partial(raywds_rate, root / "shards", workers, n, 224, "pil")
         runs["raywds cpu, 1w, fresh blocks, 224"] = partial(
             raywds_rate, root / "shards", 1, n, 224, "cpu", reuse_blocks=False
@@ -258,6 +299,7 @@ def main() -> None:
             print(f"{name:34s} {value:7.0f} images/s  (rounds: {spread})")
         limit = rate["limit: full decode, decode_jpeg"]
         print_scaling({w: rate[name] for w, name in scaling.items()}, limit)
+        print_clock(clocks, rate["raywds cpu, 1w, 224"], limit)
         if args.scaling_only:
             return
         all_w = f"{cores}w"
