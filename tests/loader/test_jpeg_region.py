@@ -47,6 +47,8 @@ def boxes(width: int, height: int, n: int, seed: int) -> list[tuple[int, int, in
         (16, 16, 16, 16),
         (0, width - 17, height, 17),
         (height - 9, 0, 9, width),
+        (7, 3, 17, 40),  # around the 16 rows libjpeg is asked for at once
+        (5, 0, 33, width),
     ]
     for _ in range(n):
         h, w = int(rng.integers(1, height + 1)), int(rng.integers(1, width + 1))
