@@ -61,7 +61,7 @@ static int rgb_decodable(J_COLOR_SPACE space) { return space == JCS_YCbCr || spa
 
 /* Scanlines asked of libjpeg at once. One at a time, its upsampler and colour converter
  * do part of each call's work twice for 4:2:0 JPEGs (two output rows a chroma row): 16 rows (an
- * iMCU row of such a JPEG) decode the whole image 9% faster and a training crop 6% faster,
+ * iMCU row of such a JPEG) decode a whole image 9% faster and a training crop's region 6% faster,
  * the same pixels. */
 #define ROWS_AT_ONCE 16
 
