@@ -172,8 +172,9 @@ class Prefetch:
                 self.url, policy, size=shard.num_bytes, sha256=shard.sha256, retried=failures.retried
             ) as stream:
                 # read(size) fills one bytes object straight from the socket; read() would fill a
-                # bytearray and copy it into bytes (a 33 MB shard: 17 ms, mostly fresh pages)
-                self.data = stream.read(shard.num_bytes) if shard.num_bytes else b""
+                # bytearray and copy it into bytes (a 33 MB shard: 17 ms, mostly fresh pages).
+                # Only shards of a known size are prefetched (_prefetching).
+                self.data = stream.read(shard.num_bytes or -1)
                 self.data += stream.read()  # b"" unless the shard outgrew its manifest entry
         except Exception as e:  # noqa: BLE001 - handed to the reader, which decides
             self.error = e
