@@ -1,9 +1,11 @@
-"""The optional C extension raywds.loader._jpeg (region-of-interest JPEG decoding with libjpeg-turbo).
+"""The optional C extensions raywds.loader._jpeg (region-of-interest JPEG decoding with
+libjpeg-turbo) and raywds.data._restarts (restart markers added to JPEGs losslessly, which the
+region decoder cuts at).
 
 Everything else is in pyproject.toml. Without a C compiler or libjpeg's headers (Debian:
-libjpeg62-turbo-dev) the extension is skipped and raywds decodes whole JPEGs instead.
-With RAYWDS_REQUIRE_JPEG_EXT set (to anything but empty), as .ci/run and
-benchmarks/gpu_run.sh set it, a failed build of the extension fails the install instead.
+libjpeg62-turbo-dev) the extensions are skipped: raywds then decodes whole JPEGs, and convert
+keeps the JPEGs' bytes as they are. With RAYWDS_REQUIRE_JPEG_EXT set (to anything but empty),
+as .ci/run and benchmarks/gpu_run.sh set it, a failed build of either fails the install instead.
 """
 
 import os
@@ -18,4 +20,11 @@ jpeg = Extension(
     extra_compile_args=["-O2"],
     optional=not required,
 )
-setup(ext_modules=[jpeg])
+restarts = Extension(
+    "raywds.data._restarts",
+    ["raywds/data/_restarts.c"],
+    libraries=["jpeg"],
+    extra_compile_args=["-O2"],
+    optional=not required,
+)
+setup(ext_modules=[jpeg, restarts])

@@ -29,7 +29,10 @@ worker's rate against the full-decode limit (per core: the loader / workers / fu
 
 After the scaling table, one line gives a sample's time in the 1-worker loader by the
 loader's own clock (the stages `raywds doctor` reads: reading the shards, decoding with the crop
-and resize, collating), the rest of its time, and a full decode's time beside them.
+and resize, collating), the rest of its time, and a full decode's time beside them; and one
+the 1-worker loader on shards converted with `--keep-jpeg-bytes` (the photos byte for byte,
+without the restart markers the region decoder cuts a crop's rows and columns at) against the
+default shards. The full decode is always of the photos as they are.
 
 Loader passes are timed after their first batch (worker start-up excluded) over `copies` x
 the photos. This machine is shared and noisy, so the measurements are interleaved over
@@ -59,7 +62,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from raywds.config import Decoder, TrainConfig
-from raywds.data.convert import ConvertOptions, convert
+from raywds.data.convert import ConvertOptions, convert, with_restarts
 from raywds.data.manifest import read_manifest
 from raywds.data.tars import members
 from raywds.loader import crops, decode
@@ -70,6 +73,8 @@ from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
 BATCH = 64
+KEPT = "raywds cpu, 1w, 224, JPEG bytes kept"
+"""The 1-worker loader on shards converted with --keep-jpeg-bytes (no restart markers)."""
 
 
 def photos(folder: Path, out: Path, count: int = 100) -> list[Path]:
@@ -252,6 +257,8 @@ def main() -> None:
         images = photos(args.images, root / "generated")
         n = build_tree(images, args.copies, root / "tree")
         convert(root / "tree", root / "shards", ConvertOptions(maxcount=100, num_workers=cores))
+        kept = ConvertOptions(maxcount=100, num_workers=cores, keep_jpeg_bytes=True)
+        convert(root / "tree", root / "shards-kept", kept)  # the JPEGs byte for byte: no restart markers
         kind = "generated" if images[0].is_relative_to(root) else "real ImageNet"
         print(
             f"{n} JPEGs ({len(images)} {kind} photos x {args.copies}), batch {BATCH}, {cores} cores, "
@@ -267,6 +274,9 @@ def main() -> None:
                 loop_rate, datas, partial(decode.train_crop, size=224, scale=(0.08, 1.0))
             ),
             "loop: same, whole-image decoding": partial(loop_rate, datas, whole_image_crop),
+            "loop: same, the JPEGs as convert stores them": partial(
+                loop_rate, [with_restarts(d) for d in datas], partial(decode.train_crop, size=224, scale=(0.08, 1.0))
+            ),
         }
         runs["draw: torchvision get_params (crops/s)"] = partial(draw_rate, torchvision_draw)
         runs["draw: raywds draw_crop (crops/s)"] = partial(draw_rate, partial(crops.draw_crop, scale=(0.08, 1.0)))
@@ -283,12 +293,13 @@ def main() -> None:
             raywds_rate, root / "shards", 1, n, 224, "cpu", reuse_blocks=False
         )
         runs["raywds cpu, 0w (in-process), 224"] = partial(raywds_rate, root / "shards", 0, n, 224, "cpu")
+        runs[KEPT] = partial(raywds_rate, root / "shards-kept", 1, n, 224, "cpu")
         runs["ImageFolder, 1w, 128"] = partial(imagefolder_rate, root / "tree", 1, n, 128)
         runs["raywds cpu, 1w, 128"] = partial(raywds_rate, root / "shards", 1, n, 128, "cpu")
         for workers, name in scaling.items():
             runs.setdefault(name, partial(raywds_rate, root / "shards", workers, n, 224, "cpu"))
         if args.scaling_only:
-            runs = {name: runs[name] for name in ["limit: full decode, decode_jpeg", *scaling.values()]}
+            runs = {name: runs[name] for name in ["limit: full decode, decode_jpeg", *scaling.values(), KEPT]}
         measured = defaultdict(list)
         for _ in range(args.rounds):
             for name, run in runs.items():
@@ -300,6 +311,11 @@ def main() -> None:
         limit = rate["limit: full decode, decode_jpeg"]
         print_scaling({w: rate[name] for w, name in scaling.items()}, limit)
         print_clock(clocks, rate["raywds cpu, 1w, 224"], limit)
+        print(
+            "1 worker, restart markers (convert's default) / JPEG bytes kept: "
+            f"{rate['raywds cpu, 1w, 224'] / rate[KEPT]:.2f}x"
+            f" (kept: {rate[KEPT] / limit:.2f}x the full decode)"
+        )
         if args.scaling_only:
             return
         all_w = f"{cores}w"
@@ -314,6 +330,8 @@ def main() -> None:
         )
         print(f"  raywds 1 worker / full decode_jpeg:   {rate['raywds cpu, 1w, 224'] / limit:.2f}x")
         print(f"  raywds crop loop / full decode_jpeg:  {rate['loop: raywds crop (cpu), 224'] / limit:.2f}x")
+        stored = rate["loop: same, the JPEGs as convert stores them"]
+        print(f"  the same on the JPEGs as convert stores them: {stored / limit:.2f}x")
         print(
             "  crop loop, region / whole-image decoding: "
             f"{rate['loop: raywds crop (cpu), 224'] / rate['loop: same, whole-image decoding']:.2f}x"

@@ -2,8 +2,11 @@
 
     raywds convert ~/imagenet shards/ --maxcount 1000 --workers 8
 
-Every sample keeps the source file's bytes unchanged (`KEY.jpg`, or `.png`/`.webp`), with
-`KEY.cls` (class index, ASCII) and `KEY.json` (class, source path, real format, mode, size).
+Every sample keeps the source file's image (`KEY.jpg`, or `.png`/`.webp`), with `KEY.cls`
+(class index, ASCII) and `KEY.json` (class, source path, real format, mode, size). A JPEG's
+bytes are rewritten losslessly with restart markers (`with_restarts`: the same DCT coefficients,
+so the same pixels) so the loader can decode only a crop's rows and columns; `keep_jpeg_bytes`
+keeps them byte for byte.
 Samples are shuffled with the seed, then cut into shards by count and size. Unreadable files
 (empty, truncated, not an image) are skipped and listed, or with `strict` stop the run.
 Keys hold only letters, digits, _ and -, and each shard is read back as webdataset groups it
@@ -39,6 +42,11 @@ from raywds.data.resume import JOURNAL, STATE, Journal, prepare_output, still_go
 from raywds.data.tarwriter import TAR_END_BYTES, TarWriter, tar_cost
 from raywds.data.verify import check_members, sha256_file
 from raywds.errors import ConfigError, DataError
+
+try:
+    from raywds.data import _restarts
+except ImportError:  # built without a C compiler or libjpeg's headers (see setup.py)
+    _restarts = None  # type: ignore[assignment]
 
 
 def plan_shards(sources: list[Source], split: str, options: ConvertOptions) -> list[list[Source]]:
@@ -78,6 +86,14 @@ def inspect_image(data: bytes) -> dict[str, Any]:
     return meta
 
 
+def with_restarts(data: bytes) -> bytes:
+    """The JPEG rewritten losslessly with restart markers (raywds.data._restarts), which the
+    loader's region decoder cuts a crop's rows and columns at; the same bytes without the
+    extension or for a JPEG the region decoder does not read (CMYK). Raises ValueError for data
+    libjpeg finds corrupt or truncated."""
+    return (_restarts.add_restarts(data) if _restarts is not None else None) or data
+
+
 def downscale(data: bytes, meta: dict[str, Any], max_side_px: int) -> bytes:
     """Shrink so the longer side is `max_side_px`, re-encoded in the image's own format."""
     with Image.open(io.BytesIO(data)) as img:
@@ -97,6 +113,8 @@ class ShardJob:
     sources: list[Source]
     strict: bool
     max_side_px: int | None
+    restarts: bool
+    """Rewrite JPEGs with restart markers (`with_restarts`)."""
     done: dict[str, Any] | None
     """The journal's record of this shard from an earlier run, if any."""
 
@@ -113,13 +131,15 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
             data = source.path.read_bytes()
             try:
                 meta = inspect_image(data)
+                if job.max_side_px and max(meta["width"], meta["height"]) > job.max_side_px:
+                    data = downscale(data, meta, job.max_side_px)
+                if job.restarts and meta["format"] == "JPEG":
+                    data = with_restarts(data)  # libjpeg reads every byte: damage PIL lets through stops here
             except ValueError as e:
                 if job.strict:
                     raise DataError(f"{source.path}: {e} (without --strict it would be skipped and listed)") from None
                 skipped.append({"path": source.relpath, "reason": str(e)})
                 continue
-            if job.max_side_px and max(meta["width"], meta["height"]) > job.max_side_px:
-                data = downscale(data, meta, job.max_side_px)
             meta.update({"class": source.class_name, "index": source.class_index, "source": source.relpath})
             sink.write(
                 source.key,
@@ -157,6 +177,7 @@ def fingerprint(found: Found, options: ConvertOptions) -> str:
         options.maxcount,
         options.maxsize,
         options.max_side_px,
+        *(["restart markers"] if not options.keep_jpeg_bytes and _restarts is not None else []),
         found.classes,
         found.layouts,
         listing,
@@ -226,7 +247,19 @@ def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[st
     for split, sources in found.splits.items():
         for i, shard in enumerate(plan_shards(sources, split, options)):
             name = f"{options.prefix}-{split}-{i:06d}.tar"
-            jobs.append((split, ShardJob(out / name, shard, options.strict, options.max_side_px, done.get(name))))
+            jobs.append(
+                (
+                    split,
+                    ShardJob(
+                        out / name,
+                        shard,
+                        options.strict,
+                        options.max_side_px,
+                        not options.keep_jpeg_bytes,
+                        done.get(name),
+                    ),
+                )
+            )
     records: dict[str, dict[str, Any]] = {}
     total_bytes = sum(s.num_bytes for _, job in jobs for s in job.sources)
     start = time.perf_counter()
@@ -250,6 +283,7 @@ def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[st
         "maxcount": options.maxcount,
         "maxsize": options.maxsize,
         "max_side_px": options.max_side_px,
+        "jpeg_restarts": not options.keep_jpeg_bytes and _restarts is not None,
         "source": str(src.resolve()),
         "layouts": found.layouts,
         "splits": {},

@@ -34,3 +34,5 @@ class ConvertOptions:
     """wnid of each ILSVRC2012_ID for the devkit ground truth: meta.mat or a text file in ID order."""
     max_side_px: int | None = field(default=None, metadata=flag("--max-side"))
     """Downscale images whose longer side exceeds this (re-encoded, for fast experiments); None keeps every byte."""
+    keep_jpeg_bytes: bool = False
+    """Keep JPEGs byte for byte (else: restart markers added losslessly, ~1% larger; a crop decodes 14% faster)."""

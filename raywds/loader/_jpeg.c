@@ -68,6 +68,159 @@ static int rgb_decodable(J_COLOR_SPACE space) { return space == JCS_YCbCr || spa
 static JDIMENSION floor_div(long a, long b) { return (JDIMENSION)(a / b); }
 static JDIMENSION ceil_div(long a, long b) { return (JDIMENSION)((a + b - 1) / b); }
 
+/* Cutting a JPEG to a box before decoding it.
+ *
+ * In a baseline JPEG with a restart marker every k MCUs, k dividing an MCU row (what
+ * `raywds convert` writes: raywds.data._restarts), each run of k MCUs between two markers is coded
+ * on its own: the DC predictions restart at zero and the run starts on a byte. The MCU rows and
+ * column runs that cover a box (one MCU more on every side, which chroma upsampling reads) can
+ * then be copied out as a smaller JPEG of their own, its markers renumbered, and libjpeg
+ * entropy-decodes only those instead of every row above the box at full width. The pixels are
+ * the same as the whole image's: every block keeps its coefficients, and every pixel of the box
+ * keeps the neighbours its upsampling reads. Any other JPEG is decoded as it is. */
+
+struct cut {
+    unsigned char *data; /* the smaller JPEG (PyMem_RawMalloc), NULL when there is none */
+    size_t len;
+    long dy, dx;         /* where it starts in the whole image, in pixels */
+};
+
+static unsigned read16(const unsigned char *p) { return ((unsigned)p[0] << 8) | p[1]; }
+
+/* The box's smaller JPEG in cut->data, or cut->data NULL (no restart markers to cut at, nothing
+ * to gain, or anything unexpected: the caller decodes the original, which reports any damage).
+ * Returns -1 only when memory ran out. */
+static int cut_jpeg(const unsigned char *data, size_t len, long top, long left, long height, long width, struct cut *cut) {
+    cut->data = NULL;
+    size_t i = 2, sof = 0, start = 0;
+    unsigned image_h = 0, image_w = 0, ncomp = 0, hmax = 1, vmax = 1, k = 0;
+    if (len < 4 || data[0] != 0xFF || data[1] != 0xD8)
+        return 0;
+    while (start == 0) { /* the markers up to the start of the scan */
+        if (i + 4 > len || data[i] != 0xFF)
+            return 0;
+        unsigned marker = data[i + 1];
+        if (marker == 0xFF) { /* fill byte */
+            i++;
+            continue;
+        }
+        size_t seglen = read16(data + i + 2);
+        if (seglen < 2 || i + 2 + seglen > len)
+            return 0;
+        const unsigned char *p = data + i + 4;
+        if (marker == 0xC0 || marker == 0xC1) { /* baseline or extended sequential, Huffman */
+            if (seglen < 8 || p[0] != 8)
+                return 0;
+            sof = i;
+            image_h = read16(p + 1);
+            image_w = read16(p + 3);
+            ncomp = p[5];
+            if (seglen < 8 + 3 * ncomp)
+                return 0;
+            for (unsigned c = 0; c < ncomp; c++) {
+                unsigned h = p[6 + 3 * c + 1] >> 4, v = p[6 + 3 * c + 1] & 15;
+                if (h > hmax) hmax = h;
+                if (v > vmax) vmax = v;
+            }
+        } else if ((marker >= 0xC2 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC)) {
+            return 0; /* progressive, lossless or arithmetic-coded */
+        } else if (marker == 0xDD && seglen >= 4) {
+            k = read16(p);
+        } else if (marker == 0xDA) {
+            if (sof == 0 || p[0] != ncomp) /* one scan with every component */
+                return 0;
+            start = i + 2 + seglen;
+        }
+        i += 2 + seglen;
+    }
+    if (ncomp == 1)
+        hmax = vmax = 1; /* a one-component scan's MCU is one block */
+    long mcu_h = 8 * (long)vmax, mcu_w = 8 * (long)hmax;
+    if (k == 0 || image_h == 0 || top + height > (long)image_h || left + width > (long)image_w)
+        return 0;
+    long per_row = ((long)image_w + mcu_w - 1) / mcu_w, mcu_rows = ((long)image_h + mcu_h - 1) / mcu_h;
+    if (per_row % k != 0)
+        return 0;
+    long runs = per_row / k; /* runs of k MCUs in a row */
+    long r0 = top / mcu_h - 1, r1 = (top + height + mcu_h - 1) / mcu_h + 1;
+    long c0 = left / mcu_w - 1, c1 = (left + width - 1) / mcu_w + 1;
+    if (r0 < 0) r0 = 0;
+    if (r1 > mcu_rows) r1 = mcu_rows;
+    if (c0 < 0) c0 = 0;
+    if (c1 > per_row - 1) c1 = per_row - 1;
+    c0 /= k;
+    c1 = c1 / k + 1; /* runs c0 .. c1 - 1 */
+    if (r0 == 0 && r1 == mcu_rows && c0 == 0 && c1 == runs)
+        return 0;
+
+    /* Where each run starts and ends, up to the last one the box needs. */
+    long needed = r1 * runs, found = 0;
+    size_t *bounds = PyMem_RawMalloc(sizeof(size_t) * 2 * (size_t)needed);
+    if (bounds == NULL)
+        return -1;
+    size_t at = start;
+    bounds[0] = start;
+    while (found < needed) {
+        const unsigned char *ff = memchr(data + at, 0xFF, len - at);
+        if (ff == NULL || (size_t)(ff - data) + 1 >= len)
+            break;
+        size_t pos = (size_t)(ff - data);
+        unsigned next = data[pos + 1];
+        if (next == 0x00 || next == 0xFF) { /* a stuffed 0xFF in the data, or a fill byte */
+            at = pos + 1;
+            continue;
+        }
+        bounds[2 * found + 1] = pos; /* this run ends at a marker: a restart marker or the end */
+        found++;
+        if (next < 0xD0 || next > 0xD7 || (long)(next - 0xD0) != (found - 1) % 8)
+            break;
+        if (found < needed)
+            bounds[2 * found] = pos + 2;
+        at = pos + 2;
+    }
+    if (found < needed) { /* fewer runs than the header promises: let libjpeg report it */
+        PyMem_RawFree(bounds);
+        return 0;
+    }
+
+    size_t size = start + 2;
+    for (long r = r0; r < r1; r++)
+        for (long c = c0; c < c1; c++)
+            size += bounds[2 * (r * runs + c) + 1] - bounds[2 * (r * runs + c)] + 2;
+    unsigned char *out = PyMem_RawMalloc(size);
+    if (out == NULL) {
+        PyMem_RawFree(bounds);
+        return -1;
+    }
+    memcpy(out, data, start);
+    unsigned cut_h = r1 < mcu_rows ? (unsigned)((r1 - r0) * mcu_h) : image_h - (unsigned)(r0 * mcu_h);
+    unsigned cut_w = c1 < runs ? (unsigned)((c1 - c0) * k * mcu_w) : image_w - (unsigned)(c0 * k * mcu_w);
+    out[sof + 5] = (unsigned char)(cut_h >> 8);
+    out[sof + 6] = (unsigned char)cut_h;
+    out[sof + 7] = (unsigned char)(cut_w >> 8);
+    out[sof + 8] = (unsigned char)cut_w;
+    size_t o = start;
+    long n = 0;
+    for (long r = r0; r < r1; r++)
+        for (long c = c0; c < c1; c++, n++) {
+            if (n > 0) {
+                out[o++] = 0xFF;
+                out[o++] = (unsigned char)(0xD0 + (n - 1) % 8);
+            }
+            size_t b = bounds[2 * (r * runs + c)], e = bounds[2 * (r * runs + c) + 1];
+            memcpy(out + o, data + b, e - b);
+            o += e - b;
+        }
+    out[o++] = 0xFF;
+    out[o++] = 0xD9;
+    PyMem_RawFree(bounds);
+    cut->data = out;
+    cut->len = o;
+    cut->dy = r0 * mcu_h;
+    cut->dx = c0 * k * mcu_w;
+    return 0;
+}
+
 PyDoc_STRVAR(decode_region_doc,
 "decode_region(data, top, left, height, width, scale) -> (pixels, top, left, height, width)\n\n"
 "Decode the part of a JPEG (RGB or grayscale) that covers the box (top, left, height, width,\n"
@@ -103,6 +256,18 @@ static PyObject *decode(PyObject *args, int exact) {
         return PyErr_Format(PyExc_ValueError, "bad box (%ld, %ld, %ld, %ld)", top, left, height, width);
     }
 
+    struct cut cut;
+    if (cut_jpeg((const unsigned char *)data.buf, (size_t)data.len, top, left, height, width, &cut) < 0) {
+        PyBuffer_Release(&data);
+        return PyErr_NoMemory();
+    }
+    if (cut.data != NULL) { /* decode the smaller JPEG, the box moved into it */
+        PyBuffer_Release(&data);
+        PyBuffer_FillInfo(&data, NULL, cut.data, (Py_ssize_t)cut.len, 1, PyBUF_SIMPLE);
+        top -= cut.dy;
+        left -= cut.dx;
+    }
+
     struct jpeg_decompress_struct cinfo;
     struct error_mgr err;
     JSAMPROW scratch = NULL; /* exact: ROWS_AT_ONCE decoded rows, before they are cut to the box */
@@ -110,18 +275,21 @@ static PyObject *decode(PyObject *args, int exact) {
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
+        PyMem_RawFree(cut.data);
         return PyErr_Format(PyExc_ValueError, "JPEG: %s", err.message);
     }
     read_header(&cinfo, &data);
     if (!rgb_decodable(cinfo.jpeg_color_space)) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
+        PyMem_RawFree(cut.data);
         return PyErr_Format(PyExc_ValueError, "JPEG colour space %d is not RGB, YCbCr or grayscale", (int)cinfo.jpeg_color_space);
     }
     if (top + height > (long)cinfo.image_height || left + width > (long)cinfo.image_width) {
         long w = cinfo.image_width, h = cinfo.image_height;
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
+        PyMem_RawFree(cut.data);
         return PyErr_Format(PyExc_ValueError, "box (%ld, %ld, %ld, %ld) outside the %ldx%ld image", top, left, height, width, w, h);
     }
     cinfo.out_color_space = JCS_RGB;
@@ -153,6 +321,7 @@ static PyObject *decode(PyObject *args, int exact) {
     if (pixels == NULL) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
+        PyMem_RawFree(cut.data);
         return NULL;
     }
     unsigned char *out = (unsigned char *)PyByteArray_AS_STRING(pixels);
@@ -180,19 +349,22 @@ static PyObject *decode(PyObject *args, int exact) {
     if (failed) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
+        PyMem_RawFree(cut.data);
         Py_DECREF(pixels);
         return PyErr_Format(PyExc_ValueError, "JPEG: %s", err.message);
     }
     JDIMENSION out_width = cinfo.output_width;
     jpeg_destroy_decompress(&cinfo); /* the rows below the box are never decoded */
     PyBuffer_Release(&data);
+    PyMem_RawFree(cut.data);
     if (err.warning[0] != '\0') {
         Py_DECREF(pixels);
         return PyErr_Format(PyExc_ValueError, "corrupt JPEG data: %s", err.warning);
     }
     if (exact)
         return pixels;
-    return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)y0, (unsigned long)xoffset, (unsigned long)rows, (unsigned long)out_width);
+    long dy = cut.data != NULL ? cut.dy / scale : 0, dx = cut.data != NULL ? cut.dx / scale : 0;
+    return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)(y0 + dy), (unsigned long)(xoffset + dx), (unsigned long)rows, (unsigned long)out_width);
 }
 
 static PyObject *decode_region(PyObject *self, PyObject *args) {

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 from PIL import Image
+from support.data import same_jpeg_pixels
 
 import raywds.data.convert
 from raywds.config import TrainConfig
@@ -141,8 +142,12 @@ def test_odd_images_are_kept_and_broken_ones_skipped_and_listed(odd_tree: Path, 
     meta = {json.loads(s["json"])["source"]: json.loads(s["json"]) for s in samples}
     assert (meta["train/n01/png_named.JPEG"]["format"], meta["train/n01/cmyk.JPEG"]["mode"]) == ("PNG", "CMYK")
     assert meta["train/n01/gray.JPEG"]["mode"] == "L" and meta["train/n02/sub/deep.jpeg"]["class"] == "n02"
-    for s in samples:
-        assert s["jpg"] == (odd_tree / json.loads(s["json"])["source"]).read_bytes()
+    for s in samples:  # JPEGs the region decoder reads: the same pixels, restart markers added; the rest every byte
+        source, m = (odd_tree / json.loads(s["json"])["source"]).read_bytes(), json.loads(s["json"])
+        if m["format"] == "JPEG" and m["mode"] != "CMYK":
+            assert same_jpeg_pixels(s["jpg"], source), m["source"]
+        else:
+            assert s["jpg"] == source, m["source"]
     # the loader decodes every kept image, whatever its real format, to 3-channel RGB
     shutil.copytree(tmp_path / "out", tmp_path / "as_val")
     m = json.loads((tmp_path / "as_val" / "manifest.json").read_text())
@@ -232,7 +237,8 @@ def test_dotted_class_and_shared_stems_give_whole_samples(tmp_path: Path) -> Non
     assert sorted(sources) == sorted(f"train/{p.relative_to(src)}" for p in src.rglob("*") if p.is_file())
     for relpath, sample in sources.items():
         assert manifest["classes"][int(sample["cls"])] == relpath.split("/")[1] == json.loads(sample["json"])["class"]
-        assert (sample.get("jpg") or sample.get("png")) == (tmp_path / "src" / relpath).read_bytes()
+        source = (tmp_path / "src" / relpath).read_bytes()
+        assert same_jpeg_pixels(sample["jpg"], source) if "jpg" in sample else sample["png"] == source
         assert "." not in sample["__key__"] and "/" not in sample["__key__"]
     assert len({s["__key__"] for s in samples}) == 6
 
@@ -369,4 +375,26 @@ def test_max_side_downscales_large_images_only(odd_tree: Path, tmp_path: Path) -
         if meta["source"] == "train/n01/rgb.JPEG":
             assert meta["resized_from"] == [400, 300] and (meta["width"], meta["height"]) == (100, 75)
         else:
-            assert "resized_from" not in meta and sample["jpg"] == (odd_tree / meta["source"]).read_bytes()
+            assert "resized_from" not in meta
+            source = (odd_tree / meta["source"]).read_bytes()
+            if meta["format"] == "JPEG" and meta["mode"] != "CMYK":
+                assert same_jpeg_pixels(sample["jpg"], source), meta["source"]
+            else:
+                assert sample["jpg"] == source, meta["source"]
+
+
+def test_a_jpeg_libjpeg_finds_corrupt_is_skipped_unless_its_bytes_are_kept(tmp_path: Path) -> None:
+    """A marker in the middle of the entropy data: PIL's 1/8-scale look lets it through, libjpeg's
+    full read while adding restart markers does not (the region decoder would refuse it in training)."""
+    good = encoded("RGB", "JPEG", (400, 300))
+    scan = good.index(b"\xff\xda")
+    for name, data in (("good.JPEG", good), ("damaged.JPEG", good[: scan + 40] + b"\xff\xd3" + good[scan + 40 :])):
+        (tmp_path / "src" / "train" / "n01").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / "train" / "n01" / name).write_bytes(data)
+    manifest = convert(tmp_path / "src", tmp_path / "out", ConvertOptions())
+    assert manifest["splits"]["train"]["num_samples"] == 1
+    assert [(s["path"], s["reason"].split(":")[0]) for s in manifest["skipped"]] == [
+        ("train/n01/damaged.JPEG", "corrupt JPEG data")
+    ]
+    kept = convert(tmp_path / "src", tmp_path / "kept", ConvertOptions(keep_jpeg_bytes=True))
+    assert kept["splits"]["train"]["num_samples"] == 2 and kept["skipped"] == []

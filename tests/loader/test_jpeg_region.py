@@ -1,6 +1,7 @@
 """raywds.loader._jpeg, the region decoder: the pixels of any box, at any DCT scale, must be exactly
-those of decoding the whole image, for every JPEG layout a photo collection holds. (The
-region may be wider than the box; only the box's pixels are promised.)"""
+those of decoding the whole image, for every JPEG layout a photo collection holds, and for
+JPEGs as convert rewrites them (restart markers the decoder cuts a box's rows and columns at).
+(The region may be wider than the box; only the box's pixels are promised.)"""
 
 from __future__ import annotations
 
@@ -16,17 +17,19 @@ from raywds.loader import decode
 
 need_jpeg_extension()
 
+from raywds.data._restarts import add_restarts  # noqa: E402
 from raywds.loader._jpeg import decode_box, decode_region  # noqa: E402
 
 
-def jpeg(width: int, height: int, mode: str = "RGB", **save: object) -> bytes:
-    """Colourful noise, so chroma upsampling and any off-by-one show."""
+def jpeg(width: int, height: int, mode: str = "RGB", rewritten: bool = False, **save: object) -> bytes:
+    """Colourful noise, so chroma upsampling and any off-by-one show; `rewritten` as convert
+    stores it, with restart markers the decoder cuts the JPEG at."""
     rng = np.random.default_rng(width * height)
     small = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
     img = Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC).convert(mode)
     out = io.BytesIO()
     img.save(out, format="JPEG", quality=92, **save)
-    return out.getvalue()
+    return add_restarts(out.getvalue()) or b"" if rewritten else out.getvalue()
 
 
 def whole(data: bytes, scale: int = 1) -> np.ndarray:
@@ -62,6 +65,11 @@ LAYOUTS = {
     "4:4:4": dict(subsampling=0),
     "progressive": dict(subsampling=2, progressive=True),
     "restart markers": dict(subsampling=2, restart_marker_blocks=3),
+    "4:2:0, rewritten": dict(subsampling=2, rewritten=True),
+    "4:2:2, rewritten": dict(subsampling=1, rewritten=True),
+    "4:4:4, rewritten": dict(subsampling=0, rewritten=True),
+    "grayscale, rewritten": dict(mode="L", rewritten=True),
+    "progressive, rewritten": dict(subsampling=2, progressive=True, rewritten=True),
 }
 
 
@@ -140,3 +148,45 @@ def test_what_it_refuses() -> None:
         decode_box(data, 0, 0, 10, 0)
     with pytest.raises(ValueError, match="corrupt JPEG data"):
         decode_box(data[: len(data) // 2], 40, 0, 8, 64)  # a cut file: libjpeg would fill in grey
+
+
+def runs_of(data: bytes) -> list[int]:
+    """Where each restart marker of a JPEG's scan starts."""
+    start = data.index(b"\xff\xda")
+    return [i for i in range(start, len(data) - 1) if data[i] == 0xFF and 0xD0 <= data[i + 1] <= 0xD7]
+
+
+@pytest.mark.parametrize("width", [333, 368])  # 21 MCUs a row (7 runs of 3); 23, a prime (one run a row)
+def test_a_rewritten_jpeg_cut_to_the_box_gives_the_original_pixels(width: int) -> None:
+    height = 251
+    original = jpeg(width, height, subsampling=2)
+    rewritten = add_restarts(original)
+    runs = {333: 7, 368: 1}[width]  # a row's runs: as near 8 as a divisor of its MCUs allows
+    assert rewritten is not None and len(runs_of(rewritten)) == 16 * runs - 1  # 16 MCU rows
+    full = whole(original)
+    for top, left, h, w in boxes(width, height, 60, seed=width):
+        got = np.frombuffer(decode_box(rewritten, top, left, h, w), dtype=np.uint8).reshape(h, w, 3)
+        np.testing.assert_array_equal(got, full[top : top + h, left : left + w], err_msg=f"box {(top, left, h, w)}")
+        for scale in (2, 4, 8):  # the region, and where it says it starts, as for the original
+            assert decode_region(rewritten, top, left, h, w, scale) == decode_region(original, top, left, h, w, scale)
+
+
+def test_the_cut_never_reads_the_rows_above_the_box() -> None:
+    """Damage in the first run (bytes libjpeg finds no use for before the first restart marker)
+    fails a box that needs the first MCU row, and not one further down: the decoder read only the
+    runs the box needs."""
+    data = jpeg(333, 251, subsampling=2, rewritten=True)
+    first = runs_of(data)[0]
+    damaged = data[:first] + b"\x00" * 8 + data[first:]
+    with pytest.raises(ValueError, match="corrupt JPEG data"):
+        decode_box(damaged, 0, 0, 16, 16)
+    assert decode_box(damaged, 120, 100, 60, 80) == decode_box(data, 120, 100, 60, 80)
+
+
+def test_a_misnumbered_restart_marker_is_not_cut_at() -> None:
+    """Markers out of order are decoded as they stand, so libjpeg's complaint reaches the caller."""
+    data = bytearray(jpeg(333, 251, subsampling=2, rewritten=True))
+    second = runs_of(bytes(data))[1]
+    data[second + 1] = 0xD5
+    with pytest.raises(ValueError, match="corrupt JPEG data"):
+        decode_box(bytes(data), 200, 200, 40, 40)

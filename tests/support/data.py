@@ -1,14 +1,17 @@
-"""The tests' data: the demo tree's size, shards made and re-cut, and the sample keys read
-straight from the tars (not through raywds), by which audits are checked."""
+"""The tests' data: the demo tree's size, shards made and re-cut, the sample keys read
+straight from the tars (not through raywds), by which audits are checked, and what convert keeps
+of a JPEG."""
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.demo import DemoSpec, write_tree
@@ -82,3 +85,19 @@ def audited(files: Iterable[Path], shards: Path) -> Counter:
 def epoch_keys(audit: Path, epoch: int, data: Path) -> Counter:
     """Keys trained on in `epoch`, over every rank and process that wrote audit files to `audit`."""
     return audited(audit.glob(f"epoch{epoch:04d}-*.ids"), data)
+
+
+def pixels(data: bytes) -> np.ndarray:
+    """An image's RGB pixels as PIL decodes them."""
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"))
+
+
+def has_restart_markers(jpeg: bytes) -> bool:
+    """A DRI marker before the scan: what raywds.data.convert's `with_restarts` writes."""
+    return b"\xff\xdd" in jpeg[: jpeg.index(b"\xff\xda")]
+
+
+def same_jpeg_pixels(stored: bytes, source: bytes) -> bool:
+    """What convert keeps of a JPEG: the same pixels, with restart markers added."""
+    return has_restart_markers(stored) and np.array_equal(pixels(stored), pixels(source))

@@ -48,14 +48,16 @@ def small_config(data: str | Path, **overrides: object) -> TrainConfig:
 
 
 def need_jpeg_extension() -> None:
-    """Skip where raywds.loader._jpeg was not built, except under RAYWDS_REQUIRE_JPEG_EXT (set by
-    .ci/run): there its absence is a failure."""
+    """Skip where raywds.loader._jpeg or raywds.data._restarts was not built, except under
+    RAYWDS_REQUIRE_JPEG_EXT (set by .ci/run): there their absence is a failure."""
+    from raywds.data import convert
     from raywds.loader import decode
 
-    if decode._jpeg is None:
-        if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
-            pytest.fail("raywds.loader._jpeg was not built (a C compiler and libjpeg's headers are needed)")
-        pytest.skip("raywds.loader._jpeg was not built", allow_module_level=True)
+    for name, module in (("raywds.loader._jpeg", decode._jpeg), ("raywds.data._restarts", convert._restarts)):
+        if module is None:
+            if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
+                pytest.fail(f"{name} was not built (a C compiler and libjpeg's headers are needed)")
+            pytest.skip(f"{name} was not built", allow_module_level=True)
 
 
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "raywds.train.trainer", "raywds.loader.loader"]
