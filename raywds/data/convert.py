@@ -111,10 +111,7 @@ def downscale(data: bytes, meta: dict[str, Any], max_side_px: int) -> bytes:
 class ShardJob:
     path: Path
     sources: list[Source]
-    strict: bool
-    max_side_px: int | None
-    restarts: bool
-    """Rewrite JPEGs with restart markers (`with_restarts`)."""
+    options: ConvertOptions
     done: dict[str, Any] | None
     """The journal's record of this shard from an earlier run, if any."""
 
@@ -131,12 +128,13 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
             data = source.path.read_bytes()
             try:
                 meta = inspect_image(data)
-                if job.max_side_px and max(meta["width"], meta["height"]) > job.max_side_px:
-                    data = downscale(data, meta, job.max_side_px)
-                if job.restarts and meta["format"] == "JPEG":
+                limit = job.options.max_side_px
+                if limit and max(meta["width"], meta["height"]) > limit:
+                    data = downscale(data, meta, limit)
+                if not job.options.keep_jpeg_bytes and meta["format"] == "JPEG":
                     data = with_restarts(data)  # libjpeg reads every byte: damage PIL lets through stops here
             except ValueError as e:
-                if job.strict:
+                if job.options.strict:
                     raise DataError(f"{source.path}: {e} (without --strict it would be skipped and listed)") from None
                 skipped.append({"path": source.relpath, "reason": str(e)})
                 continue
@@ -247,19 +245,7 @@ def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[st
     for split, sources in found.splits.items():
         for i, shard in enumerate(plan_shards(sources, split, options)):
             name = f"{options.prefix}-{split}-{i:06d}.tar"
-            jobs.append(
-                (
-                    split,
-                    ShardJob(
-                        out / name,
-                        shard,
-                        options.strict,
-                        options.max_side_px,
-                        not options.keep_jpeg_bytes,
-                        done.get(name),
-                    ),
-                )
-            )
+            jobs.append((split, ShardJob(out / name, shard, options, done.get(name))))
     records: dict[str, dict[str, Any]] = {}
     total_bytes = sum(s.num_bytes for _, job in jobs for s in job.sources)
     start = time.perf_counter()

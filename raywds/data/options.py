@@ -35,4 +35,4 @@ class ConvertOptions:
     max_side_px: int | None = field(default=None, metadata=flag("--max-side"))
     """Downscale images whose longer side exceeds this (re-encoded, for fast experiments); None keeps every byte."""
     keep_jpeg_bytes: bool = False
-    """Keep JPEGs byte for byte (else: restart markers added losslessly, ~1% larger; a crop decodes 14% faster)."""
+    """Keep JPEGs byte for byte (else restart markers are added losslessly: a training crop then decodes faster)."""

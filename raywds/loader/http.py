@@ -54,8 +54,8 @@ class ReadPolicy:
     s3_endpoint: str | None = None
     """The S3-compatible store for s3:// shards (None: AWS_ENDPOINT_URL, else AWS)."""
     prefetch_bytes: int = 256 << 20
-    """Fetch the next http or s3 shard whole while the current one is decoded, when it is at
-    most this big (one shard ahead per reader); 0: never."""
+    """Read the next shard (a file, http or s3; not a `pipe:` command) whole while the current
+    one is decoded, when it is at most this big (one shard ahead per reader); 0: never."""
 
 
 def _status_error(url: str, status: int, reason: str) -> ShardError:

@@ -25,7 +25,6 @@ from typing import Any, BinaryIO
 import webdataset as wds
 
 from raywds.data import tars
-from raywds.data.manifest import is_url
 from raywds.errors import ShardError
 from raywds.loader.http import ReadPolicy, open_shard
 
@@ -156,7 +155,7 @@ def _reason(e: BaseException) -> str:
 
 
 class Prefetch:
-    """A remote shard fetched whole in a thread, while the reader decodes the one before it.
+    """A shard fetched whole in a thread, while the reader decodes the one before it.
     What the fetch raises is raised when the shard's turn comes, as if it had been opened then."""
 
     def __init__(self, url: str, policy: ReadPolicy, shard: Expected, failures: Failures):
@@ -197,7 +196,10 @@ def _with_next(items: Iterable[dict[str, Any]]) -> Iterator[tuple[dict[str, Any]
 
 
 def _prefetching(url: str, shard: Expected, policy: ReadPolicy) -> bool:
-    return is_url(url) and 0 < (shard.num_bytes or policy.prefetch_bytes + 1) <= policy.prefetch_bytes
+    """A shard of known size up to `prefetch_bytes`, local or remote: a local one too, as this
+    hides the disk's wait (a loader worker spent half its reading time on it where the page cache
+    had let go of the shards; docs/performance.md). Not a `pipe:` command, which streams."""
+    return not url.startswith("pipe:") and 0 < (shard.num_bytes or policy.prefetch_bytes + 1) <= policy.prefetch_bytes
 
 
 def tar_samples(

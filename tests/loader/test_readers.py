@@ -256,6 +256,30 @@ def test_cache_dir_keeps_every_shard_a_pass_reads(shards: Path, tmp_path: Path, 
         assert cache_path(policy.cache_dir or "", url).read_bytes() == (shards / shard.name).read_bytes(), url
 
 
+@pytest.mark.parametrize("prefetch_bytes", [256 << 20, 0])
+def test_the_next_local_shard_is_read_ahead(shards: Path, tmp_path: Path, prefetch_bytes: int) -> None:
+    """While the first shard is decoded, the next one is read whole (a file, as a remote shard):
+    its file emptied after the read-ahead finished still gives every sample. Without prefetching
+    it is opened in its turn, and the emptied file is an error."""
+    first, second = read_manifest(str(shards)).shards("train")[:2]
+    for shard in (first, second):
+        shutil.copy(shards / shard.name, tmp_path / shard.name)
+    urls = [str(tmp_path / first.name), str(tmp_path / second.name)]
+    entries = {u: Expected(s.num_samples, s.num_bytes, s.sha256) for u, s in zip(urls, (first, second))}
+    samples = tar_samples([{"url": u} for u in urls], ReadPolicy(prefetch_bytes=prefetch_bytes), entries)
+    keys = [next(samples)["__key__"]]
+    for thread in threading.enumerate():
+        if thread.name == "prefetch":
+            thread.join()
+    (tmp_path / second.name).write_bytes(b"")
+    if prefetch_bytes:
+        keys += [sample["__key__"] for sample in samples]
+        assert keys == tar_keys(shards)[: first.num_samples + second.num_samples]
+    else:
+        with pytest.raises(ShardError, match=second.name):
+            list(samples)
+
+
 def test_cache_dir_refuses_a_copy_that_does_not_match_the_manifest(shards: Path, tmp_path: Path) -> None:
     shard = read_manifest(str(shards)).shards("train")[0]
     policy = ReadPolicy(cache_dir=str(tmp_path / "cache"))
