@@ -73,11 +73,11 @@ static JDIMENSION ceil_div(long a, long b) { return (JDIMENSION)((a + b - 1) / b
  * In a baseline JPEG with a restart marker every k MCUs, k dividing an MCU row (what
  * `raywds convert` writes: raywds.data._restarts), each run of k MCUs between two markers is coded
  * on its own: the DC predictions restart at zero and the run starts on a byte. The MCU rows and
- * column runs that cover a box (one MCU more on every side, which chroma upsampling reads) can
+ * column runs that cover a box (and the chroma samples beside it, which upsampling reads) can
  * then be copied out as a smaller JPEG of their own, its markers renumbered, and libjpeg
  * entropy-decodes only those instead of every row above the box at full width. The pixels are
  * the same as the whole image's: every block keeps its coefficients, and every pixel of the box
- * keeps the neighbours its upsampling reads. Any other JPEG is decoded as it is. */
+ * keeps the chroma samples its upsampling reads. Any other JPEG is decoded as it is. */
 
 struct cut {
     unsigned char *data; /* the smaller JPEG (PyMem_RawMalloc), NULL when there is none */
@@ -90,7 +90,8 @@ static unsigned read16(const unsigned char *p) { return ((unsigned)p[0] << 8) | 
 /* The box's smaller JPEG in cut->data, or cut->data NULL (no restart markers to cut at, nothing
  * to gain, or anything unexpected: the caller decodes the original, which reports any damage).
  * Returns -1 only when memory ran out. */
-static int cut_jpeg(const unsigned char *data, size_t len, long top, long left, long height, long width, struct cut *cut) {
+static int cut_jpeg(const unsigned char *data, size_t len, long top, long left, long height, long width, int scale,
+                    struct cut *cut) {
     cut->data = NULL;
     size_t i = 2, sof = 0, start = 0;
     unsigned image_h = 0, image_w = 0, ncomp = 0, hmax = 1, vmax = 1, k = 0;
@@ -142,11 +143,13 @@ static int cut_jpeg(const unsigned char *data, size_t len, long top, long left, 
     if (per_row % k != 0)
         return 0;
     long runs = per_row / k; /* runs of k MCUs in a row */
-    long r0 = top / mcu_h - 1, r1 = (top + height + mcu_h - 1) / mcu_h + 1;
-    long c0 = left / mcu_w - 1, c1 = (left + width - 1) / mcu_w + 1;
-    if (r0 < 0) r0 = 0;
+    /* The MCUs under the box widened by `margin` pixels: fancy chroma upsampling makes a pixel
+     * from the chroma samples beside its own, one chroma sample (2 pixels, 2 x scale at 1/scale)
+     * away. Inside the cut those are the same samples as in the whole image. */
+    long margin = 2L * scale;
+    long r0 = top > margin ? (top - margin) / mcu_h : 0, r1 = (top + height + margin + mcu_h - 1) / mcu_h;
+    long c0 = left > margin ? (left - margin) / mcu_w : 0, c1 = (left + width - 1 + margin) / mcu_w;
     if (r1 > mcu_rows) r1 = mcu_rows;
-    if (c0 < 0) c0 = 0;
     if (c1 > per_row - 1) c1 = per_row - 1;
     c0 /= k;
     c1 = c1 / k + 1; /* runs c0 .. c1 - 1 */
@@ -257,7 +260,7 @@ static PyObject *decode(PyObject *args, int exact) {
     }
 
     struct cut cut;
-    if (cut_jpeg((const unsigned char *)data.buf, (size_t)data.len, top, left, height, width, &cut) < 0) {
+    if (cut_jpeg((const unsigned char *)data.buf, (size_t)data.len, top, left, height, width, scale, &cut) < 0) {
         PyBuffer_Release(&data);
         return PyErr_NoMemory();
     }
@@ -303,6 +306,7 @@ static PyObject *decode(PyObject *args, int exact) {
     JDIMENSION y0 = floor_div(top, scale), y1 = ceil_div(top + height, scale);
     JDIMENSION x0 = floor_div(left, scale), x1 = ceil_div(left + width, scale) + 1;
     if (x0 > 0) x0 -= 1;
+    if (x1 < x0 + 3) x1 = x0 + 3; /* a crop 2 pixels wide (1 chroma sample) upsamples wrong */
     if (y1 > cinfo.output_height) y1 = cinfo.output_height;
     if (x1 > cinfo.output_width) x1 = cinfo.output_width;
     JDIMENSION xoffset = x0, xwidth = x1 - x0;

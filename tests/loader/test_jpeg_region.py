@@ -51,6 +51,7 @@ def boxes(width: int, height: int, n: int, seed: int) -> list[tuple[int, int, in
         (0, width - 17, height, 17),
         (height - 9, 0, 9, width),
         (7, 3, 17, 40),  # around the 16 rows libjpeg is asked for at once
+        (5, 0, 1, 1),  # a crop of 2 pixels (1 chroma sample) upsamples wrong: widened to 3
         (5, 0, 33, width),
     ]
     for _ in range(n):
