@@ -3,10 +3,12 @@
     .venv/bin/python benchmarks/convert_bench.py [--images ../shared/data/imagenet-sample-100] [--copies 8]
 
 Builds a tree of `copies` x the sample images (train/<wnid>/...), then converts it with 1 worker
-(the baseline) and with 2, in the same run; then again each in a fresh process, as `raywds
-convert` runs, so the time to import raywds.data.convert counts too (and what it imports: it
-should not be torch); and times per image: header parse only (baseline), the draft-mode decode
-`convert` does, and a full decode.
+(the baseline) and with 2, in the same run, and with 1 worker and `--keep-jpeg-bytes` (no
+restart markers added: what that step costs, and how much bigger the shards are with them);
+then again each in a fresh process, as `raywds convert` runs, so the time to import
+raywds.data.convert counts too (and what it imports: it should not be torch); and times per
+image: header parse only (baseline), the draft-mode decode `convert` does, a full decode, and
+adding restart markers (`with_restarts`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from pathlib import Path
 
 from PIL import Image
 
-from raywds.data.convert import ConvertOptions, convert, inspect_image
+from raywds.data.convert import ConvertOptions, convert, inspect_image, with_restarts
+
+
+def shard_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.tar"))
 
 
 def build_tree(images: list[Path], copies: int, root: Path) -> int:
@@ -67,6 +73,8 @@ def per_image_ms(datas: list[bytes], check: str) -> float:
                 _ = img.size  # the header only: Image.open reads no pixels
         elif check == "draft":
             inspect_image(data)
+        elif check == "restarts":
+            with_restarts(data)
         else:
             with Image.open(io.BytesIO(data)) as img:
                 img.load()
@@ -97,6 +105,15 @@ def main() -> None:
                 f"{num_bytes / seconds / 1e6:.1f} MB/s"
             )
         print(f"ratio workers 2 / workers 1: {rates[2] / rates[1]:.2f}x")
+        start = time.perf_counter()
+        kept = ConvertOptions(maxcount=100, num_workers=1, keep_jpeg_bytes=True)
+        convert(root / "src", root / "kept", kept)
+        seconds = time.perf_counter() - start
+        print(
+            f"convert --workers 1 --keep-jpeg-bytes: {seconds:.2f} s  {num_files / seconds:.0f} files/s; "
+            f"restart markers / bytes kept: {rates[1] / (num_files / seconds):.2f}x the files/s, "
+            f"{shard_bytes(root / 'out1') / shard_bytes(root / 'kept'):.4f}x the shards' bytes"
+        )
         seconds, imported, heavy = fresh_process()
         print(
             f"fresh process, import raywds.data.convert only: {seconds:.2f} s (import {imported:.2f} s; loads {heavy})"
@@ -110,7 +127,7 @@ def main() -> None:
             )
         print(f"fresh process ratio workers 2 / workers 1: {rates[2] / rates[1]:.2f}x")
     datas = [p.read_bytes() for p in images] * 3
-    cost = {check: per_image_ms(datas, check) for check in ("header", "draft", "full")}
+    cost = {check: per_image_ms(datas, check) for check in ("header", "draft", "full", "restarts")}
     for check, ms in cost.items():
         print(f"check {check:6s}: {ms:.2f} ms/image  ({ms / cost['header']:.1f}x header only)")
     print(f"draft / full decode: {cost['draft'] / cost['full']:.2f}")

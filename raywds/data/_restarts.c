@@ -80,6 +80,32 @@ static unsigned run_length(unsigned per_row) {
     return best;
 }
 
+/* A baseline JPEG of one scan: its AC Huffman tables, each component's as it was, for the
+ * rewrite. The rewrite codes the same coefficients in the same order, so every AC symbol it
+ * writes was in the source and has a code; only the DC differences change (a run starts from
+ * zero), and libjpeg's standard DC tables, already set, have a code for every one. That saves
+ * the pass that counts symbols for optimal tables (half of the rewrite's time); any other JPEG
+ * gets optimal tables. Returns whether it kept them. */
+static int keep_ac_tables(struct jpeg_decompress_struct *src, struct jpeg_compress_struct *dst) {
+    if (src->progressive_mode || src->arith_code || src->input_scan_number != 1 || src->comps_in_scan != src->num_components)
+        return 0;
+    for (int c = 0; c < src->num_components; c++) {
+        int n = src->comp_info[c].ac_tbl_no;
+        if (n < 0 || n >= NUM_HUFF_TBLS || src->ac_huff_tbl_ptrs[n] == NULL)
+            return 0;
+    }
+    for (int c = 0; c < src->num_components; c++) {
+        int n = src->comp_info[c].ac_tbl_no;
+        if (dst->ac_huff_tbl_ptrs[n] == NULL)
+            dst->ac_huff_tbl_ptrs[n] = jpeg_alloc_huff_table((j_common_ptr)dst);
+        memcpy(dst->ac_huff_tbl_ptrs[n]->bits, src->ac_huff_tbl_ptrs[n]->bits, sizeof src->ac_huff_tbl_ptrs[n]->bits);
+        memcpy(dst->ac_huff_tbl_ptrs[n]->huffval, src->ac_huff_tbl_ptrs[n]->huffval, sizeof src->ac_huff_tbl_ptrs[n]->huffval);
+        dst->ac_huff_tbl_ptrs[n]->sent_table = FALSE;
+        dst->comp_info[c].ac_tbl_no = n;
+    }
+    return 1;
+}
+
 static PyObject *add_restarts(PyObject *self, PyObject *args) {
     Py_buffer data;
     (void)self;
@@ -135,7 +161,7 @@ static PyObject *add_restarts(PyObject *self, PyObject *args) {
     dst_made = 1;
     jpeg_mem_dest(&dst, &out, &out_len);
     jpeg_copy_critical_parameters(&src, &dst);
-    dst.optimize_coding = TRUE;
+    dst.optimize_coding = !keep_ac_tables(&src, &dst);
     dst.restart_interval = k;
     jpeg_write_coefficients(&dst, coefficients);
     for (jpeg_saved_marker_ptr m = src.marker_list; m != NULL; m = m->next) {

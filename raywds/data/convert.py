@@ -68,16 +68,19 @@ def plan_shards(sources: list[Source], split: str, options: ConvertOptions) -> l
     return shards
 
 
-def inspect_image(data: bytes) -> dict[str, Any]:
+def inspect_image(data: bytes, *, decode_jpeg: bool = True) -> dict[str, Any]:
     """The real format, mode and size of an image; raises ValueError if it cannot be decoded.
 
     JPEGs are decoded at 1/8 scale (PIL draft mode): that still reads every byte of the
-    entropy-coded data, so truncation is caught, at about 60% of a full decode's cost."""
+    entropy-coded data, so truncation is caught, at about 60% of a full decode's cost. Without
+    `decode_jpeg` a JPEG's header alone is read (the caller checks the rest)."""
     if not data:
         raise ValueError("empty file")
     try:
         with Image.open(io.BytesIO(data)) as img:
             meta = {"format": img.format, "mode": img.mode, "width": img.width, "height": img.height}
+            if img.format == "JPEG" and not decode_jpeg:
+                return meta
             if img.format == "JPEG":
                 img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
             img.load()
@@ -92,6 +95,26 @@ def with_restarts(data: bytes) -> bytes:
     extension or for a JPEG the region decoder does not read (CMYK). Raises ValueError for data
     libjpeg finds corrupt or truncated."""
     return (_restarts.add_restarts(data) if _restarts is not None else None) or data
+
+
+def stored(data: bytes, options: ConvertOptions) -> tuple[bytes, dict[str, Any]]:
+    """What a sample keeps of an image file, and the image's meta; raises ValueError for one that
+    cannot be read. A JPEG gets restart markers (`with_restarts`): adding them reads every byte
+    with libjpeg, which stops at damage, so the draft decode that checks a JPEG is left out then."""
+    rewrite = not options.keep_jpeg_bytes and _restarts is not None
+    limit = options.max_side_px
+    meta = inspect_image(data, decode_jpeg=not rewrite or bool(limit))
+    if limit and max(meta["width"], meta["height"]) > limit:
+        data = downscale(data, meta, limit)
+    if rewrite and meta["format"] == "JPEG":
+        try:
+            rewritten = _restarts.add_restarts(data)
+        except ValueError as e:  # truncated, or damage PIL's draft decode lets through
+            raise ValueError(f"not a readable image ({e})") from None
+        if rewritten is None and not limit:  # CMYK or YCCK, kept as it is: checked as any JPEG
+            inspect_image(data)
+        data = rewritten or data
+    return data, meta
 
 
 def downscale(data: bytes, meta: dict[str, Any], max_side_px: int) -> bytes:
@@ -127,12 +150,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
         for source in job.sources:
             data = source.path.read_bytes()
             try:
-                meta = inspect_image(data)
-                limit = job.options.max_side_px
-                if limit and max(meta["width"], meta["height"]) > limit:
-                    data = downscale(data, meta, limit)
-                if not job.options.keep_jpeg_bytes and meta["format"] == "JPEG":
-                    data = with_restarts(data)  # libjpeg reads every byte: damage PIL lets through stops here
+                data, meta = stored(data, job.options)
             except ValueError as e:
                 if job.options.strict:
                     raise DataError(f"{source.path}: {e} (without --strict it would be skipped and listed)") from None

@@ -394,7 +394,7 @@ def test_a_jpeg_libjpeg_finds_corrupt_is_skipped_unless_its_bytes_are_kept(tmp_p
     manifest = convert(tmp_path / "src", tmp_path / "out", ConvertOptions())
     assert manifest["splits"]["train"]["num_samples"] == 1
     assert [(s["path"], s["reason"].split(":")[0]) for s in manifest["skipped"]] == [
-        ("train/n01/damaged.JPEG", "corrupt JPEG data")
+        ("train/n01/damaged.JPEG", "not a readable image (corrupt JPEG data")
     ]
     kept = convert(tmp_path / "src", tmp_path / "kept", ConvertOptions(keep_jpeg_bytes=True))
     assert kept["splits"]["train"]["num_samples"] == 2 and kept["skipped"] == []
