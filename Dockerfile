@@ -33,7 +33,7 @@ RUN set -eux; \
     apt-get purge -y --auto-remove $build; \
     apt-get clean; \
     rm -rf /src /var/lib/apt/lists/* /root/.cache; \
-    python3 -c 'from raywds.loader import _jpeg'; \
+    python3 -c 'from raywds.loader import _jpeg; from raywds.data import _restarts'; \
     useradd --create-home --shell /bin/bash --uid 1000 raywds 2>/dev/null \
         || useradd --create-home --shell /bin/bash raywds  # Ubuntu 24.04 bases have uid 1000 already
 

@@ -13,18 +13,23 @@ import os
 from setuptools import Extension, setup
 
 required = bool(os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"))
-jpeg = Extension(
-    "raywds.loader._jpeg",
-    ["raywds/loader/_jpeg.c"],
-    libraries=["jpeg"],
-    extra_compile_args=["-O2"],
-    optional=not required,
+
+
+def extension(name: str, source: str) -> Extension:
+    """A C extension over libjpeg; its errors and warnings are handled as jpeg_errors.h says."""
+    return Extension(
+        name,
+        [source],
+        depends=["raywds/data/jpeg_errors.h"],
+        libraries=["jpeg"],
+        extra_compile_args=["-O2"],
+        optional=not required,
+    )
+
+
+setup(
+    ext_modules=[
+        extension("raywds.loader._jpeg", "raywds/loader/_jpeg.c"),
+        extension("raywds.data._restarts", "raywds/data/_restarts.c"),
+    ]
 )
-restarts = Extension(
-    "raywds.data._restarts",
-    ["raywds/data/_restarts.c"],
-    libraries=["jpeg"],
-    extra_compile_args=["-O2"],
-    optional=not required,
-)
-setup(ext_modules=[jpeg, restarts])

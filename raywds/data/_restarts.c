@@ -14,47 +14,13 @@
 
 #include <jpeglib.h>
 
-struct error_mgr {
-    struct jpeg_error_mgr pub;
-    jmp_buf jump;
-    char message[JMSG_LENGTH_MAX];
-    char warning[JMSG_LENGTH_MAX]; /* the first warning, empty when there was none */
-};
-
-static void on_error(j_common_ptr cinfo) {
-    struct error_mgr *err = (struct error_mgr *)cinfo->err;
-    (*cinfo->err->format_message)(cinfo, err->message);
-    longjmp(err->jump, 1);
-}
-
-/* Warnings (corrupt entropy data, a premature end of the file) are kept, to fail on: libjpeg
- * would go on and write what it made up. Trace messages (level > 0) are dropped. */
-static void on_message(j_common_ptr cinfo, int level) {
-    struct error_mgr *err = (struct error_mgr *)cinfo->err;
-    if (level >= 0)
-        return;
-    cinfo->err->num_warnings++;
-    if (err->warning[0] == '\0')
-        (*cinfo->err->format_message)(cinfo, err->warning);
-}
-
-/* An error manager whose errors jump to err->jump and whose warnings are kept in err->warning. */
-static struct jpeg_error_mgr *catch_errors(struct error_mgr *err) {
-    jpeg_std_error(&err->pub);
-    err->pub.error_exit = on_error;
-    err->pub.emit_message = on_message;
-    err->message[0] = '\0';
-    err->warning[0] = '\0';
-    return &err->pub;
-}
-
-/* The colour spaces the region decoder turns into RGB (not CMYK or YCCK). */
-static int rgb_decodable(J_COLOR_SPACE space) { return space == JCS_YCbCr || space == JCS_GRAYSCALE || space == JCS_RGB; }
+#include "jpeg_errors.h"
 
 PyDoc_STRVAR(add_restarts_doc,
 "add_restarts(data) -> bytes or None\n\n"
 "The same JPEG, losslessly rewritten (its DCT coefficients copied, not re-encoded) as one\n"
-"baseline scan with optimised Huffman tables and a restart marker every k MCUs, k dividing an\n"
+"baseline scan (its own AC Huffman tables, libjpeg's standard DC tables; optimal ones for a\n"
+"progressive JPEG) with a restart marker every k MCUs, k dividing an\n"
 "MCU row into about 8 runs (one run a row when no such k exists), its other markers (EXIF, ICC,\n"
 "comments) kept: raywds.loader._jpeg then cuts it to a box before decoding it, to\n"
 "the same pixels. None for a JPEG they do not decode (CMYK, YCCK, 12-bit).\n"

@@ -16,38 +16,7 @@
 
 #include <jpeglib.h>
 
-struct error_mgr {
-    struct jpeg_error_mgr pub;
-    jmp_buf jump;
-    char message[JMSG_LENGTH_MAX];
-    char warning[JMSG_LENGTH_MAX]; /* the first warning, empty when there was none */
-};
-
-static void on_error(j_common_ptr cinfo) {
-    struct error_mgr *err = (struct error_mgr *)cinfo->err;
-    (*cinfo->err->format_message)(cinfo, err->message);
-    longjmp(err->jump, 1);
-}
-
-/* Warnings (corrupt entropy data, a premature end of the file) are kept: libjpeg goes on and
- * fills what it could not read with grey, so decode_region reports them as errors rather than
- * hand garbage pixels to training. Trace messages (level > 0) are dropped. */
-static void on_message(j_common_ptr cinfo, int level) {
-    struct error_mgr *err = (struct error_mgr *)cinfo->err;
-    if (level >= 0)
-        return;
-    cinfo->err->num_warnings++;
-    if (err->warning[0] == '\0')
-        (*cinfo->err->format_message)(cinfo, err->warning);
-}
-
-/* libjpeg errors jump back to the caller's setjmp(err->jump); warnings are kept in err->warning. */
-static void catch_errors(struct jpeg_decompress_struct *cinfo, struct error_mgr *err) {
-    cinfo->err = jpeg_std_error(&err->pub);
-    err->pub.error_exit = on_error;
-    err->pub.emit_message = on_message;
-    err->warning[0] = '\0';
-}
+#include "../data/jpeg_errors.h"
 
 /* After the caller's setjmp: a decompressor over `data`, its header read. */
 static void read_header(struct jpeg_decompress_struct *cinfo, const Py_buffer *data) {
@@ -55,9 +24,6 @@ static void read_header(struct jpeg_decompress_struct *cinfo, const Py_buffer *d
     jpeg_mem_src(cinfo, (const unsigned char *)data->buf, (unsigned long)data->len);
     jpeg_read_header(cinfo, TRUE);
 }
-
-/* The colour spaces libjpeg turns into RGB (not CMYK or YCCK). */
-static int rgb_decodable(J_COLOR_SPACE space) { return space == JCS_YCbCr || space == JCS_GRAYSCALE || space == JCS_RGB; }
 
 /* Scanlines asked of libjpeg at once. One at a time, its upsampler and colour converter
  * do part of each call's work twice for 4:2:0 JPEGs (two output rows a chroma row): 16 rows (an
@@ -274,7 +240,7 @@ static PyObject *decode(PyObject *args, int exact) {
     struct jpeg_decompress_struct cinfo;
     struct error_mgr err;
     JSAMPROW scratch = NULL; /* exact: ROWS_AT_ONCE decoded rows, before they are cut to the box */
-    catch_errors(&cinfo, &err);
+    cinfo.err = catch_errors(&err);
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);
@@ -393,7 +359,7 @@ static PyObject *size(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*", &data))
         return NULL;
-    catch_errors(&cinfo, &err);
+    cinfo.err = catch_errors(&err);
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
         PyBuffer_Release(&data);

@@ -50,10 +50,10 @@ def small_config(data: str | Path, **overrides: object) -> TrainConfig:
 def need_jpeg_extension() -> None:
     """Skip where raywds.loader._jpeg or raywds.data._restarts was not built, except under
     RAYWDS_REQUIRE_JPEG_EXT (set by .ci/run): there their absence is a failure."""
-    from raywds.data import convert
+    from raywds.data import images
     from raywds.loader import decode
 
-    for name, module in (("raywds.loader._jpeg", decode._jpeg), ("raywds.data._restarts", convert._restarts)):
+    for name, module in (("raywds.loader._jpeg", decode._jpeg), ("raywds.data._restarts", images._restarts)):
         if module is None:
             if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
                 pytest.fail(f"{name} was not built (a C compiler and libjpeg's headers are needed)")
