@@ -99,14 +99,14 @@ static PyObject *add_restarts(PyObject *self, PyObject *args) {
     for (int m = 0; m < 16; m++)
         jpeg_save_markers(&src, JPEG_APP0 + m, 0xFFFF);
     jpeg_read_header(&src, TRUE);
-    unsigned per_row = src.num_components == 1 ? (src.image_width + 7) / 8
-                                                : (src.image_width + 8 * src.max_h_samp_factor - 1) / (8 * src.max_h_samp_factor);
-    unsigned k = run_length(per_row);
     if (!rgb_decodable(src.jpeg_color_space) || src.num_components > 3 || src.data_precision != 8) {
         jpeg_destroy_decompress(&src);
         PyBuffer_Release(&data);
         Py_RETURN_NONE;
     }
+    unsigned per_row = src.num_components == 1 ? (src.image_width + 7) / 8
+                                                : (src.image_width + 8 * src.max_h_samp_factor - 1) / (8 * src.max_h_samp_factor);
+    unsigned k = run_length(per_row);
     jvirt_barray_ptr *coefficients = jpeg_read_coefficients(&src);
     if (err.warning[0] != '\0') { /* libjpeg made up what it could not read */
         PyObject *e = PyErr_Format(PyExc_ValueError, "corrupt JPEG data: %s", err.warning);

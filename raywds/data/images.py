@@ -35,9 +35,9 @@ def inspect_image(data: bytes, *, decode_jpeg: bool = True) -> dict[str, Any]:
     try:
         with Image.open(io.BytesIO(data)) as img:
             meta = {"format": img.format, "mode": img.mode, "width": img.width, "height": img.height}
-            if img.format == "JPEG" and not decode_jpeg:
-                return meta
             if img.format == "JPEG":
+                if not decode_jpeg:
+                    return meta
                 img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
             img.load()
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad data
@@ -47,10 +47,13 @@ def inspect_image(data: bytes, *, decode_jpeg: bool = True) -> dict[str, Any]:
 
 def with_restarts(data: bytes) -> bytes:
     """The JPEG rewritten losslessly with restart markers (raywds.data._restarts), which the
-    loader's region decoder cuts a crop's rows and columns at; the same bytes without the
-    extension or for a JPEG the region decoder does not read (CMYK). Raises ValueError for data
-    libjpeg finds corrupt or truncated."""
-    return (_restarts.add_restarts(data) if _restarts is not None else None) or data
+    loader's region decoder cuts a crop's rows and columns at; the same bytes object without the
+    extension or for a JPEG the region decoder does not read (CMYK). Raises ValueError ("not a
+    readable image (…)") for data libjpeg finds corrupt or truncated."""
+    try:
+        return (_restarts.add_restarts(data) if _restarts is not None else None) or data
+    except ValueError as e:  # truncated, or damage PIL's draft decode lets through
+        raise ValueError(f"not a readable image ({e})") from None
 
 
 def stored(data: bytes, options: ConvertOptions) -> tuple[bytes, dict[str, Any]]:
@@ -63,13 +66,10 @@ def stored(data: bytes, options: ConvertOptions) -> tuple[bytes, dict[str, Any]]
     if limit and max(meta["width"], meta["height"]) > limit:
         data = downscale(data, meta, limit)
     if rewrite and meta["format"] == "JPEG":
-        try:
-            rewritten = _restarts.add_restarts(data)
-        except ValueError as e:  # truncated, or damage PIL's draft decode lets through
-            raise ValueError(f"not a readable image ({e})") from None
-        if rewritten is None and not limit:  # CMYK or YCCK, kept as it is: checked as any JPEG
+        rewritten = with_restarts(data)
+        if rewritten is data and not limit:  # CMYK or YCCK, kept as it is: checked as any JPEG
             inspect_image(data)
-        data = rewritten or data
+        data = rewritten
     return data, meta
 
 

@@ -48,7 +48,7 @@ static JDIMENSION ceil_div(long a, long b) { return (JDIMENSION)((a + b - 1) / b
 struct cut {
     unsigned char *data; /* the smaller JPEG (PyMem_RawMalloc), NULL when there is none */
     size_t len;
-    long dy, dx;         /* where it starts in the whole image, in pixels */
+    long dy, dx;         /* where it starts in the whole image, in pixels (0 without a cut) */
 };
 
 static unsigned read16(const unsigned char *p) { return ((unsigned)p[0] << 8) | p[1]; }
@@ -59,6 +59,7 @@ static unsigned read16(const unsigned char *p) { return ((unsigned)p[0] << 8) | 
 static int cut_jpeg(const unsigned char *data, size_t len, long top, long left, long height, long width, int scale,
                     struct cut *cut) {
     cut->data = NULL;
+    cut->dy = cut->dx = 0;
     size_t i = 2, sof = 0, start = 0;
     unsigned image_h = 0, image_w = 0, ncomp = 0, hmax = 1, vmax = 1, k = 0;
     if (len < 4 || data[0] != 0xFF || data[1] != 0xD8)
@@ -333,8 +334,8 @@ static PyObject *decode(PyObject *args, int exact) {
     }
     if (exact)
         return pixels;
-    long dy = cut.data != NULL ? cut.dy / scale : 0, dx = cut.data != NULL ? cut.dx / scale : 0;
-    return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)(y0 + dy), (unsigned long)(xoffset + dx), (unsigned long)rows, (unsigned long)out_width);
+    return Py_BuildValue("(Nkkkk)", pixels, (unsigned long)(y0 + cut.dy / scale), (unsigned long)(xoffset + cut.dx / scale),
+                         (unsigned long)rows, (unsigned long)out_width);
 }
 
 static PyObject *decode_region(PyObject *self, PyObject *args) {

@@ -11,20 +11,12 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.data import has_restart_markers, pixels
+from support.data import noise_jpeg as jpeg
 from support.runs import need_jpeg_extension
 
 need_jpeg_extension()
 
 from raywds.data._restarts import add_restarts  # noqa: E402
-
-
-def jpeg(width: int, height: int, mode: str = "RGB", **save: object) -> bytes:
-    rng = np.random.default_rng(width + 7 * height)
-    small = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
-    img = Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC).convert(mode)
-    out = io.BytesIO()
-    img.save(out, format="JPEG", quality=90, **save)
-    return out.getvalue()
 
 
 def restart_interval(data: bytes) -> int:

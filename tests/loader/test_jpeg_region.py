@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support.data import noise_jpeg
 from support.runs import need_jpeg_extension
 
 from raywds.loader import decode
@@ -22,14 +23,10 @@ from raywds.loader._jpeg import decode_box, decode_region  # noqa: E402
 
 
 def jpeg(width: int, height: int, mode: str = "RGB", rewritten: bool = False, **save: object) -> bytes:
-    """Colourful noise, so chroma upsampling and any off-by-one show; `rewritten` as convert
-    stores it, with restart markers the decoder cuts the JPEG at."""
-    rng = np.random.default_rng(width * height)
-    small = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
-    img = Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC).convert(mode)
-    out = io.BytesIO()
-    img.save(out, format="JPEG", quality=92, **save)
-    return add_restarts(out.getvalue()) or b"" if rewritten else out.getvalue()
+    """Colourful noise; `rewritten` as convert stores it, with restart markers the decoder cuts
+    the JPEG at."""
+    data = noise_jpeg(width, height, mode, **save)
+    return add_restarts(data) or b"" if rewritten else data
 
 
 def whole(data: bytes, scale: int = 1) -> np.ndarray:

@@ -87,6 +87,17 @@ def epoch_keys(audit: Path, epoch: int, data: Path) -> Counter:
     return audited(audit.glob(f"epoch{epoch:04d}-*.ids"), data)
 
 
+def noise_jpeg(width: int, height: int, mode: str = "RGB", **save: object) -> bytes:
+    """A JPEG of colourful noise (so chroma upsampling and any off-by-one show), PIL's `save`
+    options as given (`subsampling`, `progressive`, `exif`, …)."""
+    rng = np.random.default_rng(width * height)
+    small = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC).convert(mode)
+    out = io.BytesIO()
+    img.save(out, format="JPEG", **{"quality": 92, **save})
+    return out.getvalue()
+
+
 def pixels(data: bytes) -> np.ndarray:
     """An image's RGB pixels as PIL decodes them."""
     with Image.open(io.BytesIO(data)) as img:
