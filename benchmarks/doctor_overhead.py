@@ -32,6 +32,7 @@ from raywds.data.manifest import read_manifest
 from raywds.loader.clock import RESIZING, Clock
 from raywds.loader.loader import _loader, train_stages
 from raywds.loader.settings import LoaderConfig
+from raywds.loader.stages import train_decoder
 from raywds.plan.modes import epoch_plan
 from raywds.train.model import build_model
 from raywds.train.steptime import StepTimer
@@ -47,7 +48,10 @@ def loader_rate(shards: Path, clocked: bool, num_images: int) -> float:
     clock = Clock() if clocked else None
     stages, skips, where = train_stages(manifest, cfg, 0, plan, epoch=0, clock=clock)
     return timed(
-        _loader(stages, LoaderConfig.of(cfg), World(), where, partial=True, skips=skips, clock=clock), num_images
+        _loader(
+            stages, train_decoder(cfg, 0), LoaderConfig.of(cfg), World(), where, partial=True, skips=skips, clock=clock
+        ),
+        num_images,
     )
 
 

@@ -101,6 +101,36 @@ class Blocks:
                 self.busy[lease] = 0
 
 
+class Slots:
+    """Worker side: where each decoded image (`shape`: C, H, W) goes, in the order the batches
+    take them: slot after slot of a block `take` gives (a fresh shared one when every block is
+    busy), a new block once `batch_size` slots are filled. The `cpu` decoder resizes straight into
+    its slot (raywds.loader.decode.cropped): the batch is then the block, not a stack of copies
+    made 64 samples later, when the crops have left the CPU's caches (collating took a fifth of a
+    full decode, against 30 us to copy a hot crop)."""
+
+    def __init__(self, batch_size: int, shape: tuple[int, int, int], take: Callable[[tuple[int, ...]], Any]):
+        c, h, w = shape
+        self.shape, self.take = (batch_size, h, w, c), take
+        self.block: torch.Tensor | None = None
+        self.used = 0
+
+    def next(self) -> torch.Tensor | None:
+        """The next free slot, channels-last CHW; None outside a loader worker (nothing to hand over)."""
+        if get_worker_info() is None:
+            return None
+        if self.block is None or self.used == self.shape[0]:
+            self.block = self.take(self.shape)
+            if self.block is None:
+                self.block = torch.empty(self.shape, dtype=torch.uint8).share_memory_()
+            self.used = 0
+        return self.block[self.used].permute(2, 0, 1)
+
+    def filled(self) -> None:
+        """The slot `next` gave holds an image now (one that failed to decode leaves it free)."""
+        self.used += 1
+
+
 def silent_worker(batches: Any) -> int | None:
     """The worker the DataLoader's iterator waits on for its next batch (torch's private
     bookkeeping: the task it must receive next, and the worker it gave that task to)."""

@@ -145,11 +145,11 @@ class Clock:
                 self.slow = (name, seconds, num_bytes)
         self._shard = ("", 0.0, 0)
 
-    def decoding(self, decode: Callable[[bytes, int], T], data: bytes, sample_id: int) -> T:
+    def decoding(self, decode: Callable[..., T], data: bytes, sample_id: int, **out: Any) -> T:
         RESIZING.take()  # resizes timed outside a clock are not this sample's
         started = time.perf_counter()
         try:
-            return decode(data, sample_id)
+            return decode(data, sample_id, **out)
         finally:
             self.decode_s += time.perf_counter() - started
             self.resize_s += RESIZING.take()

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import get_worker_info
 
@@ -82,23 +83,36 @@ def plain_jpeg(img: Image.Image) -> bool:
     return img.format == "JPEG" and img.mode in ("RGB", "L")
 
 
-def cropped(image: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
+def cropped(image: torch.Tensor, box: Box, flip: bool, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Crop `box` of a uint8 CHW tensor on the CPU, resize it to size x size (bilinear,
     antialiased) with torch's uint8 kernel, flip; a batch on a GPU goes to `raywds.loader.encoded.resized_together`.
+    With `out` (a channels-last 3 x size x size view: a batch's slot, raywds.loader.blocks.Slots)
+    the resize writes there, so the batch is not stacked from copies later.
     The crop is made contiguous channels-last first (copied only where it is not: `box_pixels`'
     is), with the strides torch reads as channels-last: its vectorised uint8 resize then runs
     1.7x faster than on a strided view, copy included. (unsqueeze(0) of a channels-last CHW
     tensor gives the batch a stride of 3, which torch takes for another layout: 1.7x slower.)"""
     top, left, height, width = box
-    out = RESIZING.timed(_resized, image[:, top : top + height, left : left + width], (size, size))
-    return out.flip(-1) if flip else out
+    resized = RESIZING.timed(_resized, image[:, top : top + height, left : left + width], (size, size), out)
+    if not flip:
+        return resized
+    return resized.flip(-1) if out is None else out.copy_(resized.flip(-1))
 
 
-def _resized(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+def _resized(image: torch.Tensor, size: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
     """A uint8 CHW image resized to `size` (height, width), bilinear and antialiased, by torch's
-    uint8 kernel on a contiguous channels-last copy (see `cropped`)."""
+    uint8 kernel on a contiguous channels-last copy (see `cropped`), into `out` when given (the
+    kernel F.interpolate calls, with its out= form)."""
     batch = image.permute(1, 2, 0).contiguous()[None].permute(0, 3, 1, 2)
-    return torch.nn.functional.interpolate(batch, size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+    if out is None:
+        return F.interpolate(batch, size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+    torch.ops.aten._upsample_bilinear2d_aa.out(batch, list(size), False, None, None, out=out[None])
+    return out
+
+
+def _into(image: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`image`, copied into `out` when given."""
+    return image if out is None else out.copy_(image)
 
 
 def region(data: bytes, box: Box, r: int = 1) -> tuple[torch.Tensor, int, int]:
@@ -117,24 +131,31 @@ def box_pixels(data: bytes, box: Box) -> torch.Tensor:
     return torch.frombuffer(pixels, dtype=torch.uint8).view(height, width, 3).permute(2, 0, 1)
 
 
-def train_crop(data: bytes, size: int, scale: tuple[float, float], rng: torch.Generator | None = None) -> torch.Tensor:
-    """The `cpu` decoder: a random crop (drawn from `rng`) of the image in `data`, decoding only what it needs."""
+def train_crop(
+    data: bytes,
+    size: int,
+    scale: tuple[float, float],
+    rng: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The `cpu` decoder: a random crop (drawn from `rng`) of the image in `data`, decoding only
+    what it needs; into `out` when given (see `cropped`)."""
     shape = _jpeg.size(data) if _jpeg is not None else None
     if shape is not None:  # a JPEG the region decoder reads: its header gives the size, no PIL
         box, flip = draw_crop(*shape, scale, rng)
         r = reduction(box, size)
         if r == 1:  # cut to the box as libjpeg decodes it: no copy of the crop before resizing
-            return cropped(box_pixels(data, box), (0, 0, box[2], box[3]), flip, size)
+            return cropped(box_pixels(data, box), (0, 0, box[2], box[3]), flip, size, out)
         image, y0, x0 = region(data, box, r)
-        return _resampled(Image.fromarray(image.permute(1, 2, 0).numpy()), box, r, (y0, x0), flip, size)
+        return _into(_resampled(Image.fromarray(image.permute(1, 2, 0).numpy()), box, r, (y0, x0), flip, size), out)
     with Image.open(io.BytesIO(data)) as img:  # without the extension, or not a plain JPEG
         box, flip = draw_crop(img.height, img.width, scale, rng)
         r = reduction(box, size) if img.format == "JPEG" else 1
         if r == 1 and plain_jpeg(img):
-            return cropped(jpeg_tensor(data), box, flip, size)
+            return cropped(jpeg_tensor(data), box, flip, size, out)
         if r > 1:
             img.draft("RGB", (img.width // r, img.height // r))  # libjpeg decodes the whole image at 1/r scale
-        return _resampled(img, box, r, (0, 0), flip, size)
+        return _into(_resampled(img, box, r, (0, 0), flip, size), out)
 
 
 def _resampled(img: Image.Image, box: Box, r: int, origin: tuple[int, int], flip: bool, size: int) -> torch.Tensor:
@@ -151,9 +172,9 @@ def _resampled(img: Image.Image, box: Box, r: int, origin: tuple[int, int], flip
     return tensor.flip(-1) if flip else tensor
 
 
-def val_crop(data: bytes, size: int) -> torch.Tensor:
+def val_crop(data: bytes, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Resize the short side to size / 0.875 (bilinear, antialiased), then the centre size x size:
-    torchvision's Resize and CenterCrop on the decoded tensor, the same sizes and pixels."""
+    torchvision's Resize and CenterCrop on the decoded tensor, the same sizes and pixels; into `out` when given."""
     image = whole_image(data)
     _, h, w = image.shape
     short = round(size / 0.875)
@@ -161,7 +182,7 @@ def val_crop(data: bytes, size: int) -> torch.Tensor:
     if (new_h, new_w) != (h, w):
         image = _resized(image, (new_h, new_w))
     top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
-    return image[:, top : top + size, left : left + size]
+    return _into(image[:, top : top + size, left : left + size], out)
 
 
 def reference_train(size: int, scale: tuple[float, float]) -> Callable[[bytes], torch.Tensor]:
@@ -210,7 +231,11 @@ def stack_crops(images: list[torch.Tensor], out_of: OutOf | None = None) -> torc
     """uint8 CHW crops -> an NCHW batch stored channels-last (the layout the crops come in and
     CUDA models want). In a DataLoader worker the batch is made in shared memory, so handing
     it over copies nothing more (as torch's default_collate does): in the block `out_of(shape)`
-    gives (raywds.loader.blocks), else in a fresh one."""
+    gives (raywds.loader.blocks), else in a fresh one. Crops the worker decoded straight into
+    their batch's slots (raywds.loader.blocks.Slots) are that block already: nothing is copied."""
+    filled = _filled_block(images)
+    if filled is not None:
+        return filled
     hwc = [image.permute(1, 2, 0) for image in images]
     out = None
     if get_worker_info() is not None:
@@ -219,3 +244,23 @@ def stack_crops(images: list[torch.Tensor], out_of: OutOf | None = None) -> torc
         if out is None:
             out = torch.empty(shape, dtype=torch.uint8).share_memory_()
     return torch.stack(hwc, out=out).permute(0, 3, 1, 2)
+
+
+def _filled_block(images: list[torch.Tensor]) -> torch.Tensor | None:
+    """The shared-memory block `images` lie in, one slot after the other from its start, as NCHW
+    (a view, not a copy); None when they lie anywhere else."""
+    first = images[0]
+    hwc = first.permute(1, 2, 0)
+    if first.dtype != torch.uint8 or first.storage_offset() != 0 or not hwc.is_contiguous():
+        return None
+    storage, size = first.untyped_storage(), first.numel()
+    if not storage.is_shared():  # not a block: stacked into one, as before
+        return None
+    for i, image in enumerate(images):
+        if image.untyped_storage().data_ptr() != storage.data_ptr() or image.storage_offset() != i * size:
+            return None
+        if image.shape != first.shape or not image.permute(1, 2, 0).is_contiguous():
+            return None
+    h, w, c = hwc.shape
+    block = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (len(images), h, w, c), (size, w * c, c, 1))
+    return block.permute(0, 3, 1, 2)

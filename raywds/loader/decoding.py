@@ -26,6 +26,8 @@ class Decoding:
     region: bool
     """Only the crop's part of each JPEG is decoded, at a reduced scale where the crop allows;
     otherwise every JPEG is decoded whole first."""
+    fills: bool
+    """The crops take `out=`, the batch slot to write into (raywds.loader.blocks.Slots)."""
     train_crop: Callable[[int, tuple[float, float]], Callable[..., Any]]
     """(size, scale) -> the training crop: crop(data, rng=generator)."""
     val_crop: Callable[[int], Callable[[bytes], Any]]
@@ -43,10 +45,24 @@ def _centre(size: int) -> Callable[[bytes], Any]:
 DECODINGS: dict[str, Decoding] = {
     d.name: d
     for d in (
-        Decoding("cpu", in_workers=True, region=True, train_crop=_crop(decode.train_crop), val_crop=_centre),
-        Decoding("device", in_workers=False, region=False, train_crop=_crop(encoded.encoded_crop), val_crop=_centre),
         Decoding(
-            "pil", in_workers=True, region=False, train_crop=decode.reference_train, val_crop=decode.reference_val
+            "cpu", in_workers=True, region=True, fills=True, train_crop=_crop(decode.train_crop), val_crop=_centre
+        ),
+        Decoding(
+            "device",
+            in_workers=False,
+            region=False,
+            fills=False,
+            train_crop=_crop(encoded.encoded_crop),
+            val_crop=_centre,
+        ),
+        Decoding(
+            "pil",
+            in_workers=True,
+            region=False,
+            fills=False,
+            train_crop=decode.reference_train,
+            val_crop=decode.reference_val,
         ),
     )
 }

@@ -23,12 +23,14 @@ from torch.utils.data import DataLoader
 from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest, ShardInfo, deal, shard_url
-from raywds.loader.blocks import Blocks, HandedOver
+from raywds.loader.blocks import Blocks, HandedOver, Slots
 from raywds.loader.clock import Clock
+from raywds.loader.decoding import decoding
 from raywds.loader.readers import Expected, tar_samples
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import (
     Batch,
+    Decoder,
     Skips,
     collate,
     decoded,
@@ -92,29 +94,34 @@ def _read_stages(
 
 def _loader(
     stages: list[Any],
+    decode: Decoder,
     cfg: LoaderConfig,
     world: World,
-    where: Whereabouts | None = None,
+    where: Whereabouts,
     *,
     partial: bool,
-    skips: Skips | None = None,
+    skips: Skips,
     clock: Clock | None = None,
 ) -> Iterable[Batch]:
-    """A DataLoader over the stages then batching (`partial`: keep a short last batch), its
-    batches handed over in reused shared-memory blocks (raywds.loader.blocks), each carrying what
+    """A DataLoader over the stages, decoding (bad samples to `skips`) and batching (`partial`:
+    keep a short last batch), its batches handed over in reused shared-memory blocks
+    (raywds.loader.blocks; a `cpu` crop is resized straight into its slot), each carrying what
     `skips` skipped before it and what its worker spent (`clock`); a worker silent for
     cfg.loader_timeout_s is an error naming the rank, the worker and the shard it reads (`where`)."""
     workers = cfg.loader_workers
-    where = where if where is not None else Whereabouts()  # stages that note no shard: the error says so
     context = start_method(workers, world)
     blocks = Blocks(workers)
+    size = cfg.image_size_px
+    slots = Slots(cfg.batch_size_per_rank, (3, size, size), blocks.take) if decoding(cfg.decode).fills else None
     collation: Callable[[list[Any]], Batch] = bind(collate, out_of=blocks.take)
     if clock is not None:
-        collation = bind(clock.collating, collation)
+        decode, collation = bind(clock.decoding, decode), bind(clock.collating, collation)
     batched = wds.batched(cfg.batch_size_per_rank, collation_fn=collation, partial=partial)
-    after = [*([skips.attach] if skips is not None else []), *([clock.attach] if clock is not None else [])]
+    after = [skips.attach, *([clock.attach] if clock is not None else [])]
     loader = DataLoader(
-        wds.DataPipeline(*stages, batched, *after, blocks.leased),
+        wds.DataPipeline(
+            *stages, bind(decoded, decode=decode, skips=skips, slots=slots), batched, *after, blocks.leased
+        ),
         batch_size=None,
         num_workers=workers,
         multiprocessing_context=context,
@@ -169,7 +176,7 @@ def train_stages(
     position: Position | None = None,
     clock: Clock | None = None,
 ) -> tuple[list[Any], Skips, Whereabouts]:
-    """The stages every loader worker of `rank` runs (each worker gets a copy): only the rank's
+    """The stages every loader worker of `rank` runs before decoding (each worker gets a copy): only the rank's
     slots (split) or draws (resample), the manifest's entries for those shards and the flags of
     those partly trained on; never the plan, the manifest or the position. `clock` times the
     reading, decoding and collating (raywds.loader.clock)."""
@@ -185,12 +192,10 @@ def train_stages(
     index, first = manifest.index("train"), manifest.first_ids("train")
     left_out = {shard_url(manifest.base, n): (first[index[n]], f) for n, f in flags.items() if n in names}
     skips, where = Skips(cfg.read_policy(skip_unreadable=not plan.mode.exact)), Whereabouts()
-    decode = train_decoder(cfg, epoch)
     stages = [
         *_read_stages(source, manifest, "train", cfg, skips, where, names, clock),
         bind(unconsumed, left_out=left_out),
         bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
-        bind(decoded, decode=bind(clock.decoding, decode) if clock is not None else decode, skips=skips),
     ]
     return stages, skips, where
 
@@ -210,7 +215,8 @@ def train_loader(
     cfg, rank, exact = LoaderConfig.of(cfg), world.rank, plan.mode.exact
     clock = Clock()
     stages, skips, where = train_stages(manifest, cfg, rank, plan, epoch=epoch, position=position, clock=clock)
-    loader = _loader(stages, cfg, world, where, partial=exact, skips=skips, clock=clock)
+    decode = train_decoder(cfg, epoch)
+    loader = _loader(stages, decode, cfg, world, where, partial=exact, skips=skips, clock=clock)
     if not exact and cfg.cross_worker_shuffle_samples == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
 
@@ -237,11 +243,8 @@ def val_loader(manifest: Manifest, cfg: TrainConfig | LoaderConfig, world: World
     urls = [[manifest.url(s) for s in slot] for slot in mine]
     skips, where = Skips(cfg.read_policy(skip_unreadable=False)), Whereabouts()
     names = {s.name for slot in mine for s in slot}
-    stages = [
-        *_read_stages(bind(worker_urls, urls, world.rank), manifest, "val", cfg, skips, where, names),
-        bind(decoded, decode=val_decoder(cfg), skips=skips),
-    ]
-    return _loader(stages, cfg, world, where, partial=True)
+    stages = _read_stages(bind(worker_urls, urls, world.rank), manifest, "val", cfg, skips, where, names)
+    return _loader(stages, val_decoder(cfg), cfg, world, where, partial=True, skips=skips)
 
 
 class Loaders(Protocol):

@@ -26,6 +26,7 @@ from torch.utils.data import get_worker_info
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError, DataError
 from raywds.loader import crops, decode, encoded
+from raywds.loader.blocks import Slots
 from raywds.loader.clock import Spent
 from raywds.loader.decoding import decoding
 from raywds.loader.readers import Failures, ReadPolicy
@@ -56,8 +57,9 @@ class Batch(NamedTuple):
 
 Sample = tuple[Any, int, int, str]
 
-Decoder = Callable[[bytes, int], Any]
-"""A sample's image bytes and id -> what its batch carries (raywds.loader.decode)."""
+Decoder = Callable[..., Any]
+"""A sample's image bytes and id (and `out=`, a batch's slot, where the decoding fills one) ->
+what its batch carries (raywds.loader.decode)."""
 
 
 SLOW_DECODE = "RAYWDS_TEST_SLOW_DECODE"
@@ -72,15 +74,15 @@ def train_decoder(cfg: TrainConfig | LoaderConfig, epoch: int) -> Decoder:
     return bind(_seeded, bind(_waiting, planted, crop) if planted else crop, cfg.seed, epoch)
 
 
-def _waiting(seconds: float, crop: Callable[..., Any], data: bytes, rng: torch.Generator) -> Any:
+def _waiting(seconds: float, crop: Callable[..., Any], data: bytes, rng: torch.Generator, **out: Any) -> Any:
     try:
-        return crop(data, rng=rng)
+        return crop(data, rng=rng, **out)
     finally:
         time.sleep(seconds)
 
 
-def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample_id: int) -> Any:
-    return crop(data, rng=crops.crop_rng(seed, epoch, sample_id))
+def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample_id: int, **out: Any) -> Any:
+    return crop(data, rng=crops.crop_rng(seed, epoch, sample_id), **out)
 
 
 def val_decoder(cfg: TrainConfig | LoaderConfig) -> Decoder:
@@ -88,8 +90,8 @@ def val_decoder(cfg: TrainConfig | LoaderConfig) -> Decoder:
     return bind(_unseeded, decoding(cfg.decode).val_crop(cfg.image_size_px))
 
 
-def _unseeded(fn: Callable[[bytes], Any], data: bytes, sample_id: int) -> Any:
-    return fn(data)
+def _unseeded(fn: Callable[..., Any], data: bytes, sample_id: int, **out: Any) -> Any:
+    return fn(data, **out)
 
 
 class SampleError(DataError):
@@ -148,9 +150,12 @@ def _what(e: BaseException) -> str:
     return text.rsplit(".cpp:", 1)[-1].split(", ", 1)[-1] if ".cpp:" in text else text
 
 
-def decoded(samples: Iterable[dict[str, Any]], decode: Decoder, skips: Skips) -> Iterator[Sample]:
+def decoded(
+    samples: Iterable[dict[str, Any]], decode: Decoder, skips: Skips, slots: Slots | None = None
+) -> Iterator[Sample]:
     """Sample dicts -> (image, class index, id, key), the image as `decode` (raywds.loader.decode) makes
-    it; a sample without an image or class, or whose image or class cannot be read, goes to `skips`."""
+    it, in the next of `slots` when given; a sample without an image or class, or whose image or
+    class cannot be read, goes to `skips`."""
     for sample in samples:
         key, url = sample["__key__"], sample["__url__"]
         ext = next((k for k in IMAGE_KEYS if k in sample), None)
@@ -167,10 +172,13 @@ def decoded(samples: Iterable[dict[str, Any]], decode: Decoder, skips: Skips) ->
             except ValueError:
                 member = f"{key}.cls"
                 raise ValueError(f"class {bytes(sample['cls'][:20])!r} is not a number") from None
-            image = decode(sample[ext], sample["__id__"])
+            slot = slots.next() if slots is not None else None
+            image = decode(sample[ext], sample["__id__"], **({} if slot is None else {"out": slot}))
         except Exception as e:  # noqa: BLE001 - PIL, libjpeg and torchvision raise many types for bad bytes
             skips.bad_sample(SampleError(f"shard {url}: sample {key} ({member}): {_what(e)}"))
             continue
+        if slots is not None and slot is not None:
+            slots.filled()
         yield image, label, sample["__id__"], key
 
 

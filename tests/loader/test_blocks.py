@@ -8,12 +8,15 @@ import pickle
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+import pytest
 import torch
 
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.loader.blocks import SLOTS, Blocks
 from raywds.loader.loader import _loader, train_loader
+from raywds.loader.settings import LoaderConfig
+from raywds.loader.stages import Skips
 from raywds.loader.watch import Whereabouts
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
@@ -21,14 +24,31 @@ from raywds.world import World
 BATCH = 4
 
 
-def numbered_images(count: int):  # type: ignore[no-untyped-def]
-    """Samples whose pixels all equal their number (mod 251), so an overwrite shows."""
-    return lambda: ((torch.full((3, 6, 6), i % 251, dtype=torch.uint8), i, i, f"k{i}") for i in range(count))
+def numbered_samples(count: int):  # type: ignore[no-untyped-def]
+    return lambda: ({"__key__": f"k{i}", "__url__": "n", "__id__": i, "jpg": i, "cls": b"0"} for i in range(count))
 
 
-def loader(count: int):  # type: ignore[no-untyped-def]
-    cfg = TrainConfig(data="unused", model="demo", batch_size_per_rank=BATCH, num_loader_workers_per_rank=1)
-    handed = _loader([numbered_images(count)], cfg, World(), Whereabouts(), partial=False)
+def numbered(number: int, sample_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """An image whose pixels all equal its number (mod 251), so an overwrite shows; written
+    into its batch slot when given one, as the `cpu` decoder does."""
+    image = torch.full((3, 6, 6), number % 251, dtype=torch.uint8)
+    return image if out is None else out.copy_(image)
+
+
+def loader(count: int, decode: str = "cpu"):  # type: ignore[no-untyped-def]
+    """`cpu` decoding fills the batch slots; `pil` decoding's images are stacked into a block."""
+    cfg = LoaderConfig.of(
+        TrainConfig(
+            data="unused",
+            model="demo",
+            batch_size_per_rank=BATCH,
+            num_loader_workers_per_rank=1,
+            image_size_px=6,
+            decode=decode,
+        )
+    )
+    skips = Skips(cfg.read_policy(skip_unreadable=False))
+    handed = _loader([numbered_samples(count)], numbered, cfg, World(), Whereabouts(), partial=False, skips=skips)
     leases: list[tuple[int, int] | None] = []
     watch = handed.blocks.watch
 
@@ -44,16 +64,18 @@ def expected(batch_index: int) -> torch.Tensor:
     return torch.arange(batch_index * BATCH, (batch_index + 1) * BATCH) % 251
 
 
-def test_blocks_are_reused_once_the_batches_are_dropped() -> None:
-    handed, leases = loader(60 * BATCH)
+@pytest.mark.parametrize("decode", ["cpu", "pil"])
+def test_blocks_are_reused_once_the_batches_are_dropped(decode: str) -> None:
+    handed, leases = loader(60 * BATCH, decode)
     for i, batch in enumerate(handed):
         assert torch.equal(batch.images.amax(dim=(1, 2, 3)), expected(i))
     assert len(leases) == 60, "every batch arrives in a reused block, none in a fresh one"
     assert len(set(leases)) <= 6, f"a few blocks go round: {sorted(set(leases))}"
 
 
-def test_a_block_is_not_reused_while_a_view_of_it_lives() -> None:
-    handed, leases = loader(40 * BATCH)
+@pytest.mark.parametrize("decode", ["cpu", "pil"])
+def test_a_block_is_not_reused_while_a_view_of_it_lives(decode: str) -> None:
+    handed, leases = loader(40 * BATCH, decode)
     held = []
     for i, batch in enumerate(handed):
         if i < 2 * SLOTS:

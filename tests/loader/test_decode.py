@@ -267,6 +267,44 @@ def test_collate_in_a_worker_uses_shared_memory() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "width,height,fmt,mode,size",
+    [
+        (500, 375, "JPEG", "RGB", 224),  # full-scale crops: resized straight into the slot
+        (1600, 1200, "JPEG", "RGB", 224),  # DCT-scaled crops among them: PIL resamples, then a copy
+        (500, 375, "JPEG", "L", 96),
+        (500, 375, "PNG", "RGB", 96),  # not a JPEG: through PIL
+    ],
+)
+def test_a_crop_decoded_into_its_slot_is_the_same_crop(
+    jpeg_path: str, width: int, height: int, fmt: str, mode: str, size: int
+) -> None:
+    """`out=` (a batch block's slot, raywds.loader.blocks.Slots) changes where the crop goes,
+    never its pixels: every seed, flipped or not, and the validation crop too."""
+    data = encoded(photo(width, height), fmt, mode)
+    block = torch.zeros((12, size, size, 3), dtype=torch.uint8)
+    for seed in range(12):
+        slot = block[seed].permute(2, 0, 1)
+        alone = train_crop(data, size, SCALE, crops.crop_rng(0, 0, seed))
+        filled = train_crop(data, size, SCALE, crops.crop_rng(0, 0, seed), out=slot)
+        assert filled.data_ptr() == slot.data_ptr()
+        assert torch.equal(block[seed].permute(2, 0, 1), alone), f"seed {seed}"
+    assert torch.equal(val_crop(data, size, out=block[0].permute(2, 0, 1)), val_crop(data, size))
+    assert torch.equal(block[0].permute(2, 0, 1), val_crop(data, size))
+
+
+def test_crops_decoded_into_their_slots_are_the_batch_without_a_copy() -> None:
+    block = torch.zeros((4, 6, 6, 3), dtype=torch.uint8).share_memory_()
+    images = [block[i].permute(2, 0, 1).fill_(i + 1) for i in range(3)]
+    batch = decode.stack_crops(images)
+    assert batch.data_ptr() == block.data_ptr() and batch.shape == (3, 3, 6, 6)
+    assert torch.equal(batch.amax(dim=(1, 2, 3)), torch.tensor([1, 2, 3], dtype=torch.uint8))
+    for other in ([images[1], images[0]], images[1:], [images[0], images[2]], [images[0].clone(), images[1]]):
+        stacked = decode.stack_crops(other)  # out of order, not from the start, a gap, not in the block
+        assert stacked.data_ptr() != block.data_ptr()
+        assert torch.equal(stacked, torch.stack(other))
+
+
 def test_a_gpu_batch_is_resized_together_as_each_crop_alone() -> None:
     """`--decode device` on a GPU resizes every crop as floats (CUDA's antialiased resize has no
     uint8 kernel) and rounds, casts and flips the batch at once (device_decoder.resized_together); that

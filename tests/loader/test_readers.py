@@ -200,23 +200,29 @@ def test_a_shard_read_whole_is_read_in_large_pieces(
 
 
 def test_a_prefetched_shard_is_held_once_in_memory(tmp_path: Path) -> None:
-    """The shard fetched ahead is read with .read(size): one bytes object filled straight from
-    the socket. With .read() it filled a bytearray and then copied it into bytes, so the shard
-    was in memory twice at the peak (and a 33 MB shard cost 17 ms of a loader worker's CPU)."""
-    body = os.urandom(8 << 20)
+    """The shard fetched ahead is read into its buffer straight from the socket, never copied
+    whole (a .read() filled a bytearray and then copied it into bytes: the shard twice at the
+    peak, and a 33 MB shard cost 17 ms of a loader worker's CPU); the next shard that fits is read
+    into the same buffer, not a fresh one."""
+    body, smaller = os.urandom(8 << 20), os.urandom(6 << 20)
     (tmp_path / "big.tar").write_bytes(body)
+    (tmp_path / "small.tar").write_bytes(smaller)
     (tmp_path / "manifest.json").write_text("{}")  # what the server asks of a shard folder
+    buffers = [bytearray(), bytearray()]
     with ShardServer(tmp_path, backend="embedded") as server:
         tracemalloc.start()
         try:
-            ahead = Prefetch(
-                f"{server.url}/big.tar", FAST, Expected(num_samples=1, num_bytes=len(body)), Failures(FAST)
-            )
-            stream = ahead.stream()
+            big = Expected(num_samples=1, num_bytes=len(body))
+            stream = Prefetch(f"{server.url}/big.tar", FAST, big, Failures(FAST), buffers, 1).stream()
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-    assert stream.read() == body
+        assert stream.read() == body
+        stream.close()
+        held = buffers[1]
+        small = Expected(num_samples=1, num_bytes=len(smaller))
+        again = Prefetch(f"{server.url}/small.tar", FAST, small, Failures(FAST), buffers, 1).stream()
+        assert again.read(100) + again.read() == smaller and buffers[1] is held and len(held) == len(body)
     size = len(body)
     assert peak < 1.5 * size, f"{peak / size:.2f}x the shard"  # its 1 MiB read buffer beside it
 
