@@ -222,7 +222,10 @@ def test_a_prefetched_shard_is_held_once_in_memory(tmp_path: Path) -> None:
         held = buffers[1]
         small = Expected(num_samples=1, num_bytes=len(smaller))
         again = Prefetch(f"{server.url}/small.tar", FAST, small, Failures(FAST), buffers, 1).stream()
-        assert again.read(100) + again.read() == smaller and buffers[1] is held and len(held) == len(body)
+        head = bytearray(100)  # readinto, as --verify-hashes reads it
+        assert again.readinto(head) == 100 and bytes(head) + again.read(100) + again.read() == smaller
+        assert again.readinto(bytearray(8)) == 0
+        assert buffers[1] is held and len(held) == len(body)
     size = len(body)
     assert peak < 1.5 * size, f"{peak / size:.2f}x the shard"  # its 1 MiB read buffer beside it
 
