@@ -1,0 +1,43 @@
+"""The user's stand-in cluster (tests/conftest.py) is stopped while the tests run; its check must still
+see a process that a test killed or sent a signal to end. Plain processes named by a temp dir stand
+for a cluster's here, as tests/support/raycluster.py finds a cluster's processes by its temp dir."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from support import raycluster
+
+BUSY = "while True: pass"
+IDLE = "import time\ntime.sleep(300)"
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_frozen_cluster_spends_no_cpu_and_its_check_sees_a_kill_and_a_pending_sigterm() -> None:
+    with raycluster.ray_temp_dir("rwf-") as temp:
+        started = [subprocess.Popen([sys.executable, "-c", code, str(temp)]) for code in (BUSY, IDLE, IDLE)]
+        busy, termed, killed = (p.pid for p in started)
+        time.sleep(0.5)
+        with raycluster.frozen(temp) as procs:
+            assert set(procs) == {busy, termed, killed}
+            spent = cpu_s(busy)
+            time.sleep(0.5)
+            assert cpu_s(busy) == spent, "a stopped process runs"
+            os.kill(termed, signal.SIGTERM)
+            os.kill(killed, signal.SIGKILL)
+            started[2].wait(10)
+            assert raycluster.ended(procs[busy]) is None
+            assert raycluster.ended(procs[termed]) == "SIGTERM sent"
+            assert raycluster.ended(procs[killed]) == "gone"
+        assert started[1].wait(10) == -signal.SIGTERM, "continued, it takes the signal it held"
+        time.sleep(0.5)
+        assert cpu_s(busy) > spent, "continued, it runs again"
