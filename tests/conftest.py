@@ -176,8 +176,9 @@ def user_cluster() -> Iterator[raycluster.HeadNode]:
     pay for it. At the session's end each of its processes must still run, with no SIGTERM, SIGINT,
     SIGHUP or SIGQUIT waiting for it, else the run fails: a test ended processes that were not its
     own (as `ray stop` does). No test talks to it, so it is stopped (SIGSTOP) while they run: idle,
-    it took about 0.18 of a core for the half hour of the Ray tests. A stopped process still dies of
-    SIGKILL, and holds the other signals pending, where the check sees them."""
+    it took a tenth of a core (0.18 in its first minute) for the 20 minutes of the Ray tests. A
+    stopped process still dies of SIGKILL, and holds the other signals pending, where the check
+    sees them."""
     with raycluster.ray_temp_dir("rwu-") as temp, raycluster.head_node(temp) as head:
         with raycluster.frozen(temp) as procs:
             before = {p: raycluster.describe([p]) for p in procs.values()}

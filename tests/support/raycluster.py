@@ -205,7 +205,7 @@ def ended(proc: Proc) -> str | None:
 @contextmanager
 def frozen(temp_dir: Path | str) -> Iterator[dict[int, Proc]]:
     """The processes of the cluster in `temp_dir` stopped (SIGSTOP) inside, so that it costs no CPU
-    (an idle head node takes about 0.18 of a core: its dashboard, agents, GCS and raylet poll);
+    (an idle head node takes a tenth of a core: its dashboard, agents, GCS and raylet poll);
     continued (SIGCONT) on the way out. Yields them. A process started meanwhile is stopped too."""
     procs: dict[int, Proc] = {}
     while new := {pid: p for pid, p in cluster_processes(temp_dir).items() if pid not in procs}:
