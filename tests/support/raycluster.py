@@ -202,15 +202,26 @@ def ended(proc: Proc) -> str | None:
     return f"{', '.join(sent)} sent" if sent else None
 
 
+def _stopped(proc: Proc) -> bool:
+    """Whether `proc` is stopped, or no longer running at all."""
+    stat = _stat(proc[0])
+    return not is_running(proc) or (stat is not None and stat[0] in "Tt")
+
+
 @contextmanager
 def frozen(temp_dir: Path | str) -> Iterator[dict[int, Proc]]:
     """The processes of the cluster in `temp_dir` stopped (SIGSTOP) inside, so that it costs no CPU
     (an idle head node takes a tenth of a core: its dashboard, agents, GCS and raylet poll);
-    continued (SIGCONT) on the way out. Yields them. A process started meanwhile is stopped too."""
+    continued (SIGCONT) on the way out. Yields them once each has stopped (SIGSTOP takes effect
+    when the process is next scheduled, not when kill returns). A process started meanwhile is
+    stopped too."""
     procs: dict[int, Proc] = {}
     while new := {pid: p for pid, p in cluster_processes(temp_dir).items() if pid not in procs}:
         _signal(list(new.values()), signal.SIGSTOP)
         procs.update(new)
+        deadline = time.monotonic() + 10
+        while not all(map(_stopped, new.values())) and time.monotonic() < deadline:
+            time.sleep(0.01)
     try:
         yield procs
     finally:
