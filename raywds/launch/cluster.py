@@ -175,7 +175,8 @@ def environ(values: dict[str, str]) -> Iterator[None]:
 def connect(address: str | None) -> None:
     """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one.
     Either way Ray Train's autoscaling coordinator starts now, while the caller gets its data ready."""
-    if ray.is_initialized():
+    if ray.is_initialized():  # a driver that started Ray itself (a notebook's ray.init()): the same filter
+        quiet_known_noise()
         return
     with environ(LOCAL_CLUSTER_ENV):  # read by the processes of a cluster ray.init starts, else unused
         ray.init(address=address, log_to_driver=True, runtime_env=RUNTIME_ENV)  # RAY

@@ -70,6 +70,27 @@ def test_two_worker_trainer_trains_and_checkpoints(
     assert coordinator[0] <= min(controllers), "the autoscaling coordinator was up before the first controller"
 
 
+def test_rays_known_noise_stays_off_the_console_of_a_driver_that_started_ray_itself(
+    ray_train: ModuleType, local_ray: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ray is up already here (as after a notebook's own ray.init()): joining it installs the same
+    filter that a cluster `connect` starts gets, so Ray Train's placement-group cleaner's line about
+    a late State API stays off the console, and every other line a worker prints still shows."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    ray_train.connect(None)
+    mark = uuid.uuid4().hex  # lines Ray's de-duplication has not seen
+    noise = f"Failed to query Ray Train Controller actor state. State API may be temporarily unavailable. {mark}"
+    kept = f"epoch 1/2: trained {mark}"
+    for is_err in (False, True):
+        dispatcher.emit(
+            dict(ip="10.0.0.1", pid=4242, actor_name="PlacementGroupCleaner", is_err=is_err, lines=[noise, kept])
+        )
+    out = capsys.readouterr()
+    assert out.out.count(kept) == 1 and out.err.count(kept) == 1, out
+    assert mark not in out.out.replace(kept, "") + out.err.replace(kept, ""), out
+
+
 def test_a_package_that_slows_every_ray_process_is_named_with_its_uninstall(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -94,7 +94,13 @@ def test_a_throttled_server_is_named_and_the_cache_takes_it_away(shards: Path, t
         train(cached, World(), run_dir=RunDir(tmp_path / "cached"))
     first, second = rows(tmp_path / "cached")
     assert second["stages"]["read_s"][0] < first["stages"]["read_s"][0] / 3, (first["stages"], second["stages"])
-    assert "reading" not in verdict_of(second)[0]
+    # From the cache the shards come at the local disk's rate, not the server's: about 400x on a quiet
+    # machine. With the Ray tests beside it on both cores, reading the 8 tiny shards (68 KB each) once
+    # took 6x as long (69x the server's rate), enough for the doctor to call that 0.4 s epoch
+    # read-bound: so the rate is held to 10x, and the verdict only to not naming the cache.
+    read_rate = [row["stages"]["read_bytes"][0] / row["stages"]["read_s"][0] for row in (first, second)]
+    assert read_rate[1] >= 10 * read_rate[0], (first["stages"], second["stages"])
+    assert not any("--cache-dir" in line for line in verdict_of(second)), verdict_of(second)
 
 
 def test_one_slow_shard_is_named(shards: Path, tmp_path: Path) -> None:
