@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import raycluster, s3server
+from support import raycluster, s3server, turns
 from support.data import SMALL, UNEVEN_SIZES, made_shards, recut
 from support.runs import FORKSERVER_PRELOAD
 
@@ -109,9 +109,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         slow = item.get_closest_marker("multinode") or item.get_closest_marker("image")
         if slow and not item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.ray)  # torchrun across namespaces, the image: as slow, out of the inner loop
+        if starts_ray(item.nodeid) and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
     yield
     if os.environ.get("RAYWDS_TEST_REVERSE") == "1":
         items.reverse()  # after everything else has ordered and selected
+
+
+RAY_TEST_TIMEOUT_S = 900
+"""A Ray test's limit (pytest-timeout's, setup included): the suite's 600 s, and the wait for its
+turn (`ray_tests_take_turns`) while the image's container cluster runs, 1.5 to 3 minutes."""
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -139,10 +146,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class RayInOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return "tests/launch/" if file.startswith("tests/launch/") and file not in RAY_FREE_LAUNCH_FILES else file
+            return "tests/launch/" if starts_ray(nodeid) else nodeid.split("::", 1)[0]
 
     return RayInOneWorker(config, log)
+
+
+def starts_ray(nodeid: str) -> bool:
+    """Whether a test is one of the Ray tests that run one after another in one worker."""
+    file = nodeid.split("::", 1)[0]
+    return file.startswith("tests/launch/") and file not in RAY_FREE_LAUNCH_FILES
+
+
+@pytest.fixture(autouse=True)
+def ray_tests_take_turns(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each Ray test holds the run's turn (tests/support/turns.py), so the image's container
+    cluster never starts Ray beside one."""
+    if not starts_ray(request.node.nodeid):
+        yield
+        return
+    with turns.turn():
+        yield
 
 
 def home_ray_files() -> dict[str, tuple[int, int]] | None:

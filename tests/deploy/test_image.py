@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import image
+from support import image, turns
 from support.manifests import rayjob_entrypoint, shard_server_command, values
 from support.netnodes import SUMMARY, ranks, require
 
@@ -154,12 +154,13 @@ def nodes(engine: Any, built: str, demo: Path, tmp_path: Path) -> Iterator[Nodes
         str(tmp_path / "runs"): {"bind": "/runs", "mode": "rw"},
         str(tmp_path / "token"): {"bind": os.path.dirname(TOKEN), "mode": "ro"},
     }
-    made = Nodes(engine, mounts, f"rwi{os.getpid() % 100000}")
-    try:
-        made.plumb()
-        yield made
-    finally:
-        made.remove()
+    with turns.turn():  # not beside a Ray test of the other worker: `ray start` gives a node only 30 s
+        made = Nodes(engine, mounts, f"rwi{os.getpid() % 100000}")
+        try:
+            made.plumb()
+            yield made
+        finally:
+            made.remove()
 
 
 def wait_for(url_check: Any, what: str, timeout_s: float = 60) -> None:

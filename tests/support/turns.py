@@ -1,0 +1,53 @@
+"""Turns between pytest-xdist's workers for what must not start Ray beside another Ray run.
+
+Ray's `ray start` gives its node 30 s (a constant in ray/_private/node.py, no setting) to
+register with the GCS, then exits with "The current node timed out during startup". On a slow
+2-core machine, the image's two containers starting Ray beside a Ray Train run in the other
+worker (load average 9) took longer, and the test failed though nothing of raywds's was wrong.
+So the Ray tests take a turn each (tests/conftest.py), and the container cluster test waits for
+one (tests/deploy/test_image.py): both cores stay busy, as the suite is bound by CPU, and the
+two never start Ray at once.
+
+The turn is fair: a worker waiting for it holds the gate, so the worker that just gave the turn
+up cannot take it straight back for its next test (Linux wakes a waiter on flock's release, but
+which of the two then locks first is a race without the gate). One run's workers share the lock files by
+xdist's run id; without xdist there is one process and nothing to wait for.
+
+    with turn():
+        start_ray_in_the_containers()
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def folder() -> Path | None:
+    """Where this run's workers keep the lock files; None when pytest runs without xdist."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return Path(tempfile.gettempdir()) / f"raywds-turns-{run}" if run else None
+
+
+@contextmanager
+def turn() -> Iterator[None]:
+    """Hold this run's turn: no other worker holds it until the block ends."""
+    where = folder()
+    if where is None:
+        yield
+        return
+    where.mkdir(exist_ok=True)
+    with open(where / "gate", "a") as gate, open(where / "turn", "a") as held:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
