@@ -158,13 +158,13 @@ def starts_ray(nodeid: str) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def ray_tests_take_turns(request: pytest.FixtureRequest) -> Iterator[None]:
+def ray_tests_take_turns(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Each Ray test holds the run's turn (tests/support/turns.py), so the image's container
     cluster never starts Ray beside one."""
     if not starts_ray(request.node.nodeid):
         yield
         return
-    with turns.turn():
+    with turns.turn(turns.folder(tmp_path_factory)):
         yield
 
 

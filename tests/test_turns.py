@@ -5,10 +5,7 @@ after a run of them."""
 from __future__ import annotations
 
 import multiprocessing
-import shutil
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ def take_turns(log: Path, name: str, times: int, hold_s: float) -> None:
     for _ in range(times):
         with log.open("a") as out:
             out.write(f"{name} waits\n")
-        with turns.turn():
+        with turns.turn(log.parent):
             with log.open("a") as out:
                 out.write(f"{name} in\n")
             time.sleep(hold_s)
@@ -28,33 +25,28 @@ def take_turns(log: Path, name: str, times: int, hold_s: float) -> None:
                 out.write(f"{name} out\n")
 
 
-@pytest.fixture
-def run_id(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    run = f"test-{uuid.uuid4().hex}"
-    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", run)
-    yield run
-    shutil.rmtree(turns.folder() or "/nonexistent", ignore_errors=True)
-
-
-def test_one_holder_at_a_time_and_a_waiter_goes_before_the_holders_next_turn(run_id: str, tmp_path: Path) -> None:
-    log, where = tmp_path / "log", turns.folder()
-    assert where is not None and where.name == f"raywds-turns-{run_id}"
+def test_one_holder_at_a_time_and_a_waiter_goes_before_the_holders_next_turn(tmp_path: Path) -> None:
+    log = tmp_path / "log"
     image = multiprocessing.get_context("fork").Process(target=take_turns, args=(log, "image", 1, 0.3))
-    with turns.turn():
+    with turns.turn(tmp_path):
         image.start()
         deadline = time.monotonic() + 30
         while not log.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.5)  # the other process waits for the turn meanwhile
         assert log.read_text().splitlines() == ["image waits"], "the other process took the turn while this one held it"
-    with turns.turn():  # at once, as the Ray worker's next test: the waiter has had its turn by now
+    with turns.turn(tmp_path):  # at once, as the Ray worker's next test: the waiter has had its turn by now
         assert log.read_text().splitlines() == ["image waits", "image in", "image out"]
     image.join(30)
     assert image.exitcode == 0
 
 
-def test_without_xdist_there_is_nothing_to_wait_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID", raising=False)
-    assert turns.folder() is None
-    with turns.turn(), turns.turn():  # one process: taking it twice does not wait
+def test_a_runs_workers_share_its_folder_and_without_xdist_there_is_nothing_to_wait_for(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    assert turns.folder(tmp_path_factory) == tmp_path_factory.getbasetemp().parent
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert turns.folder(tmp_path_factory) is None
+    with turns.turn(None), turns.turn(None):  # one process: taking it twice does not wait
         pass

@@ -141,7 +141,9 @@ class Nodes:
 
 
 @pytest.fixture
-def nodes(engine: Any, built: str, demo: Path, tmp_path: Path) -> Iterator[Nodes]:
+def nodes(
+    engine: Any, built: str, demo: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Nodes]:
     """The head and worker containers: demo shards read-only at /shards, a run folder both see at
     /runs (a ReadWriteMany volume), the cluster's own token."""
     require()  # root and iproute2, as the two-node tests
@@ -154,7 +156,9 @@ def nodes(engine: Any, built: str, demo: Path, tmp_path: Path) -> Iterator[Nodes
         str(tmp_path / "runs"): {"bind": "/runs", "mode": "rw"},
         str(tmp_path / "token"): {"bind": os.path.dirname(TOKEN), "mode": "ro"},
     }
-    with turns.turn():  # not beside a Ray test of the other worker: `ray start` gives a node only 30 s
+    with turns.turn(
+        turns.folder(tmp_path_factory)
+    ):  # not beside a Ray test of the other worker: `ray start` gives a node only 30 s
         made = Nodes(engine, mounts, f"rwi{os.getpid() % 100000}")
         try:
             made.plumb()

@@ -10,10 +10,11 @@ two never start Ray at once.
 
 The turn is fair: a worker waiting for it holds the gate, so the worker that just gave the turn
 up cannot take it straight back for its next test (Linux wakes a waiter on flock's release, but
-which of the two then locks first is a race without the gate). One run's workers share the lock files by
-xdist's run id; without xdist there is one process and nothing to wait for.
+which of the two then locks first is a race without the gate). One run's workers share the lock
+files in the run's temp folder, which pytest prunes; without xdist there is one process and
+nothing to wait for.
 
-    with turn():
+    with turn(folder(tmp_path_factory)):
         start_ray_in_the_containers()
 """
 
@@ -21,26 +22,26 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 
-def folder() -> Path | None:
-    """Where this run's workers keep the lock files; None when pytest runs without xdist."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    return Path(tempfile.gettempdir()) / f"raywds-turns-{run}" if run else None
+
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    """Where this run's workers keep the lock files (the folder above each worker's own temp
+    folder, the run's); None when pytest runs without xdist."""
+    return tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 
 @contextmanager
-def turn() -> Iterator[None]:
-    """Hold this run's turn: no other worker holds it until the block ends."""
-    where = folder()
+def turn(where: Path | None) -> Iterator[None]:
+    """Hold the turn of the run whose lock files are in `where`: no other worker holds it until
+    the block ends (`where` None: nothing to wait for)."""
     if where is None:
         yield
         return
-    where.mkdir(exist_ok=True)
     with open(where / "gate", "a") as gate, open(where / "turn", "a") as held:
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
