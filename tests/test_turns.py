@@ -4,6 +4,7 @@ after a run of them."""
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import time
 from pathlib import Path
@@ -25,15 +26,26 @@ def take_turns(log: Path, name: str, times: int, hold_s: float) -> None:
                 out.write(f"{name} out\n")
 
 
+def waiting(where: Path) -> bool:
+    """Whether another process waits for the turn in `where` (it holds the gate meanwhile)."""
+    with open(where / "gate", "a") as gate:
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        return False
+
+
 def test_one_holder_at_a_time_and_a_waiter_goes_before_the_holders_next_turn(tmp_path: Path) -> None:
     log = tmp_path / "log"
     image = multiprocessing.get_context("fork").Process(target=take_turns, args=(log, "image", 1, 0.3))
     with turns.turn(tmp_path):
         image.start()
         deadline = time.monotonic() + 30
-        while not log.exists() and time.monotonic() < deadline:
+        while not waiting(tmp_path) and time.monotonic() < deadline:  # however slowly it gets there
             time.sleep(0.01)
-        time.sleep(0.5)  # the other process waits for the turn meanwhile
+        time.sleep(0.3)  # it waits for the turn meanwhile
         assert log.read_text().splitlines() == ["image waits"], "the other process took the turn while this one held it"
     with turns.turn(tmp_path):  # at once, as the Ray worker's next test: the waiter has had its turn by now
         assert log.read_text().splitlines() == ["image waits", "image in", "image out"]

@@ -156,9 +156,8 @@ def nodes(
         str(tmp_path / "runs"): {"bind": "/runs", "mode": "rw"},
         str(tmp_path / "token"): {"bind": os.path.dirname(TOKEN), "mode": "ro"},
     }
-    with turns.turn(
-        turns.folder(tmp_path_factory)
-    ):  # not beside a Ray test of the other worker: `ray start` gives a node only 30 s
+    # Not beside a Ray test of the other worker: `ray start` gives a node only 30 s (tests/support/turns.py)
+    with turns.turn(turns.folder(tmp_path_factory)):
         made = Nodes(engine, mounts, f"rwi{os.getpid() % 100000}")
         try:
             made.plumb()
