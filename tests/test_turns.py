@@ -28,7 +28,7 @@ def take_turns(log: Path, name: str, times: int, hold_s: float) -> None:
 
 def waiting(where: Path) -> bool:
     """Whether another process waits for the turn in `where` (it holds the gate meanwhile)."""
-    with open(where / "gate", "a") as gate:
+    with open(where / turns.GATE, "a") as gate:
         try:
             fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

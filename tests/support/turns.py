@@ -28,6 +28,9 @@ from pathlib import Path
 
 import pytest
 
+GATE, TURN = "gate", "turn"
+"""The lock files' names in the run's folder: the gate a waiter holds, and the turn itself."""
+
 
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
     """Where this run's workers keep the lock files (the folder above each worker's own temp
@@ -42,7 +45,7 @@ def turn(where: Path | None) -> Iterator[None]:
     if where is None:
         yield
         return
-    with open(where / "gate", "a") as gate, open(where / "turn", "a") as held:
+    with open(where / GATE, "a") as gate, open(where / TURN, "a") as held:
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
             fcntl.flock(held, fcntl.LOCK_EX)
