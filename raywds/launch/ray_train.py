@@ -40,7 +40,7 @@ from raywds.launch.cluster import (
 from raywds.launch.options import DEFAULTS, DataPlane
 from raywds.launch.polls import controller_polls
 from raywds.launch.raydata import Plane, RayData
-from raywds.launch.runstore import as_uri, hold_run_folder, open_run_dir, ray_storage
+from raywds.launch.runstore import as_uri, hold_run_folder, load_ray_checkpoint, open_run_dir, ray_storage
 from raywds.loader.decoding import decoding
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
@@ -100,8 +100,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     resume = None
     checkpoint = ray.train.get_checkpoint()  # RAY: set when Ray restarts the run after a failure
     if checkpoint is not None:
-        with checkpoint.as_directory() as where:
-            resume = load_checkpoint(where)
+        resume = load_ray_checkpoint(checkpoint)
         if world.is_main:
             log.info(f"restarted: resuming from the checkpoint at step {resume['steps']} on {world.world_size} rank(s)")
     run_dir = open_run_dir(cfg) if world.is_main else None

@@ -18,6 +18,7 @@ from raywds.config import TrainConfig
 from raywds.data import s3
 from raywds.launch.cluster import check_every_node_sees, split_storage
 from raywds.train.bucketrun import BucketRunDir
+from raywds.train.checkpoint import load_checkpoint
 from raywds.train.rundir import RunDir
 from raywds.train.runlock import RunLock
 
@@ -61,10 +62,25 @@ def ray_storage(storage: str, endpoint: str | None) -> dict[str, Any]:
     return {"storage_path": storage[len(s3.SCHEME) :], "storage_filesystem": filesystem}
 
 
+def load_ray_checkpoint(checkpoint: Any) -> dict[str, Any]:
+    """The state in the checkpoint Ray hands a restarted rank (a `ray.train.Checkpoint`).
+
+    One in a bucket is downloaded into a folder of this rank's own. Ray's `as_directory()` shares
+    one folder per node between the ranks there, and a rank that comes after another's download
+    has finished downloads again over the files the other is still reading (Ray 2.60): that rank
+    then reads a damaged checkpoint.pt and the restart fails. Each rank on a node downloads once."""
+    import pyarrow.fs
+
+    if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+        return load_checkpoint(checkpoint.path)
+    with tempfile.TemporaryDirectory(prefix="raywds-restart-") as own:
+        return load_checkpoint(checkpoint.to_directory(own))
+
+
 def as_uri(path: str, storage: str) -> str:
     """A path Ray reports inside a bucket's file system (`bucket/runs/NAME/checkpoint_…`) as the
     s3:// address a user can give back to raywds; any other path as it is."""
     return s3.SCHEME + path if s3.is_s3(storage) and not s3.is_s3(path) else path
 
 
-__all__ = ["as_uri", "hold_run_folder", "open_run_dir", "ray_storage", "split_storage"]
+__all__ = ["as_uri", "hold_run_folder", "load_ray_checkpoint", "open_run_dir", "ray_storage", "split_storage"]

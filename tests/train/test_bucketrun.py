@@ -6,11 +6,18 @@ from __future__ import annotations
 import io
 import json
 import logging
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from support.s3server import S3Server
 
+from raywds.launch.runstore import load_ray_checkpoint, ray_storage
 from raywds.train.bucketrun import BucketRunDir
 
 
@@ -58,3 +65,53 @@ def test_a_row_the_store_refuses_is_a_warning_and_goes_up_with_the_next(
     run.append({"epoch": 2, "train_loss": 1.0})
     assert [r["epoch"] for r in rows(s3, "runs/r2/metrics.jsonl")] == [1, 2]
     run.close()
+
+
+FIRST_RANK = """
+import pickle, sys
+checkpoint = pickle.loads(open(sys.argv[1], "rb").read())
+with checkpoint.as_directory() as where:
+    print(where, flush=True)
+    sys.stdin.readline()
+"""
+"""The first rank on a node, restarting: Ray's own way of reading the checkpoint (handed over pickled, as
+Ray hands it to each rank), held open until the test writes a line."""
+
+
+def test_a_restarted_rank_reads_the_checkpoint_in_the_bucket_without_rewriting_another_ranks_copy(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks on one node restart from the same checkpoint in the bucket. The second must not
+    download into the folder the first is still reading: Ray's as_directory() folder, shared by the
+    node, was written again under the first rank, which then read a damaged checkpoint.pt."""
+    import ray.train
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where both ranks download, so it can be looked at
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    saved = tmp_path / "saved.pt"
+    torch.save(state(5.0), saved)
+    s3.client().upload_file(str(saved), s3.bucket, "runs/r3/checkpoint_000001/checkpoint.pt")
+    storage = ray_storage(s3.url("runs"), None)
+    checkpoint = ray.train.Checkpoint(
+        f"{storage['storage_path']}/r3/checkpoint_000001", filesystem=storage["storage_filesystem"]
+    )
+    (tmp_path / "checkpoint.pickle").write_bytes(pickle.dumps(checkpoint))
+    first = subprocess.Popen(
+        [sys.executable, "-c", FIRST_RANK, str(tmp_path / "checkpoint.pickle")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout is not None and first.stdin is not None
+        theirs = Path(first.stdout.readline().strip()) / "checkpoint.pt"
+        before = (theirs.stat().st_ino, theirs.stat().st_mtime_ns)
+        time.sleep(0.05)
+        assert load_ray_checkpoint(checkpoint)["model"]["w"].tolist() == [5.0, 5.0]
+        assert (theirs.stat().st_ino, theirs.stat().st_mtime_ns) == before, "the first rank's copy was written again"
+        first.stdin.write("done\n")
+        first.stdin.flush()
+        assert first.wait(timeout=60) == 0
+    finally:
+        first.kill()
+    assert not list(tmp_path.glob("raywds-restart-*")), "the second rank's own copy is removed"
