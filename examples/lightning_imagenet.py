@@ -177,13 +177,16 @@ def fit_on_ray(
     from ray.train.torch import TorchTrainer
 
     from raywds.launch.cluster import connect, start_autoscaling_coordinator, wait_for_coordinator
+    from raywds.launch.runstore import checkpoint_folder
 
     def per_worker(config: dict[str, Any]) -> None:
-        run = TrainConfig.from_dict(config)
+        with checkpoint_folder(ray.train.get_checkpoint()) as ray_folder:  # a folder of this rank's own
+            fit_in_worker(TrainConfig.from_dict(config), ray_folder)
+
+    def fit_in_worker(run: TrainConfig, ray_folder: str | None) -> None:
         newest = [p for p in (Path(run.out_dir) / "last.ckpt",) if p.is_file()]
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None:
-            newest.append(Path(checkpoint.to_directory()) / RayTrainReportCallback.CHECKPOINT_NAME)
+        if ray_folder is not None:
+            newest.append(Path(ray_folder) / RayTrainReportCallback.CHECKPOINT_NAME)
         if newest:
             run = dataclasses.replace(run, resume_from=str(max(newest, key=_global_step)))
         data = ShardDataModule(run)

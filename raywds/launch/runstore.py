@@ -62,19 +62,29 @@ def ray_storage(storage: str, endpoint: str | None) -> dict[str, Any]:
     return {"storage_path": storage[len(s3.SCHEME) :], "storage_filesystem": filesystem}
 
 
-def load_ray_checkpoint(checkpoint: Any) -> dict[str, Any]:
-    """The state in the checkpoint Ray hands a restarted rank (a `ray.train.Checkpoint`).
+@contextlib.contextmanager
+def checkpoint_folder(checkpoint: Any) -> Iterator[str | None]:
+    """The folder of the checkpoint Ray hands a restarted rank (a `ray.train.Checkpoint`, or None):
+    its own where this node sees it, else a download into a folder of this rank's own, removed after.
 
-    One in a bucket is downloaded into a folder of this rank's own. Ray's `as_directory()` shares
-    one folder per node between the ranks there, and a rank that comes after another's download
-    has finished downloads again over the files the other is still reading (Ray 2.60): that rank
-    then reads a damaged checkpoint.pt and the restart fails. Each rank on a node downloads once."""
+    Ray's `as_directory()` and `to_directory()` share one folder per node between the ranks there,
+    and a rank that comes after another's download has finished downloads again over the files the
+    other is still reading (Ray 2.60): that rank then reads a damaged checkpoint and the restart
+    fails. Here each rank on a node downloads once."""
     import pyarrow.fs
 
-    if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
-        return load_checkpoint(checkpoint.path)
+    if checkpoint is None or isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+        yield None if checkpoint is None else checkpoint.path
+        return
     with tempfile.TemporaryDirectory(prefix="raywds-restart-") as own:
-        return load_checkpoint(checkpoint.to_directory(own))
+        yield checkpoint.to_directory(own)
+
+
+def load_ray_checkpoint(checkpoint: Any) -> dict[str, Any]:
+    """The state in the checkpoint Ray hands a restarted rank, read as `checkpoint_folder` says."""
+    with checkpoint_folder(checkpoint) as where:
+        assert where is not None
+        return load_checkpoint(where)
 
 
 def as_uri(path: str, storage: str) -> str:
@@ -83,4 +93,12 @@ def as_uri(path: str, storage: str) -> str:
     return s3.SCHEME + path if s3.is_s3(storage) and not s3.is_s3(path) else path
 
 
-__all__ = ["as_uri", "hold_run_folder", "load_ray_checkpoint", "open_run_dir", "ray_storage", "split_storage"]
+__all__ = [
+    "as_uri",
+    "checkpoint_folder",
+    "hold_run_folder",
+    "load_ray_checkpoint",
+    "open_run_dir",
+    "ray_storage",
+    "split_storage",
+]
