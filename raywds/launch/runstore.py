@@ -16,9 +16,10 @@ from typing import Any
 
 from raywds.config import TrainConfig
 from raywds.data import s3
+from raywds.errors import StorageError, one_line
 from raywds.launch.cluster import check_every_node_sees, split_storage
 from raywds.train.bucketrun import BucketRunDir
-from raywds.train.checkpoint import load_checkpoint
+from raywds.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from raywds.train.rundir import RunDir
 from raywds.train.runlock import RunLock
 
@@ -81,10 +82,19 @@ def checkpoint_folder(checkpoint: Any) -> Iterator[str | None]:
 
 
 def load_ray_checkpoint(checkpoint: Any) -> dict[str, Any]:
-    """The state in the checkpoint Ray hands a restarted rank, read as `checkpoint_folder` says."""
+    """The state in the checkpoint Ray hands a restarted rank, read as `checkpoint_folder` says; a
+    damaged one downloaded from a bucket is named by its address there, not by the folder it was
+    downloaded into."""
     with checkpoint_folder(checkpoint) as where:
         assert where is not None
-        return load_checkpoint(where)
+        if where == checkpoint.path:
+            return load_checkpoint(where)
+        try:
+            return load_checkpoint(where)
+        except StorageError as e:
+            source = f"{checkpoint.filesystem.type_name}://{checkpoint.path.rstrip('/')}/{CHECKPOINT_FILE}"
+            why = one_line(e).split("; ")[0].replace(str(Path(where) / CHECKPOINT_FILE), source)
+            raise StorageError(f"{why}; Ray restarted the run from it: run again under a new --name") from None
 
 
 def as_uri(path: str, storage: str) -> str:

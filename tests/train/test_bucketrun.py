@@ -17,6 +17,7 @@ import pytest
 import torch
 from support.s3server import S3Server
 
+from raywds.errors import StorageError
 from raywds.launch.runstore import load_ray_checkpoint, ray_storage
 from raywds.train.bucketrun import BucketRunDir
 
@@ -115,3 +116,19 @@ def test_a_restarted_rank_reads_the_checkpoint_in_the_bucket_without_rewriting_a
     finally:
         first.kill()
     assert not list(tmp_path.glob("raywds-restart-*")), "the second rank's own copy is removed"
+
+
+def test_a_damaged_checkpoint_in_the_bucket_is_named_by_its_address_there(s3: S3Server, tmp_path: Path) -> None:
+    import ray.train
+
+    (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 not a whole checkpoint")
+    s3.client().upload_file(str(tmp_path / "cut.pt"), s3.bucket, "runs/r4/checkpoint_000002/checkpoint.pt")
+    storage = ray_storage(s3.url("runs"), None)
+    checkpoint = ray.train.Checkpoint(
+        f"{storage['storage_path']}/r4/checkpoint_000002", filesystem=storage["storage_filesystem"]
+    )
+    with pytest.raises(StorageError) as raised:
+        load_ray_checkpoint(checkpoint)
+    assert str(raised.value).startswith(f"checkpoint {s3.url('runs/r4/checkpoint_000002/checkpoint.pt')} is damaged (")
+    assert str(raised.value).endswith("; Ray restarted the run from it: run again under a new --name"), raised.value
+    assert "--resume" not in str(raised.value) and "raywds-restart-" not in str(raised.value)
