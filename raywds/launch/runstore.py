@@ -87,11 +87,11 @@ def load_ray_checkpoint(checkpoint: Any) -> dict[str, Any]:
     downloaded into."""
     with checkpoint_folder(checkpoint) as where:
         assert where is not None
-        if where == checkpoint.path:
-            return load_checkpoint(where)
         try:
             return load_checkpoint(where)
         except StorageError as e:
+            if where == checkpoint.path:  # read where it is stored: the message names it already
+                raise
             source = f"{checkpoint.filesystem.type_name}://{checkpoint.path.rstrip('/')}/{CHECKPOINT_FILE}"
             why = one_line(e).split("; ")[0].replace(str(Path(where) / CHECKPOINT_FILE), source)
             raise StorageError(f"{why}; Ray restarted the run from it: run again under a new --name") from None
