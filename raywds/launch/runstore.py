@@ -16,7 +16,6 @@ from typing import Any
 
 from raywds.config import TrainConfig
 from raywds.data import s3
-from raywds.errors import StorageError, one_line
 from raywds.launch.cluster import check_every_node_sees, split_storage
 from raywds.train.bucketrun import BucketRunDir
 from raywds.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
@@ -87,14 +86,12 @@ def load_ray_checkpoint(checkpoint: Any) -> dict[str, Any]:
     downloaded into."""
     with checkpoint_folder(checkpoint) as where:
         assert where is not None
-        try:
+        if where == checkpoint.path:  # read where it is stored, by its own name
             return load_checkpoint(where)
-        except StorageError as e:
-            if where == checkpoint.path:  # read where it is stored: the message names it already
-                raise
-            source = f"{checkpoint.filesystem.type_name}://{checkpoint.path.rstrip('/')}/{CHECKPOINT_FILE}"
-            why = one_line(e).split("; ")[0].replace(str(Path(where) / CHECKPOINT_FILE), source)
-            raise StorageError(f"{why}; Ray restarted the run from it: run again under a new --name") from None
+        source = f"{checkpoint.filesystem.type_name}://{checkpoint.path.rstrip('/')}/{CHECKPOINT_FILE}"
+        return load_checkpoint(
+            where, named=source, instead="Ray restarted the run from it: run again under a new --name"
+        )
 
 
 def as_uri(path: str, storage: str) -> str:

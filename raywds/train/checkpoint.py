@@ -33,25 +33,32 @@ def checkpoint_file(path: str) -> Path:
     return where
 
 
-def load_checkpoint(path: str) -> dict[str, Any]:
+def load_checkpoint(path: str, *, named: str | None = None, instead: str | None = None) -> dict[str, Any]:
     """The state saved at `path` (a file or its folder); StorageError, in one line, for a file
-    that holds any type a checkpoint of ours does not, and for a damaged one."""
+    that holds any type a checkpoint of ours does not, and for a damaged one. The messages call the
+    file `named` (a downloaded copy by where it came from), and a damaged one's says `instead` in
+    place of the earlier checkpoint found beside it."""
     where = checkpoint_file(path)
+    name = named or str(where)
+
+    def damaged(e: BaseException) -> StorageError:
+        return StorageError(f"checkpoint {name} is damaged ({_first_line(e)}); {instead or _instead(where)}")
+
     try:
         state = torch.load(where, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" not in str(e):
-            raise StorageError(f"checkpoint {where} is damaged ({_first_line(e)}); {_instead(where)}") from None
+            raise damaged(e) from None
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = found.group(1) if found else _first_line(e)
         raise StorageError(
-            f"checkpoint {where} holds a {what}, which raywds's checkpoints never hold: not loaded, as it could run "
+            f"checkpoint {name} holds a {what}, which raywds's checkpoints never hold: not loaded, as it could run "
             "code; it was not written by raywds (or was changed since), resume from a checkpoint you trust"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:  # a file cut short or overwritten
-        raise StorageError(f"checkpoint {where} is damaged ({_first_line(e)}); {_instead(where)}") from None
+        raise damaged(e) from None
     if not isinstance(state, dict) or "model" not in state:
-        raise StorageError(f"checkpoint {where} is not a raywds checkpoint (no model state in it)")
+        raise StorageError(f"checkpoint {name} is not a raywds checkpoint (no model state in it)")
     return state
 
 
