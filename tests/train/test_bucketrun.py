@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,6 +69,16 @@ def test_a_row_the_store_refuses_is_a_warning_and_goes_up_with_the_next(
     run.close()
 
 
+def bucket_checkpoint(s3: S3Server, key: str, body: Path) -> Any:
+    """`body` put in the bucket as `key`/checkpoint.pt, and the `ray.train.Checkpoint` Ray would hand
+    a restarted rank for it (through the file system `raywds ray` gives Ray for this store)."""
+    import ray.train
+
+    s3.client().upload_file(str(body), s3.bucket, f"{key}/checkpoint.pt")
+    storage = ray_storage(s3.url(""), None)
+    return ray.train.Checkpoint(storage["storage_path"] + key, filesystem=storage["storage_filesystem"])
+
+
 FIRST_RANK = """
 import pickle, sys
 checkpoint = pickle.loads(open(sys.argv[1], "rb").read())
@@ -85,17 +96,11 @@ def test_a_restarted_rank_reads_the_checkpoint_in_the_bucket_without_rewriting_a
     """Two ranks on one node restart from the same checkpoint in the bucket. The second must not
     download into the folder the first is still reading: Ray's as_directory() folder, shared by the
     node, was written again under the first rank, which then read a damaged checkpoint.pt."""
-    import ray.train
-
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where both ranks download, so it can be looked at
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     saved = tmp_path / "saved.pt"
     torch.save(state(5.0), saved)
-    s3.client().upload_file(str(saved), s3.bucket, "runs/r3/checkpoint_000001/checkpoint.pt")
-    storage = ray_storage(s3.url("runs"), None)
-    checkpoint = ray.train.Checkpoint(
-        f"{storage['storage_path']}/r3/checkpoint_000001", filesystem=storage["storage_filesystem"]
-    )
+    checkpoint = bucket_checkpoint(s3, "runs/r3/checkpoint_000001", saved)
     (tmp_path / "checkpoint.pickle").write_bytes(pickle.dumps(checkpoint))
     first = subprocess.Popen(
         [sys.executable, "-c", FIRST_RANK, str(tmp_path / "checkpoint.pickle")],
@@ -119,14 +124,8 @@ def test_a_restarted_rank_reads_the_checkpoint_in_the_bucket_without_rewriting_a
 
 
 def test_a_damaged_checkpoint_in_the_bucket_is_named_by_its_address_there(s3: S3Server, tmp_path: Path) -> None:
-    import ray.train
-
     (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 not a whole checkpoint")
-    s3.client().upload_file(str(tmp_path / "cut.pt"), s3.bucket, "runs/r4/checkpoint_000002/checkpoint.pt")
-    storage = ray_storage(s3.url("runs"), None)
-    checkpoint = ray.train.Checkpoint(
-        f"{storage['storage_path']}/r4/checkpoint_000002", filesystem=storage["storage_filesystem"]
-    )
+    checkpoint = bucket_checkpoint(s3, "runs/r4/checkpoint_000002", tmp_path / "cut.pt")
     with pytest.raises(StorageError) as raised:
         load_ray_checkpoint(checkpoint)
     assert str(raised.value).startswith(f"checkpoint {s3.url('runs/r4/checkpoint_000002/checkpoint.pt')} is damaged (")
