@@ -23,7 +23,10 @@ torchvision's get_params and by raywds.loader.crops.draw_crop.
 
 With `--workers 1,2,4,8,15` it also times raywds's `--decode cpu` loader at each count and
 prints the speed-up over 1 worker, the fraction of linear scaling (speed-up / workers) and each
-worker's rate against the full-decode limit (per core: the loader / workers / full decode);
+worker's rate against the full-decode limit (per core: the loader / workers / full decode); and,
+beside it, the loader against as many full decodes at once, one a process (what that many cores
+of this machine decode together), with those decodes' own fraction of linear scaling: where the
+cores do not add up (two vCPUs on one physical core, a shared memory bus), no loader can either;
 `--scaling-only` times nothing else but the limit. Give enough images for the most workers (`--copies 100`:
 10,000 images, about ten batches of 64 per worker at 15).
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -107,6 +111,31 @@ def loop_rate(datas: list[bytes], fn: Callable[[bytes], object]) -> float:
     for data in datas:
         fn(data)
     return len(datas) / (time.perf_counter() - start)
+
+
+def parallel_loop_rate(datas: list[bytes], fn: Callable[[bytes], object], processes: int) -> float:
+    """`processes` loops of `fn` over `datas` at once, one a forked process, started together: their
+    images/s together, from the start to the last one's end. With the full decode it is what that
+    many cores of this machine decode, the limit for as many loader workers: two vCPUs that share a
+    physical core, or the memory bus, do less than twice one."""
+    context = mp.get_context("fork")
+    ready, ends = context.Barrier(processes + 1), context.Queue()
+
+    def loop() -> None:
+        ready.wait()
+        for data in datas:
+            fn(data)
+        ends.put(time.perf_counter())  # CLOCK_MONOTONIC: the same clock in every process
+
+    children = [context.Process(target=loop) for _ in range(processes)]
+    for child in children:
+        child.start()
+    ready.wait()
+    start = time.perf_counter()
+    last = max(ends.get(timeout=600) for _ in children)
+    for child in children:
+        child.join(timeout=60)
+    return processes * len(datas) / (last - start)
 
 
 def whole_image_crop(data: bytes) -> object:
@@ -225,17 +254,25 @@ def print_clock(clocks: list[Spent], rate: float, limit: float) -> None:
     )
 
 
-def print_scaling(rates: dict[int, float], limit: float) -> None:
-    """raywds's loader at each worker count against 1 worker, against linear scaling, and each
-    worker (each core) against the full-decode rate of one process."""
+def print_scaling(rates: dict[int, float], limit: float, limits: dict[int, float]) -> None:
+    """raywds's loader at each worker count against 1 worker, against linear scaling, each worker
+    (each core) against the full-decode rate of one process, and the loader against as many full
+    decodes at once (`limits`: what that many cores decode together), with those decodes' own
+    scaling: how far this machine's cores add up."""
     print(
         "scaling, raywds --decode cpu, 224 px (median images/s; speed-up over 1 worker; speed-up / workers; "
-        "images/s per worker / full decode_jpeg):"
+        "images/s per worker / full decode_jpeg; against as many full decodes at once, and their own of linear):"
     )
-    print(f"  {'workers':>7s} {'images/s':>9s} {'speed-up':>9s} {'of linear':>10s} {'per core / full decode':>23s}")
+    print(
+        f"  {'workers':>7s} {'images/s':>9s} {'speed-up':>9s} {'of linear':>10s} {'per core / full decode':>23s}"
+        f" {'/ as many full decodes':>23s} {'full decodes, of linear':>24s}"
+    )
     for workers, value in rates.items():
-        speedup = value / rates[1]
-        print(f"  {workers:7d} {value:9.0f} {speedup:8.2f}x {speedup / workers:10.0%} {value / workers / limit:22.2f}x")
+        speedup, together = value / rates[1], limits.get(workers, limit)
+        print(
+            f"  {workers:7d} {value:9.0f} {speedup:8.2f}x {speedup / workers:10.0%} {value / workers / limit:22.2f}x"
+            f" {value / together:22.2f}x {together / workers / limit:24.0%}"
+        )
 
 
 def main() -> None:
@@ -299,8 +336,14 @@ def main() -> None:
         runs["raywds cpu, 1w, 128"] = partial(raywds_rate, root / "shards", 1, n, 128, "cpu")
         for workers, name in scaling.items():
             runs.setdefault(name, partial(raywds_rate, root / "shards", workers, n, 224, "cpu"))
+        together = {w: f"limit: {w} full decodes at once" for w in counts if w > 1}
+        for workers, name in together.items():
+            runs[name] = partial(parallel_loop_rate, datas, decode.jpeg_tensor, workers)
         if args.scaling_only:
-            runs = {name: runs[name] for name in ["limit: full decode, decode_jpeg", *scaling.values(), KEPT]}
+            runs = {
+                name: runs[name]
+                for name in ["limit: full decode, decode_jpeg", *together.values(), *scaling.values(), KEPT]
+            }
         measured = defaultdict(list)
         for _ in range(args.rounds):
             for name, run in runs.items():
@@ -310,7 +353,9 @@ def main() -> None:
             spread = f"{min(measured[name]):.0f}-{max(measured[name]):.0f}"
             print(f"{name:34s} {value:7.0f} images/s  (rounds: {spread})")
         limit = rate["limit: full decode, decode_jpeg"]
-        print_scaling({w: rate[name] for w, name in scaling.items()}, limit)
+        print_scaling(
+            {w: rate[name] for w, name in scaling.items()}, limit, {w: rate[name] for w, name in together.items()}
+        )
         print_clock(clocks, rate["raywds cpu, 1w, 224"], limit)
         print(
             "1 worker, restart markers (convert's default) / JPEG bytes kept: "
