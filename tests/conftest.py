@@ -6,6 +6,7 @@ import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import raycluster, s3server, turns
@@ -137,16 +138,44 @@ RAY_FREE_LAUNCH_FILES = ("tests/launch/test_follow.py", "tests/launch/test_torch
 namespaces of their own): scheduled as the other files are, beside the Ray tests."""
 
 
+LONGEST_FIRST = (
+    "tests/launch/",  # the Ray tests, one after another in one worker: about half the suite's time
+    "tests/deploy/test_image.py",  # the image's Debian base and build, then three container runs
+    "tests/lightning/test_lightning.py",  # seven Lightning runs
+    "tests/launch/test_torchrun_nodes.py",  # torchrun across two network namespaces
+    "tests/train/test_train.py",
+    "tests/train/test_doctor.py",
+)
+"""The work units xdist hands out first, longest first (seconds in docs/testing.md); every other file
+after them, in xdist's own order. xdist orders files by their number of tests, so the image's file
+(three tests, 400 s) and the Lightning file came last, and one worker ran them while the other had
+nothing left: the cores were 25-85% busy for the run's last 60 to 140 s. Short files last let both
+workers end near together."""
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (`-n 2`, the default in pyproject.toml): every test in tests/launch/ that
     starts Ray (those that do are all there) in one worker, one after another, as in one process;
-    the other files each whole in whichever worker is free, beside them. (xdist's own `loadgroup`
-    marks do not take under pytest 9: it renames node ids by a field pytest no longer reads.)"""
+    the other files each whole in whichever worker is free, beside them, the longest first
+    (`LONGEST_FIRST`). (xdist's own `loadgroup` marks do not take under pytest 9: it renames node
+    ids by a field pytest no longer reads.)"""
+    from collections import OrderedDict
+
     from xdist.scheduler import LoadScopeScheduling
 
     class RayInOneWorker(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return "tests/launch/" if starts_ray(nodeid) else nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the queue is complete when the first unit is handed out
+                rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
+                queue = sorted(self.workqueue.items(), key=lambda unit: rank.get(unit[0], len(rank)))
+                self.workqueue = OrderedDict(queue)
+                self.ordered = True
+            super()._assign_work_unit(node)
 
     return RayInOneWorker(config, log)
 
