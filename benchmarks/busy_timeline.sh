@@ -21,7 +21,8 @@ busy=$((u + n + s + q + sq + st)) total=$((busy + i + w))
 while true; do
     sleep "$every"
     read -r _ u n s i w q sq st _ </proc/stat
-    now_busy=$((u + n + s + q + sq + st)) now_total=$((u + n + s + q + sq + st + i + w))
+    now_busy=$((u + n + s + q + sq + st))
+    now_total=$((now_busy + i + w))
     line="$(($(date +%s) - start)) $((100 * (now_busy - busy) / (now_total - total > 0 ? now_total - total : 1)))"
     busy=$now_busy total=$now_total
     pgrep -x debootstrap >/dev/null && line+=" debootstrap"
