@@ -1,8 +1,11 @@
-"""notebooks/ray-demo.ipynb in a real Jupyter Lab, driven by headless Chromium through Selenium: Run >
-Run All Cells, then the page shows no error, the worker plan, the top-1 line, the finished progress
-bar, the metrics table and the plot. The server, its kernel, the kernel's Ray cluster and the browser
-are stopped by PID at the end, pass or fail; the finished page is saved as a screenshot in the test's
-tmp dir (RAYWDS_LAB_SCREENSHOT=PATH copies it there, as for docs/images/lab-notebook.png).
+"""notebooks/ray-demo.ipynb in a real Jupyter Lab, driven by headless Chromium through Selenium: every
+cell but the last (Run > Run All Above Selected Cell, with the last selected), then the page shows no
+error, the worker plan, the top-1 line, the finished progress bar, the metrics table and the plot;
+then the kernel is shut down as Jupyter does, and the shard server and the Ray cluster the notebook
+started must be gone with it, though its last cell, which stops them, never ran. The
+server, its kernel, the kernel's Ray cluster and the browser are stopped by PID at the end, pass or
+fail; the finished page is saved as a screenshot in the test's tmp dir (RAYWDS_LAB_SCREENSHOT=PATH
+copies it there, as for docs/images/lab-notebook.png).
 
     ./run-tests tests/launch/test_lab.py          # needs /usr/bin/chromium and /usr/bin/chromedriver
 """
@@ -16,6 +19,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.raycluster import cluster_processes, describe, is_running, token_env, write_token
+from support.raycluster import cluster_processes, describe, is_running, token_env, worker_roles, write_token
 
 from raywds.serve import free_port
 
@@ -38,8 +42,8 @@ JUPYTER = Path(sys.executable).parent / "jupyter"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 RUN_ALL_TIMEOUT_S = 240.0
-"""Run All of the one-epoch notebook, from the click to the last cell's number: under a minute on 2 busy cores
-(the whole test call, page load included, took 58 to 67 s)."""
+"""Every cell of the one-epoch notebook but the last, from the click to the last number: under a minute
+on 2 busy cores (the whole test call, page load included, took 58 to 67 s)."""
 STDERR = "application/vnd.jupyter.stderr"
 SETTINGS = {
     # Every cell in the DOM, so that the page can be read whole (Lab 4 leaves cells out of view out).
@@ -142,7 +146,7 @@ class Lab:
 def lab_env(tmp_path: Path, ray_temp: Path) -> dict[str, str]:
     """The server's environment, which its kernels inherit: Jupyter's and IPython's dirs under
     `tmp_path`, and for the notebook a private local Ray cluster in `ray_temp` with a token of its
-    own (as tests/launch/test_notebook.py), one epoch, and its runs under `tmp_path`."""
+    own, one epoch, and its runs under `tmp_path`."""
     env = token_env(write_token(ray_temp))
     for name, sub in (
         ("JUPYTER_CONFIG_DIR", "config"),
@@ -347,9 +351,10 @@ def shot(driver: Any, path: Path) -> Path:
     return path
 
 
-def run_all(driver: Any, lab: Lab, tmp_path: Path) -> list[dict[str, Any]]:
-    """Open the notebook, click Run > Run All Cells and wait until every code cell has its number;
-    fail early on a traceback, and with a screenshot and the page's outputs on timeout."""
+def run_all_above_the_last(driver: Any, lab: Lab, tmp_path: Path) -> list[dict[str, Any]]:
+    """Open the notebook, select its last cell (the one that stops the shard server and Ray), click
+    Run > Run All Above Selected Cell and wait until every other code cell has its number; fail early
+    on a traceback, and with a screenshot and the page's outputs on timeout."""
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
@@ -360,38 +365,57 @@ def run_all(driver: Any, lab: Lab, tmp_path: Path) -> list[dict[str, Any]]:
     driver.get(f"{lab.url}/lab/tree/{NOTEBOOK.name}?token={lab.token}")
     wait = WebDriverWait(driver, 90)
     wait.until(lambda d: len(read_cells(d)) == num_code_cells)
-    wait.until(lambda d: kernel_idle(lab) and "| Idle" in d.execute_script(READ_STATUS))  # else Run All runs nothing
+    wait.until(lambda d: kernel_idle(lab) and "| Idle" in d.execute_script(READ_STATUS))  # else nothing runs
     ActionChains(driver).key_down(Keys.CONTROL).send_keys("b").key_up(Keys.CONTROL).perform()  # hide the file browser
+    last = driver.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")[-1]
+    last.find_element(By.CSS_SELECTOR, ".jp-InputPrompt").click()
+    wait.until(
+        lambda d: "jp-mod-selected" in last.get_attribute("class") or "jp-mod-active" in last.get_attribute("class")
+    )
     menu = (By.XPATH, "//div[contains(@class, 'lm-MenuBar-itemLabel') and normalize-space()='Run']")
     wait.until(ready.element_to_be_clickable(menu)).click()
-    item = (By.XPATH, "//li[contains(@class, 'lm-Menu-item') and normalize-space()='Run All Cells']")
+    item = (By.XPATH, "//li[contains(@class, 'lm-Menu-item') and normalize-space()='Run All Above Selected Cell']")
     wait.until(ready.element_to_be_clickable(item)).click()
     deadline = time.monotonic() + RUN_ALL_TIMEOUT_S
     while True:
         cells = read_cells(driver)
         if errors_in(cells):
             pytest.fail(f"a cell failed (screenshot {shot(driver, tmp_path / 'failed.png')}):\n{page_text(cells)}")
-        if all(re.fullmatch(r"\[\d+\]:", c["prompt"]) for c in cells):
+        if all(re.fullmatch(r"\[\d+\]:", c["prompt"]) for c in cells[:-1]):
             return cells
         if time.monotonic() > deadline:
             pytest.fail(
-                f"Run All did not finish in {RUN_ALL_TIMEOUT_S:.0f} s (prompts {[c['prompt'] for c in cells]}; "
+                f"Run All Above did not finish in {RUN_ALL_TIMEOUT_S:.0f} s (prompts {[c['prompt'] for c in cells]}; "
                 f"screenshot {shot(driver, tmp_path / 'timeout.png')}):\n{page_text(cells)}\n"
                 f"--- jupyter lab's log\n{lab.log_tail()}"
             )
         time.sleep(1.0)
 
 
-def test_run_all_in_jupyter_lab_shows_the_run(tmp_path: Path, lab: Lab, browser: Any) -> None:
+def refuses(url: str) -> bool:
+    host, port = re.fullmatch(r"http://([^:/]+):(\d+)", url).groups()  # type: ignore[union-attr]
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return False
+    except OSError:
+        return True
+
+
+def test_the_notebook_in_jupyter_lab_shows_the_run_and_its_kernels_stop_stops_what_it_started(
+    tmp_path: Path, lab: Lab, browser: Any, ray_temp: Path
+) -> None:
+    last_cell = [c for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"][-1]
+    assert "server.stop()" in "".join(last_cell["source"]) and "ray.shutdown()" in "".join(last_cell["source"])
     started = time.monotonic()
-    cells = run_all(browser, lab, tmp_path)
+    cells = run_all_above_the_last(browser, lab, tmp_path)
     seconds = time.monotonic() - started
     screenshot = shot(browser, tmp_path / "lab-notebook.png")
     if os.environ.get("RAYWDS_LAB_SCREENSHOT"):
         shutil.copy(screenshot, os.environ["RAYWDS_LAB_SCREENSHOT"])
     text = "\n".join(o["text"] for c in cells for o in c["outputs"])
-    where = f"(Run All took {seconds:.0f} s; screenshot {screenshot}):\n{page_text(cells)}"
+    where = f"(the run took {seconds:.0f} s; screenshot {screenshot}):\n{page_text(cells)}"
     assert not errors_in(cells), f"tracebacks on the page {where}"
+    assert cells[-1]["prompt"] in ("[ ]:", ""), f"the last cell ran {where}"
     assert "training on: 2 CPU (gloo) workers" in text, f"no worker plan {where}"
     assert re.search(r"\d+ s, top-1 \d\.\d{3}", text), f"no top-1 line {where}"
     bars = [b for c in cells for b in c["bars"]]
@@ -400,3 +424,21 @@ def test_run_all_in_jupyter_lab_shows_the_run(tmp_path: Path, lab: Lab, browser:
     pngs = [src for c in cells for src in c["images"] if src.startswith("data:image/png;base64,")]
     assert any(len(src) > 20_000 for src in pngs), f"no plot: {[len(s) for s in pngs]} {where}"
     assert list((tmp_path / "runs" / "ray").glob("nb-*/report.png"))
+    url = re.search(r"^\w+ (http://\S+)$", text, re.M)
+    assert url, f"no `backend url` line {where}"
+    # The kernel shut down as Lab's Kernel > Shut Down Kernel does it (the server asks the kernel to
+    # end and waits for it): what the notebook started ends with it.
+    assert not refuses(url[1]) and cluster_processes(ray_temp), "the server and Ray are up before the shutdown"
+    for session in lab.api("GET", "/api/sessions"):
+        lab.api("DELETE", f"/api/kernels/{session['kernel']['id']}", timeout_s=60)
+    deadline = time.monotonic() + 30
+    while (not refuses(url[1]) or cluster_processes(ray_temp)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert refuses(url[1]), f"the shard server at {url[1]} outlived the kernel"
+    left = cluster_processes(ray_temp)
+    assert not left, f"the notebook's Ray cluster outlived the kernel:\n{describe(left.values())}"
+    # The cluster was the notebook's own: no preemption watcher (no autoscaler drains its node) and no
+    # idle workers prestarted (none could serve a run whose every process has raywds's runtime env).
+    roles = worker_roles(ray_temp)
+    assert {"TrainController", "RayTrainWorker", "_AutoscalingCoordinatorActor"} <= set(roles), roles
+    assert "PreemptionWatcher" not in roles and "" not in roles, roles
