@@ -112,6 +112,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.ray)  # torchrun across namespaces, the image: as slow, out of the inner loop
         if starts_ray(item.nodeid) and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(RAY_TEST_TIMEOUT_S))
+    ray_slots = [i for i, item in enumerate(items) if starts_ray(item.nodeid)]
+    ray_items = sorted((items[i] for i in ray_slots), key=lambda item: ray_file_rank(item.nodeid))  # stable
+    for slot, item in zip(ray_slots, ray_items):
+        items[slot] = item
     yield
     if os.environ.get("RAYWDS_TEST_REVERSE") == "1":
         items.reverse()  # after everything else has ordered and selected
@@ -178,6 +182,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             super()._assign_work_unit(node)
 
     return RayInOneWorker(config, log)
+
+
+RAY_FILES_IN_ORDER = (
+    "tests/launch/test_lab.py",
+    "tests/launch/test_lightning_ray.py",
+    "tests/launch/test_ray.py",  # short tests (25-65 s each) where the image's container cluster
+    "tests/launch/test_raydata.py",  # asks for the turn, 4 to 6 minutes in (after the build and
+    "tests/launch/test_ray_s3.py",  # the demo's container), so that it waits for one of them
+    "tests/launch/test_multinode.py",  # and not for the elastic run (150-170 s)
+    "tests/launch/test_raydata_nodes.py",
+)
+"""The order of the Ray tests' files in their worker. By name, the two-node tests came 2.5 to 8
+minutes in, and the container cluster waited 130 and 152 s for the elastic two-node run to give
+up the turn, its worker idle and both cores 64-85% busy meanwhile (docs/testing.md)."""
+
+
+def ray_file_rank(nodeid: str) -> int:
+    file = nodeid.split("::", 1)[0]
+    return RAY_FILES_IN_ORDER.index(file) if file in RAY_FILES_IN_ORDER else len(RAY_FILES_IN_ORDER)
 
 
 def starts_ray(nodeid: str) -> bool:
