@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     0.18 s full collection) goes to the garbage collector's permanent generation, which no
     collection walks: a full collection in a test then looks only at what the tests made."""
     gc.freeze()
+    users = [item.nodeid for item in session.items if "local_ray" in getattr(item, "fixturenames", ())]
+    LAST_ON_LOCAL_RAY[:] = users[-1:]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -267,13 +270,31 @@ def user_cluster() -> Iterator[raycluster.HeadNode]:
             )
 
 
-@pytest.fixture(scope="session")
-def local_ray(user_cluster: raycluster.HeadNode) -> Iterator[None]:
+LOCAL_RAY: list[ExitStack] = []
+"""The in-process Ray of the tests that ask for `local_ray`, while it runs."""
+LAST_ON_LOCAL_RAY: list[str] = []
+"""The node id of the last test, in this session's order, that asks for `local_ray`."""
+
+
+@pytest.fixture
+def local_ray(user_cluster: raycluster.HeadNode) -> None:
     """One local Ray in this process for the Ray Train and Ray Data plane tests (tests/launch/test_ray.py,
-    test_raydata.py), started once: 4 logical CPUs on 2, room for 3 training workers and the plane's
-    decode tasks. Without a dashboard: nothing here asks for one."""
-    with raycluster.in_process_ray("rwt-", num_cpus=4):
-        yield
+    test_raydata.py, test_lightning_ray.py), started by the first that asks for it: 4 logical CPUs on 2,
+    room for 3 training workers and the plane's decode tasks. Without a dashboard: nothing here asks for
+    one. It stops after the last (`pytest_runtest_teardown`), not at the session's end: idle, with the
+    workers its tasks leave, it took 6-7% of a core (a one-off measurement), through every Ray test
+    after its last user."""
+    if not LOCAL_RAY:
+        with ExitStack() as stack:
+            stack.enter_context(raycluster.in_process_ray("rwt-", num_cpus=4))
+            LOCAL_RAY.append(stack.pop_all())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    if LOCAL_RAY and (item.nodeid in LAST_ON_LOCAL_RAY or nextitem is None):
+        LOCAL_RAY.pop().close()
 
 
 @pytest.fixture
