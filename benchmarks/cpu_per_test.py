@@ -89,11 +89,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _group is None:
         return
-    try:  # back to the parent, so that the empty group can go (processes still in it keep it)
+    try:  # back to the parent, so that the group can go once the processes still ending in it have
         (_group.parent / "cgroup.procs").write_text(str(os.getpid()))
-        _group.rmdir()
     except OSError:
-        pass
+        return
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            _group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.2)
+    print(f"cpu_per_test: {_group} still holds processes; rmdir it once they end", file=sys.stderr)
 
 
 def main() -> None:
