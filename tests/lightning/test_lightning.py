@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -103,19 +104,20 @@ def test_resample_epochs_give_both_ranks_the_same_batches(shards: Path, tmp_path
     assert per_rank == {"rank00000": 64, "rank00001": 64}, per_rank  # ceil(120 / 32) = 4 batches of 16 each
 
 
-@pytest.mark.parametrize("ranks", [2, 1])
-def test_a_run_killed_mid_epoch_resumes_from_its_lightning_checkpoint_exactly(
-    shards: Path, tmp_path: Path, ranks: int
-) -> None:
-    """Two ranks, a checkpoint every 3 steps: killed (SIGKILL to torchrun, the ranks and their
-    loader workers) once a step after a checkpoint has trained, then resumed from last.ckpt with
-    Trainer.fit(ckpt_path=...) on 2 ranks and on 1. What the killed run trained after its
-    checkpoint is redone (the audit files keep it apart), and every epoch is exact."""
-    audit_dir, out = tmp_path / "audit", tmp_path / "run"
-    flags = ["--mode", "split", "--batch-size", "4", "--epochs", "2", "--audit-dir", str(audit_dir)]
-    line = command(shards, out, *flags, "--checkpoint-every-steps", "3")
+KILLED_FLAGS = ["--mode", "split", "--batch-size", "4", "--epochs", "2", "--checkpoint-every-steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def killed(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run on two ranks, a checkpoint every 3 steps, killed (SIGKILL to torchrun, the ranks and
+    their loader workers) once a step after a checkpoint has trained: its folder, with the run's
+    output in run/ and its audit files in audit/. Each resume below starts from a copy of it, so
+    both resume the same killed state, and the killed run (about 30 s) runs once, not twice."""
+    folder = tmp_path_factory.mktemp("killed")
+    audit_dir, out = folder / "audit", folder / "run"
+    line = command(shards, out, *KILLED_FLAGS, "--audit-dir", str(audit_dir))
     after_checkpoint = re.compile(r"-at(\d+)-")
-    with started(line, tmp_path) as first:
+    with started(line, folder) as first:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and first.poll() is None:
             trained_after = [
@@ -126,7 +128,19 @@ def test_a_run_killed_mid_epoch_resumes_from_its_lightning_checkpoint_exactly(
             time.sleep(0.02)
         ended_itself = first.poll() is not None
     assert not ended_itself, "the run ended before a step after a checkpoint: nothing was killed"
-    run(shards, out, *flags, "--resume", str(out / "last.ckpt"), ranks=ranks)
+    return folder
+
+
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_a_run_killed_mid_epoch_resumes_from_its_lightning_checkpoint_exactly(
+    shards: Path, killed: Path, tmp_path: Path, ranks: int
+) -> None:
+    """The killed run (`killed`) resumed from last.ckpt with Trainer.fit(ckpt_path=...) on 2 ranks
+    and on 1, each from its own copy. What the killed run trained after its checkpoint is redone
+    (the audit files keep it apart), and every epoch is exact."""
+    shutil.copytree(killed, tmp_path, dirs_exist_ok=True)
+    audit_dir, out = tmp_path / "audit", tmp_path / "run"
+    run(shards, out, *KILLED_FLAGS, "--audit-dir", str(audit_dir), "--resume", str(out / "last.ckpt"), ranks=ranks)
     every = Counter(i for f in audit_dir.glob("*.ids") for i in np.fromfile(f, dtype="<i8").tolist())
     assert max(every.values()) > 1, "the killed run trained nothing after its checkpoint, so nothing was redone"
     checks = audit(audit_dir, read_manifest(str(shards)))

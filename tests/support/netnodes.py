@@ -153,6 +153,8 @@ class TwoNodes:
     """Set on the worker node's Ray only (its raylet, and so every process it starts there)."""
     worker_private: tuple[str, ...] = ()
     """Paths the worker node cannot see: each an empty tmpfs of its own there (`in_namespace`)."""
+    worker_env_set: bool = False
+    """Whether the worker node's Ray now runs with `worker_env` (its last `start_worker`)."""
 
     @property
     def gcs_address(self) -> str:
@@ -174,9 +176,9 @@ class TwoNodes:
     ) -> subprocess.Popen[str]:
         return subprocess.Popen(self.on_head(args), text=True, env={**self.env, **(env or {})}, **kwargs)  # type: ignore[call-overload]
 
-    def start_worker(self, *, num_cpus: int = 1) -> None:
+    def start_worker(self, *, num_cpus: int = 1, with_worker_env: bool = True) -> None:
         """`ray start --address` on the worker node, its temp dir its own, `worker_private` hidden
-        from it; waits until it is alive."""
+        from it, with `worker_env` unless not `with_worker_env`; waits until it is alive."""
         args = [
             *in_namespace(self.namespaces[1], private_mounts=self.worker_private),
             str(RAY),
@@ -191,13 +193,15 @@ class TwoNodes:
             str(num_cpus),
             *NODE_FLAGS,
         ]
-        out = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**self.env, **self.worker_env})
+        env = {**self.env, **(self.worker_env if with_worker_env else {})}
+        out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
         if out.returncode != 0:
             raise RuntimeError(
                 f"`ray start --address` on the worker node exited {out.returncode}:\n{out.stdout[-2000:]}\n"
                 f"{out.stderr[-3000:]}\n{session_logs(self.worker_temp)}"
             )
         self.wait_for_nodes(2)
+        self.worker_env_set = with_worker_env
 
     def alive_nodes(self) -> list[str]:
         """The node IPs the GCS counts alive."""
