@@ -141,7 +141,9 @@ class Nodes:
 
 
 @pytest.fixture
-def nodes(engine: Any, built: str, demo: Path, tmp_path: Path) -> Iterator[Nodes]:
+def nodes(
+    engine: Any, built: str, demo: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Nodes]:
     """The head and worker containers: demo shards read-only at /shards, a run folder both see at
     /runs (a ReadWriteMany volume), the cluster's own token."""
     require()  # root and iproute2, as the two-node tests
@@ -154,12 +156,14 @@ def nodes(engine: Any, built: str, demo: Path, tmp_path: Path) -> Iterator[Nodes
         str(tmp_path / "runs"): {"bind": "/runs", "mode": "rw"},
         str(tmp_path / "token"): {"bind": os.path.dirname(TOKEN), "mode": "ro"},
     }
-    made = Nodes(engine, mounts, f"rwi{os.getpid() % 100000}")
-    try:
-        made.plumb()
-        yield made
-    finally:
-        made.remove()
+    # Not beside a Ray test of the other worker: `ray start` gives a node only 30 s (tests/support/turns.py)
+    with turns.turn(turns.folder(tmp_path_factory)):
+        made = Nodes(engine, mounts, f"rwi{os.getpid() % 100000}")
+        try:
+            made.plumb()
+            yield made
+        finally:
+            made.remove()
 
 
 def wait_for(url_check: Any, what: str, timeout_s: float = 60) -> None:
@@ -171,7 +175,7 @@ def wait_for(url_check: Any, what: str, timeout_s: float = 60) -> None:
 
 @pytest.mark.timeout(1800)
 def test_a_cluster_of_two_containers_runs_the_rayjob_entrypoint_submitted_from_a_third(
-    engine: Any, nodes: Nodes, tmp_path_factory: pytest.TempPathFactory
+    engine: Any, nodes: Nodes
 ) -> None:
     # The manifests' values for a CPU run of the demo's shards, served as shard-server.yaml serves them
     test_values = values(DATA="http://raywds-shards:8080", RECIPE="demo", EPOCHS="1", STORAGE="/runs", RUN_NAME="image")
@@ -180,16 +184,11 @@ def test_a_cluster_of_two_containers_runs_the_rayjob_entrypoint_submitted_from_a
     # The shard server, as its Deployment runs it, on the head (its Service's name resolves there)
     nodes.head.exec_run(server, detach=True)
     ray_start = ["ray", "start", "--num-cpus", "1", "--disable-usage-stats"]
-    # Not beside a Ray test of the other worker: `ray start` gives a node only 30 s to register
-    # (tests/support/turns.py). Once both nodes are up, the job runs beside the other worker's
-    # tests, as any test's processes do: the Ray tests' worker waited 50-60 s for it otherwise,
-    # both cores 50-80% busy meanwhile (docs/testing.md).
-    with turns.turn(turns.folder(tmp_path_factory)):
-        nodes.exec(
-            nodes.head,
-            [*ray_start, "--head", "--node-ip-address", HEAD_IP, "--port", "6379", "--dashboard-host", "0.0.0.0"],
-        )
-        nodes.exec(nodes.worker, [*ray_start, "--address", f"{HEAD_IP}:6379", "--node-ip-address", WORKER_IP])
+    nodes.exec(
+        nodes.head,
+        [*ray_start, "--head", "--node-ip-address", HEAD_IP, "--port", "6379", "--dashboard-host", "0.0.0.0"],
+    )
+    nodes.exec(nodes.worker, [*ray_start, "--address", f"{HEAD_IP}:6379", "--node-ip-address", WORKER_IP])
     probe = [
         "python3",
         "-c",

@@ -59,8 +59,8 @@ def two_node_cluster(user_cluster: HeadNode, unseen: Path) -> Iterator[TwoNodes]
 
 @pytest.fixture
 def slow_worker(two_node_cluster: TwoNodes) -> TwoNodes:
-    """The two nodes with the worker node slow: started again so where a node-loss test (in another
-    order of the tests) left it at full speed."""
+    """The two nodes with the worker node slow: where a node-loss test that ran before (in another
+    order of the tests) left it at full speed, it is started again, slow."""
     if not two_node_cluster.worker_env_set:
         two_node_cluster.lose_worker()
         two_node_cluster.start_worker()

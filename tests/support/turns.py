@@ -5,8 +5,8 @@ register with the GCS, then exits with "The current node timed out during startu
 2-core machine, the image's two containers starting Ray beside a Ray Train run in the other
 worker (load average 9) took longer, and the test failed though nothing of raywds's was wrong.
 So the Ray tests take a turn each (tests/conftest.py), and the container cluster test waits for
-one to start its two nodes (tests/deploy/test_image.py), then gives it back while its job runs:
-both cores stay busy, as the suite is bound by CPU, and the two never start Ray at once.
+one (tests/deploy/test_image.py): both cores stay busy, as the suite is bound by CPU, and the
+two never start Ray at once.
 
 The turn is fair: a worker waiting for it holds the gate, so the worker that just gave the turn
 up cannot take it straight back for its next test (Linux wakes a waiter on flock's release, but
