@@ -69,8 +69,8 @@ def slow_worker(two_node_cluster: TwoNodes) -> TwoNodes:
 
 def start_worker_again(cluster: TwoNodes) -> None:
     """The lost worker node started again, at full speed: a slow rank's 100 ms of spinning a step
-    held a core for the rest of each run (in the elastic run, 5 of its 8 epochs at 7.5 s each
-    instead of about 3 s), and no test after a node's loss asks for the slow node's verdict."""
+    held a core for the rest of each run (in one elastic timeline, each epoch after the node's
+    return took 7.5 s), and no test after a node's loss asks for the slow node's verdict."""
     cluster.start_worker(with_worker_env=False)
 
 
