@@ -91,6 +91,8 @@ def test_a_ray_run_in_a_bucket_survives_a_killed_worker_exactly_and_keeps_its_re
         assert audited(last, shards) == everything, f"epoch {epoch + 1}"
     restarted = sorted(f.name for f in audit.glob("*.ids") if pid_of(f) not in first)
     assert restarted and not restarted[0].startswith("epoch0000"), f"the restart began at epoch 1: {restarted}"
+    rank1 = {pid_of(f) for f in audit.glob("*-rank00001-*.ids")}
+    assert len(rank1 - set(killed)) == 1, f"rank 1 ran in two processes, the killed one and its replacement: {rank1}"
 
     held = objects(s3, "runs/r1/")
     assert {"metrics.jsonl", "raywds-config.json", "best/checkpoint.pt", "best/metrics.json"} <= held
@@ -103,6 +105,9 @@ def test_a_ray_run_in_a_bucket_survives_a_killed_worker_exactly_and_keeps_its_re
     assert sorted({r["epoch"] for r in rows if "train_loss" in r}) == [1, 2, 3], (
         "the restarted rank 0 added to the record"
     )
+    last = [r for r in rows if "train_loss" in r][-1]
+    assert (last["epoch"], last["step"]) == (3, 3 * 16), "ranks hold 64 and 56 samples: 16 batches of 4 an epoch"
+    assert (last["epoch_samples"], last["epoch_duplicates"], last["epoch_missing"]) == (120, 0, 0), last
     best = json.loads(s3.client().get_object(Bucket=s3.bucket, Key="runs/r1/best/metrics.json")["Body"].read())
     assert best["val_top1"] == max(r["val_top1"] for r in rows if "val_top1" in r)
 
