@@ -87,20 +87,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    """The group goes at once: its processes, this one and any a test left ending, back to the
+    parent first (the counting is over). Not after a wait: xdist's controller may end a worker
+    before any wait is over, and the group would stay, holding the next run's name."""
     if _group is None:
         return
-    try:  # back to the parent, so that the group can go once the processes still ending in it have
-        (_group.parent / "cgroup.procs").write_text(str(os.getpid()))
-    except OSError:
-        return
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    for pid in [str(os.getpid()), *(_group / "cgroup.procs").read_text().split()]:
         try:
-            _group.rmdir()
-            return
+            (_group.parent / "cgroup.procs").write_text(pid)
         except OSError:
-            time.sleep(0.2)
-    print(f"cpu_per_test: {_group} still holds processes; rmdir it once they end", file=sys.stderr)
+            pass  # ended meanwhile
+    try:
+        _group.rmdir()
+    except OSError as err:
+        print(f"cpu_per_test: {_group} stays ({err}); rmdir it once its processes end", file=sys.stderr)
 
 
 def main() -> None:
