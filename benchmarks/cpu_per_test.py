@@ -92,7 +92,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     before any wait is over, and the group would stay, holding the next run's name."""
     if _group is None:
         return
-    for pid in [str(os.getpid()), *(_group / "cgroup.procs").read_text().split()]:
+    for pid in (_group / "cgroup.procs").read_text().split():  # this process among them
         try:
             (_group.parent / "cgroup.procs").write_text(pid)
         except OSError:
