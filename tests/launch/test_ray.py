@@ -29,47 +29,6 @@ def ray_train() -> ModuleType:
     return ray_train
 
 
-def test_two_worker_trainer_trains_and_checkpoints(
-    ray_train: ModuleType, shards: Path, tmp_path: Path, local_ray: None
-) -> None:
-    import ray
-
-    cfg = small_config(shards, num_epochs=3, log_every_s=0.0, tensorboard=True)
-    run = ray_train.run(
-        cfg, storage_path=str(tmp_path), name=f"test-{uuid.uuid4().hex[:8]}", num_checkpoints_to_keep=None
-    )
-    assert run.plan == ray_train.WorkerPlan(2, use_gpu=False)
-    assert [m["epoch"] for m in run.history] == [1, 2, 3]
-    losses = [m["train_loss"] for m in run.history]
-    assert losses[-1] < losses[0], losses
-    assert run.metrics["train_samples"] == 2 * 4 * 16  # 2 ranks x ceil(120 / 32) batches x 16
-    assert run.metrics["val_samples"] == 50
-    assert 0 <= run.metrics["stages"]["idle_cpus"] <= 4 - 2, "the doctor knows the CPUs the run left idle"
-    assert run.checkpoint is not None and (Path(run.checkpoint) / ray_train.CHECKPOINT_FILE).is_file()
-    best = json.loads((Path(run.path) / "best" / "metrics.json").read_text())
-    assert best["val_top1"] == max(m["val_top1"] for m in run.history), (
-        "best/ holds the best top-1, beside Ray's last K"
-    )
-    assert (Path(run.path) / "best" / ray_train.CHECKPOINT_FILE).is_file()
-    assert Path(run.path).is_relative_to(tmp_path)
-    rows = [json.loads(line) for line in (Path(run.path) / "metrics.jsonl").read_text().splitlines()]
-    progress = [r for r in rows if r.get("kind") == "progress"]
-    assert [r["step_in_epoch"] for r in progress] == [1, 2, 3, 4] * 3, (
-        "rank 0 writes a progress row per step, as locally"
-    )
-    assert [r["step"] for r in progress] == list(range(1, 13))
-    # --tensorboard: rank 0's event file in the run folder, though Ray ends the worker without closing it
-    assert_charts_hold(Path(run.path) / "tensorboard", rows, num_ranks=2)
-    # Ray Train's controller asks the autoscaling coordinator for resources as it starts, with a 5 s
-    # timeout: were the coordinator started by that request, its process's start would count against
-    # it (a GetTimeoutError traceback on a busy machine). The run starts it first and waits for it.
-    started = [(a["StartTime"], a["ActorClassName"]) for a in ray.state.actors().values()]
-    coordinator = [t for t, name in started if name == "_AutoscalingCoordinatorActor"]
-    controllers = [t for t, name in started if name == "TrainController"]
-    assert len(coordinator) == 1 and controllers, started
-    assert coordinator[0] <= min(controllers), "the autoscaling coordinator was up before the first controller"
-
-
 def test_rays_known_noise_stays_off_the_console_of_a_driver_that_started_ray_itself(
     ray_train: ModuleType, local_ray: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -232,12 +191,18 @@ def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(
     ), line
 
 
-def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(
+def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_record(
     ray_train: ModuleType, uneven: Path, tmp_path: Path, local_ray: None
 ) -> None:
+    """2 Ray Train workers in split mode on uneven shards, stopped after 3 steps of epoch 1, then
+    resumed from that checkpoint for the rest of 3 epochs: every epoch exact over both runs, and the
+    resumed run's record as a run's own (Ray's checkpoints, best/, progress rows, TensorBoard)."""
+    import ray
+
     audit = tmp_path / "audit"
-    cfg = split_config(uneven, audit, num_epochs=2, max_steps=3)
+    cfg = split_config(uneven, audit, num_epochs=3, max_steps=3, log_every_s=0.0, tensorboard=True)
     first = ray_train.run(cfg, storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}")
+    assert first.plan == ray_train.WorkerPlan(2, use_gpu=False)
     assert first.metrics["inside_epoch"] and first.metrics["step"] == 3 and first.checkpoint is not None
     assert sum(epoch_keys(audit, 0, uneven).values()) == 2 * 3 * 8
 
@@ -245,14 +210,42 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats(
         dataclasses.replace(cfg, max_steps=None, resume_from=first.checkpoint),
         storage_path=str(tmp_path),
         name=f"resume-{uuid.uuid4().hex[:8]}",
+        num_checkpoints_to_keep=None,
     )
     everything = Counter(tar_keys(uneven))
     assert epoch_keys(audit, 0, uneven) == everything, "epoch 1 over both runs: every key once"
-    # Epoch 2, whole: 9 shards of 1..30 samples dealt to 2 ranks, different batch counts per rank, under Join
-    assert epoch_keys(audit, 1, uneven) == everything
-    assert len(list(audit.glob("epoch0001-*.ids"))) == 2, "both ranks trained"
+    # Epochs 2 and 3, whole: 9 shards of 1..30 samples dealt to 2 ranks, different batch counts per rank, under Join
+    for epoch in (1, 2):
+        assert epoch_keys(audit, epoch, uneven) == everything, f"epoch {epoch + 1}"
+        assert len(list(audit.glob(f"epoch{epoch:04d}-*.ids"))) == 2, "both ranks trained"
     assert second.metrics["epoch_samples"] == second.metrics["train_samples"] == 120
     assert second.metrics["epoch_duplicates"] == second.metrics["epoch_missing"] == 0
-    assert second.metrics["epoch"] == 2 and second.metrics["samples_seen"] == 240
-    assert [m["epoch"] for m in second.history] == [1, 2]
+    assert second.metrics["epoch"] == 3 and second.metrics["samples_seen"] == 360
+    assert [m["epoch"] for m in second.history] == [1, 2, 3]
     assert second.history[0]["train_samples"] == 120 - 48, "the resumed run trained only on the rest of epoch 1"
+    losses = [m["train_loss"] for m in second.history]
+    assert losses[-1] < losses[0], losses
+    assert second.metrics["val_samples"] == 50
+    assert 0 <= second.metrics["stages"]["idle_cpus"] <= 4 - 2, "the doctor knows the CPUs the run left idle"
+
+    # The resumed run's folder: Ray's checkpoints, the best one beside them, a progress row a step
+    assert second.checkpoint is not None and (Path(second.checkpoint) / ray_train.CHECKPOINT_FILE).is_file()
+    assert Path(second.path).is_relative_to(tmp_path)
+    best = json.loads((Path(second.path) / "best" / "metrics.json").read_text())
+    assert best["val_top1"] == max(m["val_top1"] for m in second.history), "best/ holds the best top-1"
+    assert (Path(second.path) / "best" / ray_train.CHECKPOINT_FILE).is_file()
+    rows = [json.loads(line) for line in (Path(second.path) / "metrics.jsonl").read_text().splitlines()]
+    progress = [r for r in rows if r.get("kind") == "progress"]
+    # rank 0's 8 steps an epoch: the 5 of epoch 1 after the stop's 3, then epochs 2 and 3 whole
+    assert [r["step_in_epoch"] for r in progress] == [*range(1, 6), *range(1, 9), *range(1, 9)], progress
+    assert [r["step"] for r in progress] == list(range(4, 25)), "the resumed run counts on from the stop's step 3"
+    # --tensorboard: rank 0's event file in the run folder, though Ray ends the worker without closing it
+    assert_charts_hold(Path(second.path) / "tensorboard", rows, num_ranks=2)
+    # Ray Train's controller asks the autoscaling coordinator for resources as it starts, with a 5 s
+    # timeout: were the coordinator started by that request, its process's start would count against
+    # it (a GetTimeoutError traceback on a busy machine). The run starts it first and waits for it.
+    started = [(a["StartTime"], a["ActorClassName"]) for a in ray.state.actors().values()]
+    coordinator = [t for t, name in started if name == "_AutoscalingCoordinatorActor"]
+    controllers = [t for t, name in started if name == "TrainController"]
+    assert len(coordinator) == 1 and controllers, started
+    assert coordinator[0] <= min(controllers), "the autoscaling coordinator was up before the first controller"
