@@ -61,9 +61,19 @@ def two_node_cluster(user_cluster: HeadNode, unseen: Path) -> Iterator[TwoNodes]
 def slow_worker(two_node_cluster: TwoNodes) -> TwoNodes:
     """The two nodes with the worker node slow: where a node-loss test that ran before (in another
     order of the tests) left it at full speed, it is started again, slow."""
-    if not two_node_cluster.worker_env_set:
+    if not (two_node_cluster.worker_running and two_node_cluster.worker_env_set):
         two_node_cluster.lose_worker()
         two_node_cluster.start_worker()
+    return two_node_cluster
+
+
+@pytest.fixture
+def both_nodes(two_node_cluster: TwoNodes) -> TwoNodes:
+    """The two nodes, the worker node slow or not: where a node-loss test before left it lost (the
+    last one does not start it again, and a failed one may not have), it is started again. So the
+    module's last test may lose the node for good, and the cluster's end stops what is left."""
+    if not two_node_cluster.worker_running:
+        start_worker_again(two_node_cluster)
     return two_node_cluster
 
 
@@ -140,6 +150,18 @@ def test_the_demo_submitted_as_a_job_runs_a_rank_on_each_node_and_trains_every_s
     unexpected = [line for line in job_log(out.stdout) if not (CLEAN.match(line) or JOB.match(line))]
     assert not unexpected, "the job's log holds raywds's lines and Ray's connect lines only:\n" + "\n".join(unexpected)
     assert "Traceback" not in output, output[-3000:]
+
+
+def test_a_storage_path_other_nodes_cannot_see_is_refused_before_training(
+    both_nodes: TwoNodes, unseen: Path, demo: Path
+) -> None:
+    storage = unseen  # the worker node has its own empty tmpfs over that path
+    out = raywds_ray(both_nodes, "--demo", "--demo-dir", str(demo.parent), "--storage-path", str(storage))
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert f"raywds: error: --storage-path {storage} is on this machine only: node(s) {WORKER_IP} cannot see" in (
+        out.stderr
+    ), out.stderr[-3000:]
+    assert "epoch 1/" not in out.stdout
 
 
 class Driver:
@@ -225,8 +247,9 @@ def assert_every_epoch_exact(audit: Path, demo: Path, epochs: int) -> None:
 
 
 def test_a_lost_node_with_a_fixed_worker_count_restarts_when_it_returns(
-    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+    both_nodes: TwoNodes, demo: Path, tmp_path: Path
 ) -> None:
+    two_node_cluster = both_nodes
     driver = Driver(two_node_cluster, *split_run(demo, tmp_path, "2"))
     try:
         driver.wait_for(r"step \d+: checkpoint inside epoch 1 ")
@@ -251,8 +274,9 @@ EPOCHS_ELASTIC = 6
 
 
 def test_an_elastic_run_shrinks_on_node_loss_and_grows_back_with_exact_epochs(
-    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+    both_nodes: TwoNodes, demo: Path, tmp_path: Path
 ) -> None:
+    two_node_cluster = both_nodes
     # Enough epochs that the run is still going when it grows back: from the shrink to the grown
     # group's first lines (the node's start, the controller's next resize check, the group's
     # restart) took about three of the head's epochs alone (24 s at 5 s an epoch, 35 s at 10 s on a
@@ -283,8 +307,9 @@ def test_an_elastic_run_shrinks_on_node_loss_and_grows_back_with_exact_epochs(
 
 
 def test_a_node_that_stays_lost_is_an_error_naming_it_in_bounded_time(
-    two_node_cluster: TwoNodes, demo: Path, tmp_path: Path
+    both_nodes: TwoNodes, demo: Path, tmp_path: Path
 ) -> None:
+    two_node_cluster = both_nodes
     driver = Driver(two_node_cluster, *split_run(demo, tmp_path, "2", "--max-failures", "1", "--node-wait-s", "10"))
     try:
         driver.wait_for(r"step \d+: checkpoint inside epoch 1 ")
@@ -293,19 +318,6 @@ def test_a_node_that_stays_lost_is_an_error_naming_it_in_bounded_time(
         assert driver.finish(timeout_s=180) == 1
         waited = time.monotonic() - lost_at
     finally:
-        driver.process.kill()
-        start_worker_again(two_node_cluster)
+        driver.process.kill()  # the node stays lost: a test after this one starts it again (`both_nodes`)
     assert f"raywds: error: lost node(s) {WORKER_IP} during the run" in driver.output, driver.output[-3000:]
     assert waited < 120, f"{waited:.0f} s from the loss to the error"
-
-
-def test_a_storage_path_other_nodes_cannot_see_is_refused_before_training(
-    two_node_cluster: TwoNodes, unseen: Path, demo: Path
-) -> None:
-    storage = unseen  # the worker node has its own empty tmpfs over that path
-    out = raywds_ray(two_node_cluster, "--demo", "--demo-dir", str(demo.parent), "--storage-path", str(storage))
-    assert out.returncode == 1, out.stdout[-3000:]
-    assert f"raywds: error: --storage-path {storage} is on this machine only: node(s) {WORKER_IP} cannot see" in (
-        out.stderr
-    ), out.stderr[-3000:]
-    assert "epoch 1/" not in out.stdout

@@ -155,6 +155,8 @@ class TwoNodes:
     """Paths the worker node cannot see: each an empty tmpfs of its own there (`in_namespace`)."""
     worker_env_set: bool = False
     """Whether the worker node's Ray now runs with `worker_env` (its last `start_worker`)."""
+    worker_running: bool = False
+    """Whether the worker node was started and not lost since."""
 
     @property
     def gcs_address(self) -> str:
@@ -201,7 +203,7 @@ class TwoNodes:
                 f"{out.stderr[-3000:]}\n{session_logs(self.worker_temp)}"
             )
         self.wait_for_nodes(2)
-        self.worker_env_set = with_worker_env
+        self.worker_env_set, self.worker_running = with_worker_env, True
 
     def alive_nodes(self) -> list[str]:
         """The node IPs the GCS counts alive."""
@@ -224,6 +226,7 @@ class TwoNodes:
 
     def lose_worker(self) -> int:
         """Every process of the worker node killed at once; how many there were."""
+        self.worker_running = False
         return kill_namespace(self.namespaces[1])
 
 
