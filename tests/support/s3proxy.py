@@ -1,5 +1,6 @@
 """A reverse proxy in front of an S3 server that breaks chosen GETs on purpose: S3's throttling
-answer (503 SlowDown) and connections reset mid-body, as a busy or flaky object store gives them.
+answer (503 SlowDown), connections reset mid-body, and answers held back for seconds, as a busy or
+flaky object store gives them.
 
     with S3Proxy(s3, path=r"\\.tar$") as proxy:
         proxy.slowdown_every = 3            # every 3rd GET of a .tar: 503 SlowDown, not forwarded
@@ -54,6 +55,9 @@ class S3Proxy:
         self.reset_every = 0
         """Reset the connection of every Nth matching GET after reset_after_bytes of its body; 0: never."""
         self.reset_after_bytes = 64 * 1024
+        self.pause_s = 0.0
+        """Hold every other matching GET this long before forwarding it (a loaded store, silent); 0: never."""
+        self.num_pauses = 0
         self.num_requests = 0
         self.num_matching_gets = 0
         self.num_slowdowns = 0
@@ -74,7 +78,7 @@ class S3Proxy:
         return dataclasses.replace(self.upstream, endpoint=self.endpoint)
 
     def fault(self, method: str, path: str, range_header: str | None) -> str | None:
-        """Count a request and say which fault it gets: "slowdown", "reset" or None."""
+        """Count a request and say which fault it gets: "slowdown", "reset", "pause" or None."""
         with self.lock:
             self.num_requests += 1
             self.log.append((method, path, range_header))
@@ -88,6 +92,9 @@ class S3Proxy:
             if self.reset_every and n % self.reset_every == 0:
                 self.num_resets += 1
                 return "reset"
+            if self.pause_s:
+                self.num_pauses += 1
+                return "pause"
             return None
 
     def stop(self) -> None:
@@ -178,6 +185,8 @@ def handler(proxy: S3Proxy) -> type[http.server.BaseHTTPRequestHandler]:
                 self.end_headers()
                 self.wfile.write(SLOWDOWN_BODY)
                 return
+            if fault == "pause":
+                time.sleep(proxy.pause_s)
             upstream_conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=UPSTREAM_TIMEOUT_S)
             try:
                 self.send_upstream(upstream_conn)

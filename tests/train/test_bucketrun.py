@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.s3proxy import S3Proxy
 from support.s3server import S3Server
 
 from raywds.errors import StorageError
@@ -69,13 +70,14 @@ def test_a_row_the_store_refuses_is_a_warning_and_goes_up_with_the_next(
     run.close()
 
 
-def bucket_checkpoint(s3: S3Server, key: str, body: Path) -> Any:
+def bucket_checkpoint(s3: S3Server, key: str, body: Path, endpoint: str | None = None) -> Any:
     """`body` put in the bucket as `key`/checkpoint.pt, and the `ray.train.Checkpoint` Ray would hand
-    a restarted rank for it (through the file system `raywds ray` gives Ray for this store)."""
+    a restarted rank for it (through the file system `raywds ray` gives Ray for this store, at
+    `endpoint` if given, else the store's own)."""
     import ray.train
 
     s3.client().upload_file(str(body), s3.bucket, f"{key}/checkpoint.pt")
-    storage = ray_storage(s3.url(""), None)
+    storage = ray_storage(s3.url(""), endpoint)
     return ray.train.Checkpoint(storage["storage_path"] + key, filesystem=storage["storage_filesystem"])
 
 
@@ -131,3 +133,20 @@ def test_a_damaged_checkpoint_in_the_bucket_is_named_by_its_address_there(s3: S3
     assert str(raised.value).startswith(f"checkpoint {s3.url('runs/r4/checkpoint_000002/checkpoint.pt')} is damaged (")
     assert str(raised.value).endswith("; Ray restarted the run from it: run again under a new --name"), raised.value
     assert "--resume" not in str(raised.value) and "raywds-restart-" not in str(raised.value)
+
+
+def test_a_restarted_rank_waits_for_a_store_that_pauses_before_it_answers(s3: S3Server, tmp_path: Path) -> None:
+    """A loaded store that holds its answer back 5 s, the checkpoint's download (Ray's to_directory,
+    through the file system `raywds ray` gives Ray) included. pyarrow's S3 client gives up on a
+    transfer that has moved nothing for 3 s (the AWS SDK's default, curl's low-speed time), which
+    once failed a restart under load (`Operation too slow. Less than 1 bytes/sec transferred the
+    last 3 seconds`); the run store waits 60 s, as raywds's own S3 reads do."""
+    saved = tmp_path / "saved.pt"
+    torch.save(state(7.0), saved)
+    with S3Proxy(s3, path=r"/checkpoint\.pt$") as proxy:
+        checkpoint = bucket_checkpoint(s3, "runs/r5/checkpoint_000001", saved, endpoint=proxy.endpoint)
+        proxy.pause_s = 5.0
+        started = time.monotonic()
+        restored = load_ray_checkpoint(checkpoint)
+        assert proxy.num_pauses >= 1 and time.monotonic() - started >= 5.0
+    assert torch.equal(restored["model"]["w"], torch.full((2,), 7.0))
