@@ -44,7 +44,13 @@ def endpoint_of(endpoint: str | None) -> str | None:
     return endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-def client(endpoint: str | None = None, timeout_s: float = 60.0) -> Any:
+READ_TIMEOUT_S = 60.0
+"""How long a read waits for a store that has gone quiet (raywds's clients, and the run store Ray writes through)."""
+CONNECT_TIMEOUT_S = 10.0
+"""How long a connection may take, at most."""
+
+
+def client(endpoint: str | None = None, timeout_s: float = READ_TIMEOUT_S) -> Any:
     """One boto3 client per process, endpoint and credentials in the environment (boto3 clients
     are thread-safe; sessions are not). Path-style addressing for any endpoint but AWS's own, as
     MinIO, SeaweedFS and AIStore want."""
@@ -58,7 +64,7 @@ def _client(where: str | None, timeout_s: float, keys: tuple[str | None, ...]) -
     from botocore.config import Config
 
     config = Config(
-        connect_timeout=min(10.0, timeout_s),
+        connect_timeout=min(CONNECT_TIMEOUT_S, timeout_s),
         read_timeout=timeout_s,
         retries={"total_max_attempts": 1},
         s3={"addressing_style": "path" if where else "auto"},

@@ -49,18 +49,12 @@ def hold_run_folder(cfg: TrainConfig, local: str | None) -> Iterator[None]:
         yield
 
 
-STORE_TIMEOUT_S = 60.0
-"""How long the run store's transfers wait for a store that sends nothing (raywds.data.s3.client's read timeout)."""
-STORE_CONNECT_TIMEOUT_S = 10.0
-"""How long it waits for a connection (raywds.data.s3.client's)."""
-
-
 def ray_storage(storage: str, endpoint: str | None) -> dict[str, Any]:
     """RunConfig's storage: an s3:// URI at a store other than AWS's (--s3-endpoint or
     AWS_ENDPOINT_URL) goes through pyarrow's S3FileSystem pointed at it, with the URI's scheme
     stripped as Ray wants it then; credentials come from the standard chain in each process.
 
-    Its transfers wait STORE_TIMEOUT_S for a store that has gone quiet, as raywds's own S3 reads
+    Its transfers wait s3.READ_TIMEOUT_S for a store that has gone quiet, as raywds's own S3 reads
     do: pyarrow's default (the AWS SDK's 3 s without a byte, curl's low-speed time) failed a
     restarted rank's checkpoint download from a loaded store, after its retries, and with it the
     run."""
@@ -70,7 +64,7 @@ def ray_storage(storage: str, endpoint: str | None) -> dict[str, Any]:
     import pyarrow.fs
 
     filesystem = pyarrow.fs.S3FileSystem(
-        endpoint_override=where, request_timeout=STORE_TIMEOUT_S, connect_timeout=STORE_CONNECT_TIMEOUT_S
+        endpoint_override=where, request_timeout=s3.READ_TIMEOUT_S, connect_timeout=s3.CONNECT_TIMEOUT_S
     )
     return {"storage_path": storage[len(s3.SCHEME) :], "storage_filesystem": filesystem}
 

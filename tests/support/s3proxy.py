@@ -56,7 +56,7 @@ class S3Proxy:
         """Reset the connection of every Nth matching GET after reset_after_bytes of its body; 0: never."""
         self.reset_after_bytes = 64 * 1024
         self.pause_s = 0.0
-        """Hold every other matching GET this long before forwarding it (a loaded store, silent); 0: never."""
+        """Hold each matching GET that no other fault takes this long before forwarding it; 0: never."""
         self.num_pauses = 0
         self.num_requests = 0
         self.num_matching_gets = 0
