@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raywds.errors import ConfigError
 from raywds.launch import gloo
+from raywds.launch.kernel import stop_ray_with_the_kernel
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ def connect(address: str | None) -> None:
         # Ray Train's PreemptionWatcher (an actor of its own) waits for the autoscaler to drain a
         # node before preempting it; nothing drains the nodes of a cluster this process started.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        stop_ray_with_the_kernel(ray.shutdown)  # in Jupyter: before the kernel signals the cluster's processes
     start_autoscaling_coordinator()
 
 

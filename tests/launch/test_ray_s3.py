@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from support.runs import small_config
 from support.s3server import S3Server
 
 from raywds.data.upload import upload
+from raywds.train.doctor import diagnose
 
 RAYWDS = [sys.executable, "-m", "raywds"]
 
@@ -120,25 +122,49 @@ def test_a_ray_run_in_a_bucket_survives_a_killed_worker_exactly_and_keeps_its_re
     assert "(3 epochs)" in report.stdout and (tmp_path / "report.png").stat().st_size > 10_000
 
 
-def test_the_ray_data_plane_reads_a_split_epoch_from_a_bucket_exactly(
-    s3: S3Server, shards: Path, tmp_path: Path, ray_temp: Path
+def test_three_ranks_on_the_ray_data_plane_read_split_epochs_from_a_bucket_exactly(
+    s3: S3Server, uneven: Path, tmp_path: Path, ray_temp: Path
 ) -> None:
-    """Ray Data's read tasks, in worker processes of the cluster, open the shards in the bucket."""
-    upload(shards, json.loads((shards / "manifest.json").read_text()), s3.url("data"))
+    """Ray Data's read tasks, in worker processes of the cluster, open the shards in the bucket; three
+    Ray Train ranks on two CPUs, split mode on 9 shards of 1..30 samples: every sample once each
+    epoch by the audit files and by the trainers' own ledger, and the plane's stages in the record,
+    which the doctor reads."""
+    upload(uneven, json.loads((uneven / "manifest.json").read_text()), s3.url("data"))
     audit = tmp_path / "audit"
-    config = config_file(tmp_path, s3.url("data"), audit, num_epochs=1)
+    config = config_file(tmp_path, s3.url("data"), audit, num_epochs=2)
     run = subprocess.run(
-        [*RAYWDS, "ray", "--data", s3.url("data"), "--config", str(config), "--num-workers", "2"]
+        [*RAYWDS, "ray", "--data", s3.url("data"), "--config", str(config), "--num-workers", "3"]
         + ["--data-plane", "ray", "--storage-path", str(tmp_path / "runs"), "--name", "plane"],
-        env=ray_env(ray_temp),
+        # 4 logical CPUs (Ray's own override of what a node has), as `ray start --num-cpus 4` gives:
+        # a trainer a CPU each, and one for the plane's tasks, on a 2-core machine
+        env={**ray_env(ray_temp), "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 4})},
         capture_output=True,
         text=True,
         timeout=420,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "decoding on Ray Data tasks" in run.stdout
+    assert "training on 3 CPU (gloo) workers" in run.stdout and "decoding on Ray Data tasks" in run.stdout, run.stdout[-3000:]
     assert "Traceback" not in run.stdout + run.stderr
-    assert audited(audit.glob("epoch0000-*.ids"), shards) == Counter(tar_keys(shards))
-    assert len(list(audit.glob("epoch0000-*.ids"))) == 2, "both ranks trained"
+    everything = Counter(tar_keys(uneven))
+    for epoch in (0, 1):
+        files = sorted(audit.glob(f"epoch{epoch:04d}-*.ids"))
+        assert len({f.name.split("-")[1] for f in files}) == 3, "all three ranks trained"
+        assert audited(files, uneven) == everything, f"epoch {epoch + 1}"
     rows = [json.loads(line) for line in (tmp_path / "runs" / "plane" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in rows if "train_loss" in r] == [1] and rows[-1]["epoch_duplicates"] == 0
+    epochs = [r for r in rows if "train_loss" in r]
+    assert [r["epoch"] for r in epochs] == [1, 2], rows
+    assert all((r["epoch_samples"], r["epoch_duplicates"], r["epoch_missing"]) == (120, 0, 0) for r in epochs), rows
+    last = epochs[-1]
+    assert last["val_samples"] == 50, last
+    stages = last["stages"]
+    assert len(stages["host"]) == 3 and stages["data_plane"], stages
+    assert stages["decoded"] == stages["samples"], "each rank's samples were timed in the plane's tasks"
+    assert all(x > 0 for x in stages["read_s"] + stages["decode_s"] + stages["read_bytes"]), stages
+    # Three ranks share two cores here: one may well be named slow first; the data's line follows
+    lines = diagnose(last)
+    assert any("the Ray Data plane, whose tasks made" in x or x.startswith("the data is not") for x in lines), lines
+    even = [n * sum(stages["own_s"]) / sum(stages["samples"]) for n in stages["samples"]]  # no rank slower
+    waiting = {**last, "stages": {**stages, "own_s": even, "wait_s": [0.9 * s for s in stages["seconds"]]}}
+    verdict, fix = diagnose(waiting)[:2]  # as if every rank had waited: the plane's tasks are named, with numbers
+    assert re.search(r"its batches come from the Ray Data plane, whose tasks made [\d,]+ images/s a CPU", verdict)
+    assert fix.startswith("1. more CPUs for the plane's tasks, about "), fix
