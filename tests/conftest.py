@@ -140,9 +140,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     gc.freeze()  # and what the tests left: the collection at exit, 1.5 s after test_train.py, walks none of it
 
 
-RAY_FREE_LAUNCH_FILES = ("tests/launch/test_follow.py", "tests/launch/test_torchrun_nodes.py")
-"""Files in tests/launch/ that start no Ray (the notebook's progress bar; torchrun across two network
-namespaces of their own): scheduled as the other files are, beside the Ray tests."""
+RAY_FREE_LAUNCH_FILES = (
+    "tests/launch/test_follow.py",
+    "tests/launch/test_kernel.py",
+    "tests/launch/test_torchrun_nodes.py",
+)
+"""Files in tests/launch/ that start no Ray (the notebook's progress bar; a Jupyter kernel's shutdown;
+torchrun across two network namespaces of their own): scheduled as the other files are, beside the Ray tests."""
 
 
 LONGEST_FIRST = (

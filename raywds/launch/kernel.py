@@ -13,9 +13,12 @@ poll a GCS that is gone, and Ray's loop retries at once: two cores busy until th
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def running_kernel() -> Any:
@@ -38,7 +41,10 @@ def stop_ray_with_the_kernel(shutdown: Callable[[], None]) -> bool:
 
     @functools.wraps(own)
     def do_shutdown(restart: bool) -> Any:
-        shutdown()
+        try:
+            shutdown()
+        except Exception:  # the kernel's own shutdown must run all the same
+            logger.exception("stopping Ray before the kernel's shutdown failed")
         return own(restart)
 
     do_shutdown.stops_ray = True  # type: ignore[attr-defined]

@@ -395,7 +395,7 @@ def run_all_above_the_last(driver: Any, lab: Lab, tmp_path: Path) -> list[dict[s
 
 KERNEL_SHUTDOWN_CPU_S = 3.0
 """The CPU seconds a kernel may use from the shutdown request to its exit: 0.1 to 0.5 measured with
-Ray stopped first, 25 to 35 without (about 4 when ipykernel's own kernel manager stops it)."""
+Ray stopped first, 25 to 35 without (4.6 when jupyter_client stops a kernel, test_kernel.py)."""
 
 
 @contextmanager
