@@ -5,7 +5,7 @@ process group, which holds the GCS, raylet and dashboard that `ray.init()` start
 exits and runs `atexit`'s `ray.shutdown()`. Between the two, the driver's log and error threads
 poll a GCS that is gone, and Ray's loop retries at once: two cores busy until the kernel exits
 (5.5 CPU seconds for a kernel that jupyter_client shut down, 29 in the Jupyter Lab test; 1.1 and
-under 3 with Ray stopped first: benchmarks/kernel_shutdown.py, tests/launch/test_lab.py).
+0.1 with Ray stopped first: benchmarks/kernel_shutdown.py, tests/launch/test_lab.py).
 `ray.shutdown()` first stops those threads, then the cluster's processes.
 
     stop_ray_with_the_kernel(ray.shutdown)   # in a process that started Ray: no-op outside a kernel
