@@ -208,7 +208,6 @@ def broken_copy(shards: Path, tmp_path: Path, index: int = 2) -> tuple[Path, str
 def test_a_bad_sample_in_split_mode_is_raywdss_one_line(shards: Path, tmp_path: Path, local_ray: None) -> None:
     """A member that is not an image, decoded in a Ray Data task: the rank raises raywds's own
     SampleError naming shard and sample, not Ray's wrapped traceback."""
-
     from raywds.loader.stages import SampleError
 
     data, shard, member = broken_copy(shards, tmp_path)
