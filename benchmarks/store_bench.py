@@ -54,9 +54,10 @@ from loader_bench import BATCH, build_tree, photos, timed
 
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
+from raywds.data.http import ReadPolicy
 from raywds.data.manifest import read_manifest
+from raywds.data.stores import open_shard
 from raywds.data.upload import upload
-from raywds.loader.http import ReadPolicy, open_shard
 from raywds.loader.loader import train_loader
 from raywds.plan.modes import epoch_plan
 from raywds.world import World

@@ -103,11 +103,49 @@ def cmd_verify(args: argparse.Namespace) -> None:
     print(f"raywds: {count} shards in {args.shards} match the manifest")
 
 
+def cmd_index(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from raywds.data import stores
+    from raywds.data.http import ReadPolicy
+    from raywds.data.index import IndexOptions, index_shards, split_by_name, write_index
+
+    options = IndexOptions(**values(args, IndexOptions))
+    if args.train:
+        splits = {"train": stores.expand(args.train, args.s3_endpoint)}
+        if args.val:
+            splits["val"] = stores.expand(args.val, args.s3_endpoint)
+    elif args.shards:
+        splits = split_by_name(stores.expand(args.shards, args.s3_endpoint))
+    else:
+        raise RaywdsError("index needs SHARDS (or --train SHARDS [--val SHARDS])")
+    total = sum(len(v) for v in splits.values())
+    with tqdm(total=total, unit="shard", desc="raywds: indexing", file=sys.stderr, disable=None) as bar:
+        manifest = index_shards(
+            splits, options, policy=ReadPolicy(s3_endpoint=args.s3_endpoint), progress=lambda _: bar.update()
+        )
+    where = write_index(manifest, args.out, args.s3_endpoint)
+    made = manifest["made_by"]
+    for split, info in manifest["splits"].items():
+        print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards")
+    if manifest["skipped"]:
+        print(f"skipped {len(manifest['skipped'])} samples without an image or a label (listed in the manifest):")
+        for line in manifest["skipped"][:10]:
+            print(f"  {line}")
+    for line in manifest["bad_shards"]:
+        print(f"left out: {line}")
+    share = made["bytes_read"] / max(1, made["bytes_in_shards"])
+    print(
+        f"raywds: wrote {where} ({len(manifest['classes'])} classes; read {made['bytes_read']:,} of "
+        f"{made['bytes_in_shards']:,} bytes, {share:.1%}, in {made['seconds']:.1f} s)"
+    )
+
+
 def cmd_audit(args: argparse.Namespace) -> None:
-    from raywds.data.manifest import read_manifest
+    from raywds.data.index import manifest_for
     from raywds.train.audit import audit
 
-    checks = audit(args.audit_dir, read_manifest(args.data, s3_endpoint=args.s3_endpoint), args.epochs)
+    checks = audit(args.audit_dir, manifest_for(args.data, s3_endpoint=args.s3_endpoint), args.epochs)
     print("\n".join(c.line for c in checks))
     failed = [str(c.epoch) for c in checks if c.first_problem]
     if failed:
@@ -275,6 +313,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "convert": cmd_convert,
     "verify": cmd_verify,
+    "index": cmd_index,
     "audit": cmd_audit,
     "shardsum": cmd_shardsum,
     "serve": cmd_serve,

@@ -37,7 +37,13 @@ class TrainConfig(S3Endpoint):
     """Everything a training run needs to know; the world (rank, size) is passed separately."""
 
     data: str
-    """Shards: a directory or manifest.json path, or an http(s) URL of the directory a shard server serves."""
+    """Shards: a folder, manifest.json, an http(s) URL a shard server serves, an s3:// or gs:// prefix, or
+    WebDataset shards as you name them (brace list, glob, pipe: template), indexed once on first use."""
+    val_data: str | None = None
+    """Validation shards named as --data names them (default: --data's shards named *val*/*validation*)."""
+    index_cache: str | None = None
+    """Where indexes of --data shards without a manifest are kept (default: RAYWDS_INDEX_CACHE, else
+    ~/.cache/raywds/index)."""
     shards_at: str | None = None
     """Where the shards are when not beside the manifest: a folder, a base URL, or a template
     with {} for the shard name, e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`. Several base URLs,

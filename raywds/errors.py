@@ -20,6 +20,11 @@ class ShardError(DataError):
     """A shard that cannot be read (after retries), or whose contents disagree with the manifest."""
 
 
+class ShardMismatch(ShardError):
+    """A shard that disagrees with its manifest entry (size, first key, samples, keys or sha256):
+    not the shard the manifest lists. Always an error: an epoch must never count wrong."""
+
+
 class StorageError(RaywdsError):
     """A run folder or checkpoint that cannot be used: a full disk, a damaged checkpoint, one
     holding code, a folder another run holds."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from raywds.config import RECIPES, S3Endpoint, TrainConfig
-from raywds.data.options import ConvertOptions
+from raywds.data.options import ConvertOptions, IndexOptions
 from raywds.fields import flag
 from raywds.launch.options import RayOptions
 from raywds.serve import BACKENDS, NETWORKS
@@ -45,6 +45,19 @@ class ConvertWhere(S3Endpoint):
 class VerifyOptions(S3Endpoint):
     shards: str = field(metadata=flag(positional=True))
     """Shard folder (with manifest.json), or s3://BUCKET/PREFIX."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexWhere(S3Endpoint):
+    shards: list[str] | None = field(default=None, metadata=flag(positional=True, nargs="*"))
+    """Shards as WebDataset names them: brace lists, globs, folders or bucket prefixes, pipe: templates
+    (local, http(s)://, s3://, gs://); split into train and val by name (*train*, *val*, *validation*)."""
+    train: list[str] | None = field(default=None, metadata=flag(append=True))
+    """Training shards (instead of SHARDS; repeatable)."""
+    val: list[str] | None = field(default=None, metadata=flag(append=True))
+    """Validation shards (with --train; repeatable)."""
+    out: str | None = None
+    """Folder or bucket prefix for manifest.json (default: beside the shards, where that is writable)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +195,10 @@ COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
         (Flags(ConvertWhere), Flags(ConvertOptions)),
     ),
     "verify": ("re-read every shard and check it against manifest.json", (Flags(VerifyOptions),)),
+    "index": (
+        "write a manifest for existing WebDataset shards (anyone's), without rewriting them",
+        (Flags(IndexWhere), Flags(IndexOptions)),
+    ),
     "audit": ("check a run's --audit-dir: every sample trained on once per epoch", (Flags(AuditOptions),)),
     "shardsum": ("shard names (arguments or stdin) in brace notation", (Flags(ShardsumOptions),)),
     "serve": (

@@ -27,6 +27,8 @@ COLUMNS = "manifest.npz"
 COLUMN_NAMES = ("names", "ends", "samples", "bytes", "sha256")
 """Each split's arrays in the file, as `SPLIT/NAME`, in ShardTable's order."""
 PLAIN_ASCII = (string.ascii_letters + string.digits + "_.+-").encode()
+SEGMENTED = re.compile(r"[\w+-][\w.+-]*(/[\w+-][\w.+-]*)*")
+"""Plain names joined by `/` (raywds.data.manifest.SHARD_NAME)."""
 CHUNK = 4096
 """Shards made at a time when a table is iterated."""
 NO_HASH = "0" * 64
@@ -85,6 +87,8 @@ class ShardTable(Sequence[ShardInfo]):
 
         if not len(self):
             return True
+        if b"/" in self.names:  # shards in sub-folders of the base (`raywds index`): each name on its own
+            return all(SEGMENTED.fullmatch(name) for name in self.name_list())
         starts = np.concatenate([[0], self.ends[:-1]])
         if (self.ends <= starts).any() or (np.frombuffer(self.names, np.uint8)[starts] == ord(".")).any():
             return False

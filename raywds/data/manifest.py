@@ -1,8 +1,10 @@
 """Manifests, shard URLs and the dealing of shards to (rank, worker) slots.
 
 A shard location is a local directory, a path to its manifest.json, an http(s) URL of
-the directory a shard server serves, or an s3:// prefix in a bucket (raywds.data.s3). The
-loader reads the shards (raywds.loader.http).
+the directory a shard server serves, or an s3:// or gs:// prefix in a bucket (the scheme
+table is raywds.data.stores). A manifest written by `raywds index` for shards raywds did not
+write says where they are (`shards_at`), which members hold the image and the label, and each
+shard's first key, checked when the shard is opened.
 """
 
 from __future__ import annotations
@@ -11,18 +13,16 @@ import hashlib
 import heapq
 import json
 import operator
-import os
 import re
-import secrets
 import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raywds.data import columns, s3
+from raywds.data import columns, stores
 from raywds.data.columns import ShardInfo, ShardTable, sample_counts
+from raywds.data.stores import write_atomic
 from raywds.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -41,6 +41,10 @@ class Manifest:
     """Each split's shards: a list, or a ShardTable when read from manifest.npz."""
     kept: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What `index`, `first_ids` and `fingerprint` made, by split: made once per manifest."""
+    members: Members = field(default_factory=lambda: Members())
+    """Which members of a sample hold its image and label (raywds's own shards: .jpg and .cls)."""
+    first_keys: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Each shard's first sample key, by URL, where the manifest records it: checked at open."""
 
     def shards(self, split: str) -> Sequence[ShardInfo]:
         if split not in self.splits or not self.splits[split]:
@@ -82,13 +86,56 @@ class Manifest:
         return self.kept[key]
 
 
-SHARD_NAME = re.compile(r"[\w+-][\w.+-]*")
-"""A shard's name in a manifest: a plain file name, neither a path nor shell text (see shard_url)."""
+@dataclass(frozen=True, kw_only=True)
+class Members:
+    """Where a sample keeps its image and label: raywds's own shards hold `.jpg` and `.cls`;
+    `raywds index` records what shards others wrote hold."""
+
+    image: tuple[str, ...] = ("jpg", "png", "webp", "jpeg")
+    """The image member's extension, the first of these a sample has."""
+    label: str = "cls"
+    """The member holding the label: an integer as text, or (with `label_field`) a JSON object."""
+    label_field: str | None = None
+    """The field of the JSON `label` member that holds the label."""
+    label_names: bool = False
+    """Labels are class names (the manifest's `classes`), not indices."""
+    label_keys: tuple[str, ...] = ()
+    """Where `label` is empty: the label member is the first of these a sample has."""
+    drop_incomplete: bool = False
+    """A sample without an image or a label member is not a sample (`raywds index` counted and
+    listed it, and left it out of the shard's count)."""
+
+    def usable(self, sample: dict[str, Any]) -> bool:
+        """Whether a sample dict has an image and a label member, as the index counted it."""
+        return any(k in sample for k in self.image) and self.label_member(sample) is not None
+
+    def label_member(self, sample: dict[str, Any]) -> str | None:
+        if self.label:
+            return self.label if self.label in sample else None
+        return next((k for k in self.label_keys if k in sample), None)
+
+    @classmethod
+    def of(cls, raw: dict[str, Any] | None) -> Members:
+        if not raw:
+            return cls()
+        return cls(
+            image=tuple(raw.get("image", cls.image)),
+            label=str(raw.get("label", "cls")),
+            label_field=raw.get("label_field"),
+            label_names=bool(raw.get("label_names", False)),
+            label_keys=tuple(raw.get("label_keys", ())),
+            drop_incomplete=bool(raw.get("drop_incomplete", False)),
+        )
+
+
+SHARD_NAME = columns.SEGMENTED
+"""A shard's name in a manifest: a plain file name, or plain names joined by `/` (shards in
+sub-folders of the manifest's base), neither `..` nor shell text (see shard_url)."""
 
 
 def is_url(location: str) -> bool:
-    """A location that is not a local path: http(s) or s3."""
-    return location.startswith(("http://", "https://", s3.SCHEME))
+    """A location that is not a local path: http(s), s3 or gs (raywds.data.stores)."""
+    return stores.is_url(location)
 
 
 def shard_url(base: str, name: str) -> str:
@@ -101,18 +148,18 @@ def shard_url(base: str, name: str) -> str:
         base = servers[int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "big") % len(servers)]
     if "{}" in base:
         return base.replace("{}", name)
-    if is_url(base):
-        return base.rstrip("/") + "/" + name
-    return str(Path(base) / name)
+    return stores.join(base, name)
 
 
 def split_location(data: str) -> tuple[str, str]:
     """(base, manifest location) for a directory, a manifest path, or a URL."""
+    if stores.scheme(data) == stores.PIPE:
+        raise DataError(f"{data}: a pipe: command names shards, not a manifest; give it to `raywds index` or --data")
     if is_url(data):
         if data.endswith(".json"):
             return data.rsplit("/", 1)[0], data
         return data.rstrip("/"), data.rstrip("/") + "/" + MANIFEST
-    path = Path(data)
+    path = Path(stores.local_path(data))
     if path.suffix == ".json":
         return str(path.parent), str(path)
     return str(path), str(path / MANIFEST)
@@ -141,20 +188,32 @@ def read_manifest(
         else:
             raw, splits = found
     except FileNotFoundError:
-        raise DataError(f"no manifest at {where}: run `raywds convert SRC {base}` first, or check --data") from None
+        raise DataError(
+            f"no manifest at {where}: run `raywds convert SRC {base}` for an image tree, or `raywds index` "
+            "for WebDataset shards (or give --data the shards themselves), or check --data"
+        ) from None
     except (urllib.error.URLError, OSError) as e:
         raise DataError(f"cannot read manifest {where}: {e}; is the shard server running?") from None
     except json.JSONDecodeError as e:
         raise DataError(f"manifest {where} is not valid JSON ({e}); rerun `raywds convert`") from None
-    if raw.get("format") != FORMAT:
-        raise DataError(f"{where} is not a raywds manifest (format {raw.get('format')!r}, expected {FORMAT!r})")
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        made = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise DataError(
+            f"{where} is not a raywds manifest (format {made!r}, expected {FORMAT!r}): another tool wrote it; "
+            "`raywds index SHARDS --out DIR` writes one for these shards beside it or in DIR"
+        )
     bad = next((name for shards in splits.values() for name in _odd_names(shards)), None)
     if bad is not None:
         raise DataError(
             f"manifest {where} names a shard {bad!r}: a shard's name is a plain file name (letters, "
             "digits, . _ + -, no leading dot), so that it stays in its folder and out of a --shards-at command"
         )
-    return Manifest(base=shards_at or base, classes=list(raw["classes"]), splits=splits)
+    base = shards_at or raw.get("shards_at") or base
+    manifest = Manifest(base=base, classes=list(raw["classes"]), splits=splits, members=Members.of(raw.get("members")))
+    for info in raw["splits"].values():
+        for name, key in info.get("first_keys", {}).items():
+            manifest.first_keys[shard_url(base, name)] = key
+    return manifest
 
 
 def _odd_names(shards: Sequence[ShardInfo]) -> Iterator[str]:
@@ -165,28 +224,13 @@ def _odd_names(shards: Sequence[ShardInfo]) -> Iterator[str]:
 
 
 def read_location(where: str, timeout_s: float, s3_endpoint: str | None) -> bytes:
-    """The bytes at a local path, an http(s) URL or an s3:// URL; FileNotFoundError when absent."""
-    if s3.is_s3(where):
-        return s3.read_bytes(where, s3_endpoint, timeout_s)
-    if is_url(where):
-        try:
-            with urllib.request.urlopen(where, timeout=timeout_s) as response:
-                return response.read()
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                raise FileNotFoundError(where) from None
-            raise
-    return Path(where).read_bytes()
+    """The bytes at a local path or a URL (raywds.data.stores); FileNotFoundError when absent."""
+    return stores.read_bytes(where, timeout_s, s3_endpoint)
 
 
 def _size(where: str, timeout_s: float, s3_endpoint: str | None) -> int:
-    """The size in bytes of what `_read` would read."""
-    if s3.is_s3(where):
-        return s3.size_of(where, s3_endpoint, timeout_s)
-    if is_url(where):
-        with urllib.request.urlopen(urllib.request.Request(where, method="HEAD"), timeout=timeout_s) as response:
-            return int(response.headers["Content-Length"])
-    return os.stat(where).st_size
+    """The size in bytes of what `read_location` would read."""
+    return stores.stat(where, timeout_s, s3_endpoint)[0]
 
 
 def _read_columns(
@@ -198,7 +242,8 @@ def _read_columns(
         return None
     beside = where[: -len(".json")] + ".npz"
     try:  # a local file is loaded from its path: one copy in memory, not two
-        npz = beside if not is_url(beside) and os.path.isfile(beside) else read_location(beside, timeout_s, s3_endpoint)
+        local = not is_url(beside) and Path(beside).is_file()
+        npz = beside if local else read_location(beside, timeout_s, s3_endpoint)
     except FileNotFoundError:
         return None
     try:
@@ -225,24 +270,6 @@ def write_json_atomic(path: Path, value: Any) -> None:
 
 def _json_text(value: Any) -> str:
     return json.dumps(value, indent=1) + "\n"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file so that a reader sees either the old file or the whole new one.
-
-    The file gets 0666 less the umask, as open() gives the shards beside it: mkstemp's 0600
-    hid the manifest from other users and from nginx in Docker."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 NUM_SAMPLES = operator.attrgetter("num_samples")  # a sort key; sum(map(NUM_SAMPLES, shards)) runs in C

@@ -1,6 +1,6 @@
-"""`raywds convert`'s options (raywds.data.convert takes them; the command's flags are made from
-them, raywds.flags). Apart from the converter, so that building the command line imports no
-PIL, numpy or tqdm."""
+"""`raywds convert`'s and `raywds index`'s options (raywds.data.convert and raywds.data.index
+take them; the commands' flags are made from them, raywds.flags). Apart from the converter and
+the indexer, so that building the command line imports no PIL, numpy or tqdm."""
 
 from __future__ import annotations
 
@@ -36,3 +36,23 @@ class ConvertOptions:
     """Downscale images whose longer side exceeds this (re-encoded, for fast experiments); None keeps every byte."""
     keep_jpeg_bytes: bool = False
     """Keep JPEGs byte for byte (else restart markers are added losslessly: a training crop then decodes faster)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexOptions:
+    """Which members hold what, and how hard to be about bad input."""
+
+    image_key: str | None = None
+    """The image member's extension (jpg, png, webp, ...); without it, the one image member a sample has."""
+    label_key: str | None = None
+    """The member holding the label (an integer, or a JSON object with --label-field); default: cls, label, target."""
+    label_field: str | None = None
+    """The field of the JSON member (--label-key, default json) that holds the label: an integer or a class name."""
+    classes: str | None = None
+    """A text file of class names, one a line, in label order (default: _info.json's, else 0..K-1)."""
+    strict: bool = False
+    """Stop at the first sample without an image or a label, naming its shard and key (default: skip and count)."""
+    skip_bad_shards: bool = False
+    """Leave out shards that cannot be read, listed in the manifest (default: write no manifest)."""
+    num_workers: int = field(default=16, metadata=flag("--workers"))
+    """Shards indexed at once (threads: reading is I/O)."""

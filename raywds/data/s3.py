@@ -6,7 +6,7 @@ instance or pod role); the endpoint from `--s3-endpoint`, else AWS_ENDPOINT_URL,
 boto3 rather than pyarrow's S3FileSystem (installed with Ray): a failed request there is an
 OSError whose text holds the status, and its retries happen inside it, blind to Retry-After;
 boto3 gives the HTTP status, the S3 error code and the headers, which the retries
-(raywds.loader.http) and the one-line errors below need. boto3's own retries are off: every
+(raywds.data.http) and the one-line errors below need. boto3's own retries are off: every
 retry is ours, counted, with backoff, resuming at the byte where the last attempt stopped.
 
     bucket, key = split("s3://bucket/imagenet/manifest.json")
@@ -233,3 +233,37 @@ def get_file(url: str, path: str | os.PathLike[str], endpoint: str | None = None
             return False
         raise DataError(error_line(e, url, endpoint)) from None
     return True
+
+
+def put_bytes(data: bytes, url: str, endpoint: str | None = None) -> None:
+    """Upload a small object (a manifest) in one request; DataError in one line."""
+    bucket, key = split(url)
+    try:
+        client(endpoint).put_object(Bucket=bucket, Key=key, Body=data)
+    except errors() as e:
+        raise DataError(error_line(e, url, endpoint)) from None
+
+
+def stat(url: str, endpoint: str | None = None, timeout_s: float = 30.0) -> tuple[int, str]:
+    """An object's (size, ETag); FileNotFoundError when it is not there, DataError otherwise."""
+    bucket, key = split(url)
+    try:
+        head = client(endpoint, timeout_s).head_object(Bucket=bucket, Key=key)
+    except errors() as e:
+        if status_and_code(e)[0] == 404 or status_and_code(e)[1] in ("NoSuchKey", "404", "NotFound"):
+            raise FileNotFoundError(url) from None
+        raise DataError(error_line(e, url, endpoint)) from None
+    return int(head["ContentLength"]), str(head.get("ETag", "")).strip('"')
+
+
+def listing(prefix: str, endpoint: str | None = None) -> list[tuple[str, int, str]]:
+    """(s3:// URL, size, ETag) of every object under `prefix`, in name order."""
+    bucket, key = split(prefix)
+    found: list[tuple[str, int, str]] = []
+    try:
+        for page in client(endpoint).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
+            for item in page.get("Contents", []):
+                found.append((f"{SCHEME}{bucket}/{item['Key']}", int(item["Size"]), str(item["ETag"]).strip('"')))
+    except errors() as e:
+        raise DataError(error_line(e, prefix, endpoint)) from None
+    return found

@@ -22,7 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raywds import console
 from raywds.config import TrainConfig
-from raywds.data.manifest import read_manifest
+from raywds.data.index import manifest_of
 from raywds.errors import ConfigError, RaywdsError, one_line, own_cause
 from raywds.launch.cluster import (
     WorkerPlan,
@@ -157,7 +157,7 @@ def run(
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(node_wait_s)
     coordinator = start_autoscaling_coordinator()  # started already where connect() joined the cluster
     cfg, plan, plane = place(cfg, num_workers, data_plane, plane_store_mb)
-    manifest = read_manifest(cfg.data, shards_at=cfg.shards_at, s3_endpoint=cfg.s3_endpoint)
+    manifest = manifest_of(cfg)
     for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
         check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)
     if cfg.resume_from:

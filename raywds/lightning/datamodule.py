@@ -28,7 +28,7 @@ import torch
 
 from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
-from raywds.data.manifest import read_manifest
+from raywds.data.index import manifest_of
 from raywds.errors import ConfigError, DataError
 from raywds.lightning.epochs import EpochRun, ExactEpochs
 from raywds.loader.decoding import decoding
@@ -69,7 +69,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.cfg = cfg
         self.loader_cfg = LoaderConfig.of(cfg)
         """The loader's slice of the config, built once (its worker count is fixed here)."""
-        self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at, s3_endpoint=cfg.s3_endpoint)
+        self.manifest = manifest_of(cfg)
         self.mode = parse(cfg.mode)
         self.num_classes = len(self.manifest.classes)
         self.num_samples = self.manifest.num_samples("train")

@@ -31,6 +31,7 @@ from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import (
     Batch,
     Decoder,
+    Labels,
     Skips,
     collate,
     decoded,
@@ -56,10 +57,23 @@ def expected(manifest: Manifest, split: str, names: set[str] | None = None) -> d
     index = manifest.index(split)
     places = range(len(shards)) if names is None else sorted(index[name] for name in names)
     return {
-        manifest.url(s): Expected(num_samples=s.num_samples, num_bytes=s.num_bytes, sha256=s.sha256, first_id=first[i])
+        url: Expected(
+            num_samples=s.num_samples,
+            num_bytes=s.num_bytes,
+            sha256=s.sha256,
+            first_id=first[i],
+            first_key=manifest.first_keys.get(url, ""),
+            members=manifest.members if manifest.members.drop_incomplete else None,
+        )
         for i in places
         for s in (shards[i],)
+        for url in (manifest.url(s),)
     }
+
+
+def labels_of(manifest: Manifest) -> Labels | None:
+    """Where the manifest's samples keep image and label, for shards raywds indexed (None: .jpg and .cls)."""
+    return Labels(manifest.members, manifest.classes) if manifest.members.drop_incomplete else None
 
 
 def _read_stages(
@@ -102,6 +116,7 @@ def _loader(
     partial: bool,
     skips: Skips,
     clock: Clock | None = None,
+    labels: Labels | None = None,
 ) -> Iterable[Batch]:
     """A DataLoader over the stages, decoding (bad samples to `skips`) and batching (`partial`:
     keep a short last batch), its batches handed over in reused shared-memory blocks
@@ -120,7 +135,11 @@ def _loader(
     after = [skips.attach, *([clock.attach] if clock is not None else [])]
     loader = DataLoader(
         wds.DataPipeline(
-            *stages, bind(decoded, decode=decode, skips=skips, slots=slots), batched, *after, blocks.leased
+            *stages,
+            bind(decoded, decode=decode, skips=skips, slots=slots, labels=labels),
+            batched,
+            *after,
+            blocks.leased,
         ),
         batch_size=None,
         num_workers=workers,
@@ -216,7 +235,9 @@ def train_loader(
     clock = Clock()
     stages, skips, where = train_stages(manifest, cfg, rank, plan, epoch=epoch, position=position, clock=clock)
     decode = train_decoder(cfg, epoch)
-    loader = _loader(stages, decode, cfg, world, where, partial=exact, skips=skips, clock=clock)
+    loader = _loader(
+        stages, decode, cfg, world, where, partial=exact, skips=skips, clock=clock, labels=labels_of(manifest)
+    )
     if not exact and cfg.cross_worker_shuffle_samples == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
 
@@ -244,7 +265,7 @@ def val_loader(manifest: Manifest, cfg: TrainConfig | LoaderConfig, world: World
     skips, where = Skips(cfg.read_policy(skip_unreadable=False)), Whereabouts()
     names = {s.name for slot in mine for s in slot}
     stages = _read_stages(bind(worker_urls, urls, world.rank), manifest, "val", cfg, skips, where, names)
-    return _loader(stages, val_decoder(cfg), cfg, world, where, partial=True, skips=skips)
+    return _loader(stages, val_decoder(cfg), cfg, world, where, partial=True, skips=skips, labels=labels_of(manifest))
 
 
 class Loaders(Protocol):

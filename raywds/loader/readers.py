@@ -1,4 +1,4 @@
-"""Reading shards into samples, each shard opened by raywds.loader.http.
+"""Reading shards into samples, each shard opened by raywds.data.http.
 
 Every shard is checked against its manifest entry as it is read: as many samples, no key
 twice, and with `verify_hashes` the same sha256 (hashed while streaming, checked at the
@@ -25,8 +25,10 @@ from typing import Any, BinaryIO, cast
 import webdataset as wds
 
 from raywds.data import tars
-from raywds.errors import ShardError
-from raywds.loader.http import ReadPolicy, open_shard
+from raywds.data.http import ReadPolicy
+from raywds.data.manifest import Members
+from raywds.data.stores import open_shard
+from raywds.errors import ShardError, ShardMismatch
 
 log = logging.getLogger(__name__)
 RETRIES_LOCK = threading.Lock()
@@ -72,10 +74,11 @@ class Expected:
     sha256: str | None = None
     first_id: int = 0
     """The id of its first sample: shards are numbered through the split in manifest order."""
-
-
-class ShardMismatch(ShardError):
-    """A shard read to its end disagrees with its manifest entry (samples, keys or sha256)."""
+    first_key: str = ""
+    """Its first sample's key, where the manifest records it: checked before that sample is used."""
+    members: Members | None = None
+    """Shards raywds indexed: samples without an image or a label member were left out of the
+    count (and listed) when indexed, and are passed over here the same way."""
 
 
 class _Hashing(io.RawIOBase):
@@ -114,6 +117,14 @@ def shard_samples(
             tars.tar_files([{"url": url, "stream": source}], handler=_reraise), keys=tars.key_and_ext
         ):
             key = sample["__key__"]
+            if expected.members is not None and not expected.members.usable(sample):
+                continue
+            if not seen and expected.first_key and key != expected.first_key:
+                raise ShardMismatch(
+                    f"shard {url}: its first sample is {key}, its manifest entry's {expected.first_key}: "
+                    "it is another shard's bytes or changed after the manifest was made; run `raywds verify` "
+                    "(or `raywds index` again for shards raywds did not write)"
+                )
             if key in seen:
                 raise ShardMismatch(f"shard {url}: key {key} appears twice; the shard is corrupt, reconvert it")
             if len(seen) >= expected.num_samples:

@@ -5,7 +5,8 @@ raywds plan --num-shards 1282 --samples-per-shard 1000 --nodes 64 --gpus-per-nod
 
 from __future__ import annotations
 
-from raywds.data.manifest import ShardInfo, read_manifest
+from raywds.data.index import manifest_for
+from raywds.data.manifest import ShardInfo
 from raywds.errors import ConfigError
 from raywds.plan.checks import verdict
 from raywds.plan.epoch import EpochPlan, Finding
@@ -17,7 +18,7 @@ def plan_shards(
     """The training shards of --data, or made up: `num_shards` of `samples_per_shard` (the last
     of `last_shard_samples`, when given)."""
     if data:
-        return list(read_manifest(data).shards("train"))
+        return list(manifest_for(data).shards("train"))
     if not (num_shards and samples_per_shard):
         raise ConfigError("plan needs --data SHARDS, or --num-shards N --samples-per-shard K")
     sizes = [samples_per_shard] * num_shards

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
-from raywds.data.manifest import read_manifest
+from raywds.data.index import manifest_of
 from raywds.errors import DataError
 from raywds.loader.loader import Loaders, PerRank
 from raywds.loader.settings import LoaderConfig
@@ -63,7 +63,7 @@ class Trainer:
             run_dir.open_tensorboard()
         self.loaders: Loaders = loaders if loaders is not None else PerRank()
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
-        self.manifest = read_manifest(cfg.data, shards_at=cfg.shards_at, s3_endpoint=cfg.s3_endpoint)
+        self.manifest = manifest_of(cfg)
         self.num_samples = self.manifest.num_samples("train")
         self.shard_sizes = sample_counts(self.manifest.shards("train"))
         self.compute = Compute.for_run(cfg, world.device)

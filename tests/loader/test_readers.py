@@ -24,9 +24,11 @@ from support.data import tar_keys
 from support.runs import small_config
 
 from raywds.config import TrainConfig
+from raywds.data.cache import cache_path
+from raywds.data.http import ReadPolicy
 from raywds.data.manifest import read_manifest
+from raywds.data.stores import open_shard
 from raywds.errors import ShardError
-from raywds.loader.http import ReadPolicy, cache_path, open_shard
 from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.readers import Expected, Failures, Prefetch, tar_samples
 from raywds.plan.modes import epoch_plan
@@ -188,7 +190,7 @@ def test_a_shard_read_whole_is_read_in_large_pieces(
     --cache-dir copy): io.RawIOBase's own readall would ask the HTTP client for 8 KiB at a time
     (37 reads of this 300 KB body; 1,600 of a 13 MB shard, a fifth of a loader worker's time on
     a local S3 store)."""
-    from raywds.loader.http import HttpShard
+    from raywds.data.http import HttpShard
 
     base, _, body = odd_server
     calls = []

@@ -1,4 +1,4 @@
-"""Reading shards from a bucket (raywds.loader.http.S3Shard) against a real S3 server, with a
+"""Reading shards from a bucket (raywds.data.http.S3Shard) against a real S3 server, with a
 proxy that throttles (503 SlowDown) and resets connections mid-body; and training from it."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from support.runs import small_config
 from support.s3proxy import S3Proxy
 from support.s3server import S3Server
 
+from raywds.data.http import ReadPolicy
 from raywds.data.manifest import read_manifest
+from raywds.data.stores import open_shard
 from raywds.data.upload import upload
 from raywds.errors import ShardError
-from raywds.loader.http import ReadPolicy, open_shard
 from raywds.loader.readers import Expected, tar_samples
 from raywds.train.rundir import RunDir
 from raywds.train.trainer import train

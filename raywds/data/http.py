@@ -1,14 +1,12 @@
-"""Opening one shard so that a network cannot hang or silently corrupt an epoch.
+"""Reading one remote shard so that a network cannot hang or silently corrupt an epoch.
 
-http(s) and s3://: connect and read timeouts; a transient failure (refused, reset, timeout,
-5xx, S3's 503 SlowDown, a short body) is retried with backoff (or the store's Retry-After),
-resuming where it stopped with a Range request; a 404, refused credentials or a shard that
-stays unreadable is an error naming the object. Local paths open directly;
-`pipe:` URLs (e.g. `pipe:aws s3 cp s3://bucket/x.tar -`) go to webdataset, which checks the
-command's exit status. With a cache dir, each http or s3 shard is kept on local disk after its
-first full, size-checked read.
+http(s), s3:// and gs://: connect and read timeouts; a transient failure (refused, reset,
+timeout, 5xx, S3's 503 SlowDown, a short body) is retried with backoff (or the store's
+Retry-After), resuming where it stopped with a Range request; a 404, refused credentials or a
+shard that stays unreadable is an error naming the object. raywds.data.stores picks the
+reader by the URL's scheme (and opens local paths and `pipe:` commands itself).
 
-    with open_shard("http://head:8080/imagenet-train-000000.tar", ReadPolicy()) as stream: ...
+    with io.BufferedReader(HttpShard("http://head:8080/imagenet-train-000000.tar", ReadPolicy())) as stream: ...
 """
 
 from __future__ import annotations
@@ -21,15 +19,13 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import urllib3
-import webdataset as wds
 
-from raywds.data import s3
-from raywds.data.manifest import is_url
-from raywds.errors import ShardError
-from raywds.loader.cache import CachingReader, cache_path, read_all
+from raywds.data import gcs, s3
+from raywds.data.cache import read_all
+from raywds.errors import ShardError, ShardMismatch
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +55,20 @@ class ReadPolicy:
 
 
 def _status_error(url: str, status: int, reason: str) -> ShardError:
+    if gcs.is_gs(url):
+        return ShardError(f"shard {gcs.error_line(url, status, reason)}")
     if status == 404:
         return ShardError(
             f"shard {url} is missing on the server (HTTP 404); is the server serving the folder the manifest describes?"
         )
     return ShardError(f"shard {url} answered HTTP {status} {reason}")
+
+
+def _moved(url: str, actual: int, listed: int) -> ShardMismatch:
+    return ShardMismatch(
+        f"shard {url} is {actual} bytes, its manifest entry {listed}: it changed after the manifest was made; "
+        "run `raywds verify` (or `raywds index` again for shards raywds did not write)"
+    )
 
 
 class HttpShard(io.RawIOBase):
@@ -91,15 +96,20 @@ class HttpShard(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def _address(self) -> tuple[str, dict[str, str]]:
+        """The URL to GET and the headers it needs."""
+        return self.url, {}
+
     def _connect(self) -> None:
-        parts = urllib.parse.urlsplit(self.url)
+        address, extra = self._address()
+        parts = urllib.parse.urlsplit(address)
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         conn = kind(parts.hostname or "", parts.port, timeout=min(10.0, self.policy.read_timeout_s))
         conn.connect()
         assert conn.sock is not None
         conn.sock.settimeout(self.policy.read_timeout_s)
         path = parts.path + (f"?{parts.query}" if parts.query else "")
-        conn.request("GET", path, headers={"Range": f"bytes={self.pos}-"} if self.pos else {})
+        conn.request("GET", path, headers={**extra, **({"Range": f"bytes={self.pos}-"} if self.pos else {})})
         response = conn.getresponse()
         if response.status >= 500:
             conn.close()
@@ -114,10 +124,12 @@ class HttpShard(io.RawIOBase):
                 if not chunk:
                     raise OSError("body ended before the resume point")
                 remaining -= len(chunk)
-        if self.size is None:
-            length = response.getheader("Content-Length")
-            if length is not None and response.status == 200:
-                self.size = int(length)
+        length = response.getheader("Content-Length")
+        if length is not None and response.status == 200:
+            if self.size is not None and not self.pos and int(length) != self.size:
+                conn.close()
+                raise _moved(self.url, int(length), self.size)
+            self.size = int(length)
         self._conn, self._response = conn, response
 
     def _recover(self, cause: BaseException) -> None:
@@ -211,6 +223,9 @@ class S3Shard(HttpShard):
             if s3.transient(e):
                 raise StoreBusy(s3.error_line(e, self.url, where), s3.retry_after_s(e)) from None
             raise ShardError(f"shard {s3.error_line(e, self.url, where)}") from None
+        if self.size is not None and not self.pos and int(answer["ContentLength"]) != self.size:
+            answer["Body"].close()
+            raise _moved(self.url, int(answer["ContentLength"]), self.size)
         if self.size is None:
             self.size = self.pos + int(answer["ContentLength"])
         self._conn, self._response = answer["Body"], _Partial(answer["Body"]._raw_stream)  # type: ignore[assignment]
@@ -220,28 +235,9 @@ class S3Shard(HttpShard):
         return after if after is not None else super()._wait_s(cause)
 
 
-def open_shard(
-    url: str,
-    policy: ReadPolicy,
-    *,
-    size: int | None = None,
-    sha256: str | None = None,
-    retried: Callable[[], None] | None = None,
-) -> BinaryIO:
-    """A readable binary stream of the shard at `url` (http(s), s3://, pipe: or a local path)."""
-    if is_url(url):
-        kind = S3Shard if s3.is_s3(url) else HttpShard
-        if policy.cache_dir:
-            cached = cache_path(policy.cache_dir, url)
-            if cached.is_file() and (size is None or cached.stat().st_size == size):
-                return open(cached, "rb")
-            return io.BufferedReader(
-                CachingReader(io.BufferedReader(kind(url, policy, size, retried)), cached, size, sha256), 1 << 20
-            )  # type: ignore[arg-type]
-        return io.BufferedReader(kind(url, policy, size, retried), 1 << 20)
-    if url.startswith("pipe:"):
-        return wds.gopen(url)  # type: ignore[no-any-return]
-    try:
-        return open(url, "rb")
-    except OSError as e:
-        raise ShardError(f"shard {url}: cannot open it: {e.strerror}") from None
+class GcsShard(HttpShard):
+    """A gs:// shard: the JSON API's media GET (raywds.data.gcs), with a token when the
+    Application Default Credentials give one, read and resumed like any http(s) shard."""
+
+    def _address(self) -> tuple[str, dict[str, str]]:
+        return gcs.media_url(self.url), gcs.headers()

@@ -1,0 +1,276 @@
+"""Where shards live: the one scheme table behind every reader, lister and writer in raywds.
+
+A location is a local path (or `file://`), an `http(s)://` URL, an `s3://` or `gs://` object
+or prefix, or a `pipe:` command whose output is the shard (`pipe:gsutil cat gs://b/x.tar`).
+Every command asks `scheme()` before it treats a location as a path, so a URL is never
+mistaken for a folder named `gs:`; a scheme raywds does not read is one line naming those it does.
+
+Shard lists are written as WebDataset users write them (`expand`): brace notation
+(`imagenet-train-{0000..1023}.tar`), globs (`shards/*.tar`, `s3://b/x/train-*.tar`), a folder
+or bucket prefix (every `.tar` under it), or `pipe:` templates.
+
+    kind = scheme("gs://bucket/imagenet")                  # "gs"
+    urls = expand(["https://host/imagenet-train-{000000..001281}.tar"])
+    with open_shard(urls[0], ReadPolicy()) as stream: ...
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import io
+import os
+import re
+import secrets
+import signal
+import subprocess
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import braceexpand
+
+from raywds.data import gcs, s3
+from raywds.data.cache import CachingReader, cache_path
+from raywds.data.http import GcsShard, HttpShard, ReadPolicy, S3Shard
+from raywds.errors import DataError, ShardError, ShardMismatch
+
+LOCAL, HTTP, PIPE, S3, GS = "local", "http", "pipe", "s3", "gs"
+SCHEMES = {"file": LOCAL, "http": HTTP, "https": HTTP, "s3": S3, "gs": GS}
+"""Each URL scheme raywds reads, by the kind of store that serves it (`pipe:` has no `//`)."""
+READS = "local paths, file://, http(s)://, s3://, gs:// and pipe: commands"
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+SHARD_SUFFIX = ".tar"
+_GLOB = re.compile(r"[*?\[]")
+
+
+def scheme(location: str) -> str:
+    """The kind of store at `location` (LOCAL, HTTP, PIPE, S3 or GS); DataError for any other `x://`."""
+    if location.startswith("pipe:"):
+        return PIPE
+    match = _SCHEME.match(location)
+    if match is None:
+        return LOCAL
+    kind = SCHEMES.get(match[1].lower())
+    if kind is None:
+        raise DataError(f"{location}: raywds does not read {match[1]}:// locations; it reads {READS}")
+    return kind
+
+
+def is_url(location: str) -> bool:
+    """A location under which names join with `/`, not a local path: http(s), s3 or gs."""
+    return scheme(location) in (HTTP, S3, GS)
+
+
+def local_path(location: str) -> str:
+    """A local location as a path (`file:///x` -> `/x`)."""
+    return location[len("file://") :] if location.startswith("file://") else location
+
+
+def join(location: str, name: str) -> str:
+    """`name` under a folder, URL or prefix."""
+    if is_url(location):
+        return location.rstrip("/") + "/" + name
+    return str(Path(local_path(location)) / name)
+
+
+def open_shard(
+    url: str,
+    policy: ReadPolicy,
+    *,
+    size: int | None = None,
+    sha256: str | None = None,
+    retried: Callable[[], None] | None = None,
+) -> BinaryIO:
+    """A readable binary stream of the shard at `url`, by its scheme. With `policy.cache_dir` a
+    remote shard is kept on local disk after its first full, size-checked read. With `size`, a
+    local file of another size is refused at once (it is not the shard the manifest lists)."""
+    kind = scheme(url)
+    if kind in (HTTP, S3, GS):
+        reader = {HTTP: HttpShard, S3: S3Shard, GS: GcsShard}[kind]
+        if policy.cache_dir:
+            cached = cache_path(policy.cache_dir, url)
+            if cached.is_file() and (size is None or cached.stat().st_size == size):
+                return open(cached, "rb")
+            return io.BufferedReader(
+                CachingReader(io.BufferedReader(reader(url, policy, size, retried)), cached, size, sha256), 1 << 20
+            )  # type: ignore[arg-type]
+        return io.BufferedReader(reader(url, policy, size, retried), 1 << 20)
+    if kind == PIPE:
+        return io.BufferedReader(Pipe(url[len("pipe:") :]), 1 << 20)  # type: ignore[arg-type]
+    try:
+        stream = open(local_path(url), "rb")
+    except OSError as e:
+        raise ShardError(f"shard {url}: cannot open it: {e.strerror}") from None
+    if size is not None and (actual := os.fstat(stream.fileno()).st_size) != size:
+        stream.close()
+        raise ShardMismatch(
+            f"shard {url} is {actual} bytes, its manifest entry {size}: it changed after the manifest was made; "
+            "run `raywds verify` (or `raywds index` again for shards raywds did not write)"
+        )
+    return stream
+
+
+class Pipe(io.RawIOBase):
+    """A `pipe:` command's output as a stream; closing it after the end raises when the command
+    failed (a shard must not pass as complete because its reader gave up). A command stopped
+    early by its reader (SIGPIPE) is not a failure."""
+
+    def __init__(self, command: str):
+        self.command = command
+        self.process = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, bufsize=0)
+        self.ended = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        assert self.process.stdout is not None
+        n = self.process.stdout.readinto(buffer)  # type: ignore[attr-defined]
+        if not n:
+            self.ended = True
+        return n or 0
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+        status = self.process.wait()
+        super().close()
+        if status and self.ended and status not in (-signal.SIGPIPE, 128 + signal.SIGPIPE):
+            raise OSError(f"pipe: command {self.command!r} exited with status {status}")
+
+
+def read_bytes(where: str, timeout_s: float = 30.0, s3_endpoint: str | None = None) -> bytes:
+    """A small object (a manifest, `_info.json`) whole; FileNotFoundError when absent."""
+    kind = scheme(where)
+    if kind == S3:
+        return s3.read_bytes(where, s3_endpoint, timeout_s)
+    if kind == GS:
+        return gcs.read_bytes(where, timeout_s)
+    if kind == HTTP:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(where, timeout=timeout_s) as response:
+                return response.read()  # type: ignore[no-any-return]
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise FileNotFoundError(where) from None
+            raise
+    if kind == PIPE:
+        raise DataError(f"{where}: a pipe: command is read as a shard, not as a manifest; give the manifest's path")
+    return Path(local_path(where)).read_bytes()
+
+
+def stat(where: str, timeout_s: float = 30.0, s3_endpoint: str | None = None) -> tuple[int, str]:
+    """(size in bytes, a stamp that changes when the object does: its ETag, else its mtime);
+    FileNotFoundError when absent. A `pipe:` command has neither: (-1, "")."""
+    kind = scheme(where)
+    if kind == S3:
+        return s3.stat(where, s3_endpoint, timeout_s)
+    if kind == GS:
+        return gcs.stat(where, timeout_s)
+    if kind == HTTP:
+        import urllib.error
+        import urllib.request
+
+        request = urllib.request.Request(where, method="HEAD")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                stamp = response.headers.get("ETag") or response.headers.get("Last-Modified") or ""
+                return int(response.headers.get("Content-Length", -1)), stamp.strip('"')
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise FileNotFoundError(where) from None
+            raise
+    if kind == PIPE:
+        return -1, ""
+    info = os.stat(local_path(where))
+    return info.st_size, f"mtime:{info.st_mtime_ns}"
+
+
+def write_bytes(where: str, data: bytes, s3_endpoint: str | None = None) -> None:
+    """Write a small file (a manifest) to a folder or a bucket, whole or not at all."""
+    kind = scheme(where)
+    if kind == S3:
+        s3.put_bytes(data, where, s3_endpoint)
+    elif kind == GS:
+        gcs.write_bytes(where, data)
+    elif kind == LOCAL:
+        path = Path(local_path(where))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, data)
+    else:
+        raise DataError(f"{where}: raywds cannot write to {kind} locations; write to a folder, s3:// or gs://")
+
+
+def listing(prefix: str, s3_endpoint: str | None = None) -> list[tuple[str, int, str]]:
+    """(location, size, stamp) of each file under a folder or bucket prefix, sorted by location."""
+    kind = scheme(prefix)
+    if kind == S3:
+        found = list(s3.listing(prefix, s3_endpoint))
+    elif kind == GS:
+        found = list(gcs.listing(prefix))
+    elif kind == LOCAL:
+        root = Path(local_path(prefix))
+        found = []
+        for path in root.rglob("*") if root.is_dir() else ():
+            if path.is_file():
+                info = path.stat()
+                found.append((str(path), info.st_size, f"mtime:{info.st_mtime_ns}"))
+    else:
+        raise DataError(
+            f"{prefix}: an {kind} location cannot be listed; name its shards in brace notation "
+            "(e.g. https://host/imagenet-train-{000000..001281}.tar)"
+        )
+    return sorted(found)
+
+
+def expand(specs: Iterable[str], s3_endpoint: str | None = None) -> list[str]:
+    """Shard locations from shard lists as WebDataset users write them: brace notation, globs,
+    folders and bucket prefixes (their `.tar` files, sorted), `pipe:` templates. DataError when a
+    spec names no shard."""
+    found: list[str] = []
+    for spec in specs:
+        before = len(found)
+        for one in braceexpand.braceexpand(spec):
+            kind = scheme(one)
+            if kind == PIPE or (not _GLOB.search(one) and one.endswith(SHARD_SUFFIX)):
+                found.append(one)
+            elif _GLOB.search(one):
+                found.extend(_globbed(one, kind, s3_endpoint))
+            else:
+                found.extend(url for url, _, _ in listing(one, s3_endpoint) if url.endswith(SHARD_SUFFIX))
+        if len(found) == before:
+            raise DataError(f"{spec}: names no shard (no .tar file there); check the path, the braces or the prefix")
+    return found
+
+
+def _globbed(pattern: str, kind: str, s3_endpoint: str | None) -> list[str]:
+    if kind == LOCAL:
+        return sorted(glob.glob(local_path(pattern), recursive=True))
+    if kind in (S3, GS):
+        head = pattern[: _GLOB.search(pattern).start()]  # type: ignore[union-attr]
+        return [url for url, _, _ in listing(head, s3_endpoint) if fnmatch.fnmatchcase(url, pattern)]
+    raise DataError(f"{pattern}: a glob needs a folder or a bucket to list; over {kind} name shards in brace notation")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file so that a reader sees either the old file or the whole new one.
+
+    The file gets 0666 less the umask, as open() gives the shards beside it: mkstemp's 0600
+    hid the manifest from other users and from nginx in Docker."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
