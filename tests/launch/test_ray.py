@@ -196,11 +196,23 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
 ) -> None:
     """2 Ray Train workers in split mode on uneven shards, stopped after 3 steps of epoch 1, then
     resumed from that checkpoint for the rest of 3 epochs: every epoch exact over both runs, and the
-    resumed run's record as a run's own (Ray's checkpoints, best/, progress rows, TensorBoard)."""
+    resumed run's record as a run's own (Ray's checkpoints, best/, progress rows, TensorBoard).
+    The shards are named as a WebDataset user names shards (a brace list, a glob for validation),
+    not by their manifest: webdataset's TarWriter wrote them, and the driver indexes them on first
+    use into the run's index cache, where the workers and the resumed run find the index."""
     import ray
 
     audit = tmp_path / "audit"
-    cfg = split_config(uneven, audit, num_epochs=3, max_steps=3, log_every_s=0.0, tensorboard=True)
+    cfg = split_config(
+        f"{uneven}/uneven-train-{{000000..000008}}.tar",
+        audit,
+        val_data=f"{uneven}/imagenet-val-*.tar",
+        index_cache=str(tmp_path / "index"),
+        num_epochs=3,
+        max_steps=3,
+        log_every_s=0.0,
+        tensorboard=True,
+    )
     first = ray_train.run(cfg, storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}")
     assert first.plan == ray_train.WorkerPlan(2, use_gpu=False)
     assert first.metrics["inside_epoch"] and first.metrics["step"] == 3 and first.checkpoint is not None
@@ -221,6 +233,7 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
     assert second.metrics["epoch_samples"] == second.metrics["train_samples"] == 120
     assert second.metrics["epoch_duplicates"] == second.metrics["epoch_missing"] == 0
     assert second.metrics["epoch"] == 3 and second.metrics["samples_seen"] == 360
+    assert len(list((tmp_path / "index").glob("*/manifest.json"))) == 1, "indexed once, for the driver and both runs"
     assert [m["epoch"] for m in second.history] == [1, 2, 3]
     assert second.history[0]["train_samples"] == 120 - 48, "the resumed run trained only on the rest of epoch 1"
     losses = [m["train_loss"] for m in second.history]
