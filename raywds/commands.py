@@ -64,12 +64,23 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from raywds.data import s3
+    from raywds.data import s3, stores
     from raywds.data.convert import ConvertOptions, convert
     from raywds.data.manifest import shard_url
     from raywds.data.upload import convert_to_bucket
 
     options = ConvertOptions(**values(args, ConvertOptions))
+    if stores.scheme(args.src) != stores.LOCAL:
+        raise RaywdsError(
+            f"convert reads an image tree from a local folder, and {args.src} is a {stores.scheme(args.src)} "
+            f"location: copy the tree down first; for WebDataset shards already there, `raywds index {args.src}` "
+            "makes them trainable as they are"
+        )
+    if stores.scheme(args.out) not in (stores.LOCAL, stores.S3):
+        raise RaywdsError(
+            f"convert writes shards to a local folder or an s3:// prefix, not to {args.out}: convert into a folder "
+            "and copy it up (e.g. `gcloud storage cp -r`), then `raywds verify` the copy"
+        )
     if s3.is_s3(args.out):
         manifest = convert_to_bucket(
             Path(args.src), args.out, options, staging=args.staging and Path(args.staging), endpoint=args.s3_endpoint

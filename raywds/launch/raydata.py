@@ -34,11 +34,11 @@ from ray.util.debug import log_once
 
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ShardError, one_line, own_cause
-from raywds.loader.loader import EpochLoader, expected, split_slots
+from raywds.loader.loader import EpochLoader, expected, labels_of, split_slots
 from raywds.loader.plane import Batches, Columns, decode_rows, shard_rows
 from raywds.loader.readers import ReadPolicy
 from raywds.loader.settings import LoaderConfig
-from raywds.loader.stages import Batch, Decoder, train_decoder, val_decoder
+from raywds.loader.stages import Batch, Decoder, Labels, train_decoder, val_decoder
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position, already_done
@@ -93,6 +93,7 @@ class ShardSource(Datasource):  # RAY
     ):
         self.shards = shards
         self.expected = expected(manifest, split, {s.name for s in shards})
+        self.labels = labels_of(manifest)
         self.urls = [manifest.url(s) for s in shards]
         self.policy = cfg.read_policy(skip_unreadable=not exact)
         self.verify_hashes = cfg.verify_hashes
@@ -109,15 +110,17 @@ class ShardSource(Datasource):  # RAY
         for url, info in zip(self.urls, self.shards):
             shard = self.expected[url]
             left_out = self.left_out.get(info.name)
-            read = functools.partial(_read, url, shard, self.policy, self.verify_hashes, left_out)
+            read = functools.partial(_read, url, shard, self.policy, self.verify_hashes, left_out, self.labels)
             rows = shard.num_samples - (int(left_out.sum()) if left_out is not None else 0)
             meta = BlockMetadata(num_rows=rows, size_bytes=shard.num_bytes, exec_stats=None, input_files=(url,))
             tasks.append(ReadTask(read, meta))  # RAY
         return tasks
 
 
-def _read(url: str, shard: Any, policy: Any, verify: bool, left_out: np.ndarray | None) -> Iterator[pa.Table]:
-    for columns in shard_rows(url, shard, policy, verify_hash=verify, consumed=left_out):
+def _read(
+    url: str, shard: Any, policy: Any, verify: bool, left_out: np.ndarray | None, labels: Labels | None
+) -> Iterator[pa.Table]:
+    for columns in shard_rows(url, shard, policy, verify_hash=verify, consumed=left_out, labels=labels):
         yield pa.table(
             {
                 **{k: pa.array(columns[k], pa.string()) for k in ("key", "url", "member", "error")},

@@ -30,7 +30,7 @@ import torch
 
 from raywds.loader.clock import Spent
 from raywds.loader.readers import Expected, Failures, ReadPolicy, tar_samples
-from raywds.loader.stages import IMAGE_KEYS, Batch, Decoder, Skips, decoded, fold_single_tail
+from raywds.loader.stages import IMAGE_KEYS, Batch, Decoder, Labels, Skips, decoded, fold_single_tail
 
 TIMED = ("read_s", "read_bytes", "decode_s")
 """Columns a decoded block carries for the doctor (raywds.train.doctor): each row's seconds
@@ -48,19 +48,34 @@ def _block(rows: list[dict[str, Any]]) -> Columns:
     return {name: [row[name] for row in rows] for name in rows[0]}
 
 
-def _row(sample: dict[str, Any] | None, error: str = "") -> dict[str, Any]:
+def _row(sample: dict[str, Any] | None, error: str = "", labels: Labels | None = None) -> dict[str, Any]:
     if sample is None:  # a shard skipped as unreadable (resample): a row that only carries why
         return {"key": "", "url": "", "id": -1, "member": "", "image": b"", "cls": b"", "error": error}
-    member = next((k for k in IMAGE_KEYS if k in sample), "")
+    member = (labels.image(sample) if labels is not None else next((k for k in IMAGE_KEYS if k in sample), "")) or ""
     return {
         "key": sample["__key__"],
         "url": sample["__url__"],
         "id": sample["__id__"],
         "member": member,
         "image": bytes(sample[member]) if member else b"",
-        "cls": bytes(sample["cls"]) if "cls" in sample else b"",
+        "cls": _label(sample, labels),
         "error": "",
     }
+
+
+def _label(sample: dict[str, Any], labels: Labels | None) -> bytes:
+    """The row's `cls`: the .cls member's bytes, or for shards raywds indexed the class index that
+    their label member holds (as text; where it cannot be read, its bytes, which decoding refuses
+    in the loader's own words)."""
+    if labels is None:
+        return bytes(sample["cls"]) if "cls" in sample else b""
+    where = labels.members.label_member(sample)
+    if where is None:
+        return b""
+    try:
+        return str(labels.label(sample, where)).encode()
+    except ValueError:
+        return bytes(sample[where])
 
 
 def shard_rows(
@@ -71,6 +86,7 @@ def shard_rows(
     verify_hash: bool = False,
     consumed: np.ndarray | None = None,
     rows_per_block: int = ROWS_PER_BLOCK,
+    labels: Labels | None = None,
 ) -> Iterator[Columns]:
     """The shard at `url` in blocks of rows; `consumed` (a bool per sample of the shard) leaves
     out what an interrupted epoch already trained on. A shard that stays unreadable raises, or
@@ -82,7 +98,7 @@ def shard_rows(
     for sample in samples:
         if consumed is not None and consumed[sample["__id__"] - expected.first_id]:
             continue
-        rows.append({**_row(sample), "read_s": time.perf_counter() - waited})  # the seconds to read it
+        rows.append({**_row(sample, labels=labels), "read_s": time.perf_counter() - waited})  # the seconds to read it
         if len(rows) == rows_per_block:
             yield _block(rows)
             rows = []
