@@ -148,7 +148,7 @@ def cmd_index(args: argparse.Namespace) -> None:
     share = made["bytes_read"] / max(1, made["bytes_in_shards"])
     print(
         f"raywds: wrote {where} ({len(manifest['classes'])} classes; read {made['bytes_read']:,} of "
-        f"{made['bytes_in_shards']:,} bytes, {share:.1%}, in {made['seconds']:.1f} s)"
+        f"{made['bytes_in_shards']:,} bytes, {share:.1%}, in {made['seconds']:.2f} s)"
     )
 
 

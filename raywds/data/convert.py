@@ -78,6 +78,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     tmp = job.path.with_name(f".{job.path.name}.tmp")
     skipped = []
     num_samples = 0
+    first_key = ""
     with TarWriter(tmp) as sink:
         for source in job.sources:
             data = source.path.read_bytes()
@@ -98,6 +99,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
                 },
             )
             num_samples += 1
+            first_key = first_key or source.key
     # Read back as a loader would before the manifest promises it (a key with a dot once split
     # samples in two). Only the member headers: the size and hash come from this same file.
     problems = check_members(tmp, num_samples)
@@ -110,7 +112,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
         )
     info = ShardInfo(job.path.name, num_samples, tmp.stat().st_size, sha256_file(tmp))
     tmp.replace(job.path)
-    return {"shard": info._asdict(), "skipped": skipped, "kept": False}
+    return {"shard": info._asdict(), "skipped": skipped, "kept": False, "first_key": first_key}
 
 
 def fingerprint(found: Found, options: ConvertOptions) -> str:
@@ -230,7 +232,14 @@ def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[st
     }
     for split in found.splits:
         shards = [records[job.path.name]["shard"] for s, job in jobs if s == split]
-        manifest["splits"][split] = {"num_samples": sum(s["num_samples"] for s in shards), "shards": shards}
+        # Each shard's first key, which the loader checks as it opens the shard (a shard overwritten by
+        # another's bytes of the same size is refused before any of its samples is used).
+        first = {job.path.name: records[job.path.name].get("first_key", "") for s, job in jobs if s == split}
+        manifest["splits"][split] = {
+            "num_samples": sum(s["num_samples"] for s in shards),
+            "shards": shards,
+            "first_keys": {name: key for name, key in first.items() if key},
+        }
     write_json_atomic(out / TIMM_INFO, timm_info(manifest))
     write_manifest(out, manifest)
     return manifest

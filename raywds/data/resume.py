@@ -81,5 +81,5 @@ class Journal:
 
     def add(self, record: dict[str, Any]) -> None:
         """`record`: the shard's ShardInfo fields under "shard", and the images it skipped."""
-        self._file.write(json.dumps({k: record[k] for k in ("shard", "skipped")}) + "\n")
+        self._file.write(json.dumps({k: record[k] for k in ("shard", "skipped", "first_key") if k in record}) + "\n")
         self._file.flush()
