@@ -25,7 +25,10 @@ them. In one run, each row against the row under it in its table, over `rounds` 
    it), the shards put under a prefix, the s3:// prefix indexed against the plain read.
 4. raywds's train loader (`--decode cpu`, 224 px, batch 64, WORKERS workers, timed after the first
    batch as in loader_bench.py) on the foreign shards through
-   `manifest_for(brace URL, index_cache=...)`, against the converted shards, alternated.
+   `manifest_for(brace URL, index_cache=...)`, against the converted shards, alternated; and on
+   the same foreign shards written with ustar headers (`ShardWriter(..., format=USTAR_FORMAT)`):
+   webdataset's TarWriter writes tarfile's pax format with a float mtime, so a pax header comes
+   before every member, and that row tells what those headers cost the loader.
 
 Each table gives the medians, the spread over the rounds and the CPU seconds of a pass (this
 process's threads and its reaped loader workers; the server's process). The servers run on the
@@ -83,6 +86,7 @@ FOREIGN = "foreign-%06d.tar"
 PREFIX = "foreign"
 RESULTS = Path(__file__).resolve().parent / "results"
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+USTAR_ROW = "the same foreign shards, ustar headers (no pax header a member)"
 
 
 def build_tree(images: list[Path], num_samples: int, root: Path) -> None:
@@ -99,14 +103,21 @@ def build_tree(images: list[Path], num_samples: int, root: Path) -> None:
         (folder / path.name).write_bytes(path.read_bytes())
 
 
-def write_foreign(own: Path, manifest: dict[str, Any], images: list[Path], out: Path) -> list[Path]:
+def write_foreign(
+    own: Path, manifest: dict[str, Any], images: list[Path], out: Path, tar_format: int | None = None
+) -> list[Path]:
     """The converted train shards' samples again, in their order and shard cuts, as webdataset's
     ShardWriter writes them: `.jpg` and `.cls` only. Each JPEG is checked to be one of the photos
-    byte for byte (--keep-jpeg-bytes), so both kinds of shard hold the same decode work."""
+    byte for byte (--keep-jpeg-bytes), so both kinds of shard hold the same decode work. By default
+    (tarfile's pax format and a float mtime, as webdataset's TarWriter writes) each member comes
+    after a pax header of its own; `tar_format=tarfile.USTAR_FORMAT` writes plain ustar headers."""
+    formats = {} if tar_format is None else {"format": tar_format}
     photo_hashes = {hashlib.sha256(p.read_bytes()).digest() for p in images}
     entries = manifest["splits"]["train"]["shards"]
     out.mkdir(parents=True)
-    with wds.ShardWriter(str(out / FOREIGN), maxcount=max(e["num_samples"] for e in entries), verbose=0) as writer:
+    with wds.ShardWriter(
+        str(out / FOREIGN), maxcount=max(e["num_samples"] for e in entries), verbose=0, **formats
+    ) as writer:
         for i, entry in enumerate(entries):
             if i and writer.count:
                 writer.next_stream()  # convert's cut, whatever the counts
@@ -354,6 +365,8 @@ def main() -> None:
         )
         own = convert(root / "tree", root / "own", options)
         paths = write_foreign(root / "own", own, images, root / "foreign")
+        ustar = root / "foreign-ustar"  # the same, without a pax header before each member
+        write_foreign(root / "own", own, images, ustar, tarfile.USTAR_FORMAT)
         urls = [str(p) for p in paths]
         num_bytes = sum(p.stat().st_size for p in paths)
         threads = max(1, min(IndexOptions().num_workers, len(urls)))
@@ -437,6 +450,8 @@ def main() -> None:
         foreign = manifest_for(str(root / "foreign" / f"foreign-{brace}.tar"), index_cache=str(root / "cache"))
         index_s = time.perf_counter() - started_index
         ours = read_manifest(str(root / "own"))
+        ustar_data = str(ustar / f"foreign-{brace}.tar")
+        plain_headers = manifest_for(ustar_data, index_cache=str(root / "cache"))
         rows = {
             "raywds's own shards (convert --keep-jpeg-bytes)": partial(
                 loader_rate, ours, str(root / "own"), workers, args.samples
@@ -444,21 +459,23 @@ def main() -> None:
             "foreign shards (webdataset.ShardWriter), through manifest_for": partial(
                 loader_rate, foreign, str(root / "foreign" / f"foreign-{brace}.tar"), workers, args.samples
             ),
+            USTAR_ROW: partial(loader_rate, plain_headers, ustar_data, workers, args.samples),
         }
         loaders = Rounds()
         for _ in range(args.rounds):
             for name, run in rows.items():
                 loaders.measure(name, partial(as_row, run))
-    own_name, foreign_name = rows
+    own_name, foreign_name, _ = rows
     show(
         "",
         f"4. The train loader, --decode cpu, 224 px, batch {BATCH}, {workers} workers, {args.samples} images a pass, "
         f"alternated (the foreign index made once by manifest_for in {index_s:.2f} s)",
         "",
-        *loader_table(loaders, [(own_name, own_name), (foreign_name, own_name)]),
+        *loader_table(loaders, [(own_name, own_name), (foreign_name, own_name), (USTAR_ROW, own_name)]),
     )
     record["loader"] = dict(loaders.rows)
     loader_ratio = loaders.median(foreign_name, "rate") / loaders.median(own_name, "rate")
+    ustar_ratio = loaders.median(USTAR_ROW, "rate") / loaders.median(own_name, "rate")
     local_ratio = local.median("plain read, warm", "s") / local.median("index, warm", "s")
     show(
         "",
@@ -467,6 +484,7 @@ def main() -> None:
         goal("over HTTP, index / plain read", http_ratio, 0.9),
         goal("from S3, index / plain read", s3_ratio, 0.9),
         goal("loader, foreign / raywds's own shards", loader_ratio, 0.97),
+        f"loader, the same foreign shards with ustar headers / raywds's own shards: {ustar_ratio:.2f}x",
         f"wall time {time.perf_counter() - started:.0f} s (conversion, servers' start and stop included)",
     )
     if args.no_results:
@@ -476,7 +494,13 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     header = [f"# index_bench, {today}", "", "```bash", command.strip(), "```", ""]
     (RESULTS / f"index_bench-{today}.md").write_text("\n".join(header + out) + "\n")
-    summary = {"http": http_ratio, "s3": s3_ratio, "loader": loader_ratio, "local_warm": local_ratio}
+    summary = {
+        "http": http_ratio,
+        "s3": s3_ratio,
+        "loader": loader_ratio,
+        "loader_ustar": ustar_ratio,
+        "local_warm": local_ratio,
+    }
     raw = {
         "date": today,
         "command": command.strip(),

@@ -156,7 +156,9 @@ def cmd_audit(args: argparse.Namespace) -> None:
     from raywds.data.index import manifest_for
     from raywds.train.audit import audit
 
-    checks = audit(args.audit_dir, manifest_for(args.data, s3_endpoint=args.s3_endpoint), args.epochs)
+    checks = audit(
+        args.audit_dir, manifest_for(args.data, s3_endpoint=args.s3_endpoint, index_cache=args.index_cache), args.epochs
+    )
     print("\n".join(c.line for c in checks))
     failed = [str(c.epoch) for c in checks if c.first_problem]
     if failed:

@@ -66,6 +66,8 @@ class AuditOptions(S3Endpoint):
     """The run's --audit-dir."""
     data: str
     """The run's --data (its manifest numbers the samples)."""
+    index_cache: str | None = None
+    """The run's --index-cache, where --data named shards without a manifest."""
     epochs: int | None = None
     """Check the first N epochs (default: every epoch the files hold)."""
 

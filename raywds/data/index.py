@@ -105,6 +105,10 @@ class _Counting(io.RawIOBase):
         return n
 
 
+class Strict(DataError):
+    """--strict: a sample without an image or a label stops indexing."""
+
+
 class Rules:
     """Which member of a sample is its image and which its label, as the options say."""
 
@@ -191,6 +195,8 @@ def index_shard(url: str, rules: Rules, policy: ReadPolicy) -> Shard:
                 if counting.count < end + tarfile.BLOCKSIZE:
                     raise tarfile.ReadError(f"it ends at byte {counting.count} without the end-of-archive block")
             shard.bytes_read = counting.count
+    except Strict:
+        raise  # stops the whole index, not only this shard
     except DataError as e:
         shard.error = str(e) if url in str(e) else f"shard {url}: {e}"
     except FileNotFoundError:
@@ -224,7 +230,7 @@ def _add(shard: Shard, sample: Sample, rules: Rules) -> None:
     if why:
         line = f"shard {shard.url}: sample {sample.key}: {why}"
         if rules.options.strict:
-            raise DataError(f"{line} (--strict)")
+            raise Strict(f"{line} (--strict)")
         shard.skipped.append(line)
         return
     if not shard.first_key:

@@ -182,6 +182,7 @@ def read_manifest(
         found = _read_columns(where, timeout_s, s3_endpoint) if use_columns else None
         if found is None:
             raw = json.loads(read_location(where, timeout_s, s3_endpoint))
+            _check_format(raw, where)
             splits: dict[str, Sequence[ShardInfo]] = {
                 split: [ShardInfo(**shard) for shard in info["shards"]] for split, info in raw["splits"].items()
             }
@@ -196,12 +197,7 @@ def read_manifest(
         raise DataError(f"cannot read manifest {where}: {e}; is the shard server running?") from None
     except json.JSONDecodeError as e:
         raise DataError(f"manifest {where} is not valid JSON ({e}); rerun `raywds convert`") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        made = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
-        raise DataError(
-            f"{where} is not a raywds manifest (format {made!r}, expected {FORMAT!r}): another tool wrote it; "
-            "`raywds index SHARDS --out DIR` writes one for these shards beside it or in DIR"
-        )
+    _check_format(raw, where)
     bad = next((name for shards in splits.values() for name in _odd_names(shards)), None)
     if bad is not None:
         raise DataError(
@@ -214,6 +210,16 @@ def read_manifest(
         for name, key in info.get("first_keys", {}).items():
             manifest.first_keys[shard_url(base, name)] = key
     return manifest
+
+
+def _check_format(raw: Any, where: str) -> None:
+    """A manifest another tool wrote (a `manifest.json` is a common name) is one line, not a KeyError."""
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        made = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise DataError(
+            f"{where} is not a raywds manifest (format {made!r}, expected {FORMAT!r}): another tool wrote it; "
+            "`raywds index SHARDS --out DIR` writes one for these shards in DIR"
+        )
 
 
 def _odd_names(shards: Sequence[ShardInfo]) -> Iterator[str]:

@@ -2,6 +2,7 @@
 
     raywds verify shards/        # exit 1 with a list of problems, 0 if every shard is whole
     raywds verify s3://bucket/imagenet   # the same, each shard read once from the bucket
+    raywds verify gs://bucket/imagenet-wds   # shards `raywds index` made a manifest for, wherever they are
 
 `convert` runs `check_members` on each shard it writes, before the manifest lists it.
 """
@@ -17,11 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from raywds.data import columns, s3
+from raywds.data import columns, s3, stores
+from raywds.data.http import ReadPolicy
 from raywds.data.layout import IMAGE_EXTENSIONS
-from raywds.data.manifest import read_location, read_manifest, shard_url, split_location, write_atomic
-from raywds.data.tars import members
-from raywds.errors import DataError
+from raywds.data.manifest import Members, read_location, read_manifest, split_location, write_atomic
+from raywds.data.tars import key_and_ext, members
+from raywds.errors import DataError, ShardError
 
 IMAGE_KEYS = set(IMAGE_EXTENSIONS.values())
 
@@ -92,15 +94,53 @@ class _Counted:
         return data
 
 
-def _check_stream(name: str, stream: BinaryIO, num_samples: int, num_bytes: int, sha256: str) -> list[str]:
-    """Size, hash and members of one shard in a single read of `stream`."""
+def _check_stream(
+    name: str,
+    stream: BinaryIO,
+    num_samples: int,
+    num_bytes: int,
+    sha256: str,
+    indexed: Members | None = None,
+    first_key: str = "",
+) -> list[str]:
+    """Size, hash and members of one shard in a single read of `stream`; a shard `raywds index`
+    listed (`indexed`) is checked by its own rules: its usable samples and its first key (and its
+    sha256 where the index read it whole)."""
     counted = _Counted(stream)
-    problems = [f"{name}: {problem}" for problem in check_members(counted, num_samples)]  # type: ignore[arg-type]
+    if indexed is None:
+        problems = [f"{name}: {problem}" for problem in check_members(counted, num_samples)]  # type: ignore[arg-type]
+    else:
+        problems = [f"{name}: {p}" for p in _check_indexed(counted, num_samples, indexed, first_key)]  # type: ignore[arg-type]
     for _ in iter(lambda: counted.read(1 << 20), b""):  # the tar's end blocks count too
         pass
     size = [f"{name}: {counted.size} bytes, manifest says {num_bytes}"] if counted.size != num_bytes else []
-    digest = [f"{name}: sha256 differs from the manifest"] if counted.digest.hexdigest() != sha256 else []
+    hashed = sha256 or indexed is None
+    digest = [f"{name}: sha256 differs from the manifest"] if hashed and counted.digest.hexdigest() != sha256 else []
     return size + digest + problems
+
+
+def _check_indexed(stream: BinaryIO, num_samples: int, rules: Members, first_key: str) -> list[str]:
+    """A foreign shard's samples as the loader counts them (those with an image and a label member)."""
+    keys: list[str] = []
+    current: dict[str, Any] = {}
+    try:
+        for name, _ in members(stream):
+            key, ext = key_and_ext(name)
+            if key is None or ext is None:
+                continue
+            if current and current["__key__"] != key:
+                keys += [current["__key__"]] if rules.usable(current) else []
+                current = {}
+            current.setdefault("__key__", key)
+            current[ext] = b""
+        if current and rules.usable(current):
+            keys.append(current["__key__"])
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        return [f"unreadable tar ({e})"]
+    problems = [f"{len(keys)} samples, manifest says {num_samples}"] if len(keys) != num_samples else []
+    if first_key and keys[:1] != [first_key]:
+        problems.append(f"first sample {keys[0] if keys else None}, manifest says {first_key}")
+    return problems
 
 
 @contextlib.contextmanager
@@ -126,18 +166,47 @@ def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, l
     s3:// prefix) lists in `manifest.json`; when they all match, `manifest.npz` is (re)written
     from the JSON if it is missing or lists other shards (`in_step`)."""
     manifest = read_manifest(str(location), s3_endpoint=s3_endpoint, use_columns=False)
+    indexed = manifest.members if manifest.members.drop_incomplete else None
     problems: list[str] = []
     count = 0
     for split in manifest.splits:
         for shard in manifest.splits[split]:
-            if s3.is_s3(str(location)):
-                url = shard_url(str(location), shard.name)
-                problems += check_object(url, shard.num_samples, shard.num_bytes, shard.sha256, s3_endpoint)
+            url = manifest.url(shard)
+            expected = (shard.num_samples, shard.num_bytes, shard.sha256)
+            if indexed is not None or stores.scheme(url) not in (stores.LOCAL, stores.S3):
+                problems += _check_any(
+                    url, shard.name, *expected, indexed, manifest.first_keys.get(url, ""), s3_endpoint
+                )
+            elif s3.is_s3(url):
+                problems += check_object(url, *expected, s3_endpoint)
             else:
-                where = Path(location) / shard.name
-                problems += check_shard(where, shard.num_samples, shard.num_bytes, shard.sha256)
+                problems += check_shard(Path(url), *expected)
             count += 1
     return count, problems or in_step(str(location), s3_endpoint)
+
+
+def _check_any(
+    url: str,
+    name: str,
+    num_samples: int,
+    num_bytes: int,
+    sha256: str,
+    indexed: Members | None,
+    first_key: str,
+    s3_endpoint: str | None,
+) -> list[str]:
+    """check_shard for a shard anywhere raywds reads (raywds.data.stores), in one streaming read."""
+    if stores.scheme(url) == stores.LOCAL and not Path(stores.local_path(url)).is_file():
+        return [f"{name}: missing"]
+    try:
+        stream = stores.open_shard(url, ReadPolicy(s3_endpoint=s3_endpoint))
+    except (ShardError, OSError) as e:
+        return [f"{name}: {e}"]
+    with contextlib.closing(stream):
+        try:
+            return _check_stream(name, stream, num_samples, num_bytes, sha256, indexed, first_key)
+        except ShardError as e:
+            return [f"{name}: {e}"]
 
 
 def in_step(location: str, s3_endpoint: str | None = None) -> list[str]:
@@ -153,13 +222,12 @@ def in_step(location: str, s3_endpoint: str | None = None) -> list[str]:
             return []
     except FileNotFoundError:
         pass
-    failures: tuple[type[BaseException], ...] = (OSError, *s3.errors())
+    failures: tuple[type[BaseException], ...] = (OSError, DataError, *s3.errors())
     try:
-        if s3.is_s3(target):
-            bucket, key = s3.split(target)
-            s3.client(s3_endpoint).put_object(Bucket=bucket, Key=key, Body=wanted)
+        if stores.scheme(target) == stores.LOCAL:
+            write_atomic(Path(stores.local_path(target)), wanted)
         else:
-            write_atomic(Path(target), wanted)
+            stores.write_bytes(target, wanted, s3_endpoint)
     except failures as e:
         return [f"{target}: out of step with {where} and cannot be rewritten: {e}"]
     return []

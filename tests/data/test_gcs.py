@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from support.gcsserver import GcsServer, gcs_server
-from support.runs import command
+from support.runs import SUMMARY, command
 from support.s3proxy import S3Proxy
 
 from raywds.data import gcs, stores
@@ -164,37 +164,59 @@ def test_a_listing_of_more_than_a_page_gets_every_page(tmp_path: Path, monkeypat
 # --- shard reads ---------------------------------------------------------------------------------
 
 
-def test_a_shard_read_gets_its_exact_bytes_and_resumes_at_the_byte_after_a_cut(
-    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Through a proxy that resets the media GET after 200 KB: one retry, counted, a Range request
-    from where the bytes stopped, and the shard's exact bytes; a missing shard and one of another
-    size than its manifest entry are errors naming it."""
-    data = random.Random(0).randbytes(1_000_000)
+def cut_read(bucket: Bucket, monkeypatch: pytest.MonkeyPatch, size: int, cut_at: int) -> tuple[list[str | None], int]:
+    """Read a `size`-byte shard through a proxy that resets its media GET after `cut_at` bytes
+    (the metadata GET before it passes): checks every byte came, and gives the GETs' Range
+    headers and the retries counted."""
+    data = random.Random(size).randbytes(size)
     bucket.put("s/x.tar", data)
     url = bucket.url("s/x.tar")
     policy = ReadPolicy(read_timeout_s=5.0, retries=3, backoff_s=0.01)
-    with stores.open_shard(url, policy) as stream:
-        assert stream.read() == data
-
     with S3Proxy(bucket.server, path=r"/s%2Fx\.tar$") as proxy:  # type: ignore[arg-type]  # it needs .endpoint only
         monkeypatch.setenv(gcs.EMULATOR, proxy.endpoint)
-        proxy.reset_every, proxy.reset_after_bytes = 2, 200_000  # the 1st GET (metadata) passes, the 2nd is cut
-        assert stores.stat(url)[0] == len(data)
+        proxy.reset_every, proxy.reset_after_bytes = 2, cut_at
+        assert stores.stat(url)[0] == size
         retries: list[int] = []
-        with stores.open_shard(url, policy, size=len(data), retried=lambda: retries.append(1)) as stream:
+        with stores.open_shard(url, policy, size=size, retried=lambda: retries.append(1)) as stream:
             assert stream.read() == data
-    assert proxy.num_resets == 1 and len(retries) == 1, (proxy.num_resets, retries)
-    ranges = [r for method, _, r in proxy.log if method == "GET"]
-    assert ranges[:2] == [None, None] and len(ranges) == 3, ranges
-    resumed_at = int(ranges[2].removeprefix("bytes=").rstrip("-"))  # type: ignore[union-attr]
-    assert 0 < resumed_at <= 200_000, ranges
-
     monkeypatch.setenv(gcs.EMULATOR, bucket.server.endpoint)
+    assert proxy.num_resets == 1, proxy.log
+    return [r for method, _, r in proxy.log if method == "GET"], len(retries)
+
+
+def test_a_shard_read_gets_its_exact_bytes_and_resumes_after_a_cut(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cut after 1.5 MB of 2.5: one retry, counted, a Range request from where the bytes the
+    reader had taken stopped (its first 1 MiB piece), and the shard's exact bytes."""
+    ranges, retries = cut_read(bucket, monkeypatch, 2_500_000, 1_500_000)
+    assert retries == 1 and len(ranges) == 3 and ranges[:2] == [None, None], ranges
+    resumed_at = int(str(ranges[2]).removeprefix("bytes=").rstrip("-"))
+    assert 0 < resumed_at <= 1_500_000, ranges
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HttpShard.readinto reads through http.client's buffered readinto, which drops the bytes of a "
+    "1 MiB piece cut short: the retry starts over at the piece (here byte 0), not at the byte",
+)
+def test_a_cut_inside_the_first_piece_resumes_at_the_byte(bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut after 200 KB of 1 MB: the 200 KB that came are kept (S3Shard keeps them, reading what
+    has arrived); the retry asks for the rest with a Range."""
+    ranges, retries = cut_read(bucket, monkeypatch, 1_000_000, 200_000)
+    assert retries == 1 and len(ranges) == 3, ranges
+    assert ranges[2] is not None and 0 < int(ranges[2].removeprefix("bytes=").rstrip("-")) <= 200_000, ranges
+
+
+def test_a_missing_shard_and_one_of_another_size_name_it(bucket: Bucket) -> None:
+    bucket.put("s/x.tar", bytes(5000))
+    policy = ReadPolicy(read_timeout_s=5.0, retries=1, backoff_s=0.01)
+    with stores.open_shard(bucket.url("s/x.tar"), policy) as stream:
+        assert stream.read() == bytes(5000)
     with pytest.raises(ShardError, match=rf"^shard {re.escape(bucket.url('s/y.tar'))}: no object 's/y.tar' in bucket"):
         stores.open_shard(bucket.url("s/y.tar"), policy)
-    with pytest.raises(ShardMismatch, match=r"is 1000000 bytes, its manifest entry 1000001: it changed after"):
-        stores.open_shard(url, policy, size=len(data) + 1)
+    with pytest.raises(ShardMismatch, match=r"is 5000 bytes, its manifest entry 5001: it changed after"):
+        stores.open_shard(bucket.url("s/x.tar"), policy, size=5001)
 
 
 # --- raywds index --------------------------------------------------------------------------------
@@ -248,11 +270,11 @@ TRAIN = [
 
 
 def samples_seen(run: subprocess.CompletedProcess[str]) -> int:
+    """The run's summary line's `samples seen` (the doctor's lines may follow it)."""
     assert run.returncode == 0, run.stderr[-3000:]
-    last = run.stdout.strip().splitlines()[-1]
-    match = re.search(r"samples seen (\d+)", last)
+    match = SUMMARY.search(run.stdout)
     assert match, run.stdout[-2000:]
-    return int(match[1])
+    return int(match[4])
 
 
 @pytest.mark.slow
@@ -260,7 +282,9 @@ def test_train_from_converted_shards_in_a_bucket(bucket: Bucket, shards: Path, t
     """raywds's own shards and manifest, uploaded as they are: a split epoch sees each of the 120
     training samples once."""
     bucket.server.upload_folder(bucket.name, "converted", shards)
-    run = command([sys.executable, "-m", "raywds", *TRAIN, "--data", bucket.url("converted"), "--out", str(tmp_path / "run")])
+    run = command(
+        [sys.executable, "-m", "raywds", *TRAIN, "--data", bucket.url("converted"), "--out", str(tmp_path / "run")]
+    )
     assert samples_seen(run) == 1 * 120
 
 
@@ -339,14 +363,24 @@ class Recorder:
 
 
 def adc_file(folder: Path, token_uri: str) -> Path:
-    """An Application Default Credentials file of a user (as `gcloud auth application-default
-    login` writes it), whose token refreshes go to `token_uri`."""
-    path = folder / "application_default_credentials.json"
+    """An Application Default Credentials file: a service account's key (a fresh RSA key), whose
+    token requests go to `token_uri`. (A user's file, as `gcloud auth application-default login`
+    writes it, cannot be pointed elsewhere: google-auth always sends it to Google's endpoint.)"""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
+    path = folder / f"sa-{uuid.uuid4().hex[:8]}.json"
     info = {
-        "type": "authorized_user",
-        "client_id": "raywds-test.apps.example",
-        "client_secret": "not-a-secret",
-        "refresh_token": "refresh-me",
+        "type": "service_account",
+        "project_id": "raywds-test",
+        "private_key_id": "k1",
+        "private_key": pem,
+        "client_email": "reader@raywds-test.iam.gserviceaccount.com",
+        "client_id": "1",
         "token_uri": token_uri,
     }
     path.write_text(json.dumps(info))
@@ -356,7 +390,7 @@ def adc_file(folder: Path, token_uri: str) -> Path:
 def test_an_emulator_gets_no_authorization_even_with_credentials_at_hand(
     bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """STORAGE_EMULATOR_HOST set and a user's ADC file in GOOGLE_APPLICATION_CREDENTIALS: raywds
+    """STORAGE_EMULATOR_HOST set and a service account's key in GOOGLE_APPLICATION_CREDENTIALS: raywds
     asks for no token and sends no Authorization header, on any request (as Google's clients do)."""
     bucket.put("pub/a.tar", b"a" * 3000)
     with Recorder(answer=(200, {"access_token": "tok-1", "expires_in": 3600})) as tokens:
@@ -376,8 +410,9 @@ def test_an_emulator_gets_no_authorization_even_with_credentials_at_hand(
 def test_application_default_credentials_give_a_bearer_token_refreshed_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No emulator, a user's ADC file: the token comes from its token_uri once and is reused; a
-    token endpoint that refuses is one line saying what to run."""
+    """No emulator, a service account's key in GOOGLE_APPLICATION_CREDENTIALS: the token comes
+    from its token_uri once (a signed JWT exchanged) and is reused; a token endpoint that refuses
+    is one line saying what to run."""
     monkeypatch.delenv(gcs.EMULATOR, raising=False)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     gcs._credentials.cache_clear()
@@ -387,15 +422,13 @@ def test_application_default_credentials_give_a_bearer_token_refreshed_once(
             assert gcs.headers() == {"Authorization": "Bearer tok-1"}
             assert gcs.headers() == {"Authorization": "Bearer tok-1"}
         assert [(method, path) for method, path, _, _ in tokens.requests] == [("POST", "/token")]
-        assert b"grant_type=refresh_token" in tokens.requests[0][3]
+        assert b"grant_type=urn%3Aietf%3Aparams%3Aoauth%3Agrant-type%3Ajwt-bearer" in tokens.requests[0][3]
         line = gcs.error_line("gs://b/k", 403, "")
         assert "refused the Application Default Credentials (HTTP 403)" in line and line.startswith("gs://b/k: ")
 
         gcs._credentials.cache_clear()
-        with Recorder(answer=(400, {"error": "invalid_grant"})) as refusing:
-            monkeypatch.setenv(
-                "GOOGLE_APPLICATION_CREDENTIALS", str(adc_file(tmp_path, refusing.endpoint + "/token"))
-            )
+        with Recorder(answer=(400, {"error": "invalid_grant", "error_description": "Invalid JWT"})) as refusing:
+            monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(adc_file(tmp_path, refusing.endpoint + "/token")))
             with pytest.raises(DataError, match=r"cannot get a token from the Application Default Credentials \("):
                 gcs.headers()
     finally:
@@ -455,23 +488,22 @@ def test_data_with_neither_a_manifest_nor_shards_is_one_line_that_keeps_gs(bucke
 # --- bugs ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cmd_convert treats any out that is not s3:// as a local path: Path('gs://b/ds') is gs:/b/ds, a folder",
-)
-def test_convert_into_a_gs_prefix_uploads_or_refuses_in_one_line(
-    bucket: Bucket, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`raywds convert SRC gs://B/ds` must either put the manifest in the bucket or refuse in one
-    line that names gs://B/ds; today it writes ./gs:/B/ds/ and says `wrote gs://B/ds/manifest.json`."""
-    monkeypatch.chdir(tmp_path)
-    run = raywds("convert", str(tree), bucket.url("ds"))
-    assert not (tmp_path / "gs:").exists(), "a local folder named gs: was written"
-    if run.returncode == 0:
-        assert read_manifest(bucket.url("ds")).num_samples("train") == 120
-    else:
-        line = error_line(run)
-        assert bucket.url("ds") in line and NOT_TWO_SLASHES.search(line) is None, line
+def test_convert_into_a_gs_prefix_refuses_in_one_line(bucket: Bucket, tree: Path, tmp_path: Path) -> None:
+    """convert writes no gs:// (it once wrote ./gs:/B/ds/ and said `wrote gs://B/ds/manifest.json`)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "raywds", "convert", str(tree), bucket.url("ds")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    line = error_line(run)
+    assert line == (
+        f"raywds: error: convert writes shards to a local folder or an s3:// prefix, not to {bucket.url('ds')}: "
+        "convert into a folder and copy it up (e.g. `gcloud storage cp -r`), then `raywds verify` the copy"
+    )
+    assert not (tmp_path / "gs:").exists() and bucket.server.names(bucket.name) == []
 
 
 @pytest.mark.xfail(

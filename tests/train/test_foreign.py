@@ -17,7 +17,6 @@ from raywds.cli import main
 from raywds.data import stores
 from raywds.data.index import index_shards, manifest_for, split_by_name, write_index
 from raywds.data.options import IndexOptions
-from raywds.errors import RaywdsError
 from raywds.train.audit import audit, kept, trained
 from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
@@ -89,53 +88,71 @@ def test_a_mid_epoch_resume_on_foreign_shards_trains_exactly_the_rest(foreign_sh
     assert check.first_problem is None and check.samples == NUM_SAMPLES
 
 
-def test_a_converted_shard_overwritten_by_a_shard_of_another_size_stops_the_run(shards: Path, tmp_path: Path) -> None:
-    data = tmp_path / "data"
-    shutil.copytree(shards, data)
-    names = sorted(p.name for p in data.glob("*-train-*.tar"))
-    short, victim = names[-1], names[0]  # 8 samples over 16
-    assert (data / short).stat().st_size != (data / victim).stat().st_size
-    shutil.copy(data / short, data / victim)
-    cfg = small_config(data, mode="split", num_epochs=1, index_cache=str(tmp_path / "cache"))
-    with pytest.raises(
-        RaywdsError,
-        match=rf"^shard {data / victim} is \d+ bytes, its manifest entry \d+: it changed after the manifest was made; "
-        r"run `raywds verify`",
-    ):
-        train(cfg, World(), run_dir=RunDir(tmp_path / "run"))
+def failed_run(data: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> str:
+    """`raywds train --mode split` on `data`, which must fail: its one error line."""
+    code = main(
+        ["train", "--data", str(data), "--model", "demo", "--epochs", "1", "--batch-size", "16", "--image-size", "28"]
+        + ["--loader-workers", "1", "--mode", "split", "--out", str(tmp_path / "run")]
+    )
+    out, err = capfd.readouterr()
+    assert code == 1 and "Traceback" not in out + err, err[-3000:]
+    assert "samples seen" not in out + err, "no summary of an epoch that was not exact"
+    [line] = [line for line in err.splitlines() if line.startswith("raywds: error: ")]
+    assert err.rstrip().endswith(line), "the error is the last line"
+    return line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="raywds convert records no first_keys: a converted shard overwritten by another of the same sample "
-    "count passes the size check (tar records pad both to the same size), and the run reports an exact epoch",
-)
-def test_a_converted_shard_overwritten_by_one_of_the_same_size_stops_the_run(shards: Path, tmp_path: Path) -> None:
-    data = tmp_path / "data"
+def two_train_shards(shards: Path, data: Path, *, same_size: bool) -> tuple[str, str]:
+    """(source, victim): two converted train shards of the same sample count (16) and byte size, or
+    the short last one (8) and one of another size."""
     shutil.copytree(shards, data)
     names = sorted(p.name for p in data.glob("*-train-*.tar"))
-    assert (data / names[0]).stat().st_size == (data / names[1]).stat().st_size  # 16 samples each
-    shutil.copy(data / names[1], data / names[0])
-    cfg = small_config(data, mode="split", num_epochs=1, num_loader_workers_per_rank=1)
-    with pytest.raises(RaywdsError, match=rf"shard {data / names[0]}: its first sample is"):
-        train(cfg, World(), run_dir=RunDir(tmp_path / "run"))
+    source, victim = (names[1], names[0]) if same_size else (names[-1], names[0])
+    assert ((data / source).stat().st_size == (data / victim).stat().st_size) == same_size
+    return source, victim
+
+
+def test_a_converted_shard_overwritten_by_a_shard_of_another_size_stops_at_open(
+    shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    source, victim = two_train_shards(shards, data, same_size=False)
+    shutil.copy(data / source, data / victim)
+    size = (data / victim).stat().st_size
+    assert failed_run(data, tmp_path, capfd) == (
+        f"raywds: error: shard {data / victim} is {size} bytes, its manifest entry 71680: it changed after the "
+        "manifest was made; run `raywds verify` (or `raywds index` again for shards raywds did not write)"
+    )
+
+
+def test_a_converted_shard_overwritten_by_one_of_the_same_size_fails_its_first_key(
+    shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Tar records pad two shards of 16 samples to the same size: the size check cannot tell them apart."""
+    data = tmp_path / "data"
+    source, victim = two_train_shards(shards, data, same_size=True)
+    shutil.copy(data / source, data / victim)
+    keys = foreign.tar_keys(data / source)
+    line = failed_run(data, tmp_path, capfd)
+    assert line.startswith(
+        f"raywds: error: shard {data / victim}: its first sample is {keys[0]}, its manifest entry's "
+    )
+    assert "it is another shard's bytes or changed after the manifest was made" in line
 
 
 def test_an_indexed_shard_overwritten_by_one_of_the_same_size_fails_its_first_key(
-    foreign_shards: Path, tmp_path: Path
+    foreign_shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     data = tmp_path / "data"
     shutil.copytree(foreign_shards, data)
     write_index(index_shards(split_by_name(stores.expand([str(data)])), IndexOptions()), None)
     assert (data / "train-0000.tar").stat().st_size == (data / "train-0001.tar").stat().st_size  # 12 samples each
     shutil.copy(data / "train-0001.tar", data / "train-0000.tar")
-    cfg = small_config(data, mode="split", num_epochs=1)
-    with pytest.raises(
-        RaywdsError,
-        match=rf"^shard {data / 'train-0000.tar'}: its first sample is sample000012, its manifest entry's "
-        r"sample000000: it is another shard's bytes or changed after the manifest was made",
-    ):
-        train(cfg, World(), run_dir=RunDir(tmp_path / "run"))
+    assert failed_run(data, tmp_path, capfd) == (
+        f"raywds: error: shard {data / 'train-0000.tar'}: its first sample is sample000012, its manifest entry's "
+        "sample000000: it is another shard's bytes or changed after the manifest was made; run `raywds verify` "
+        "(or `raywds index` again for shards raywds did not write)"
+    )
 
 
 def test_png_shards_with_folder_keys_and_json_class_names_train(tmp_path: Path) -> None:
