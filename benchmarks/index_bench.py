@@ -19,7 +19,9 @@ them. In one run, each row against the row under it in its table, over `rounds` 
    /proc/sys/vm/drop_caches`, where this process may write it; the rows are left out otherwise).
    Bytes read by Python (the index's `made_by.bytes_read`) and from the disk (this process's
    `read_bytes` in /proc/self/io: what the kernel fetched, read-ahead included).
-2. over HTTP: `python -m http.server` on 127.0.0.1 serving the folder (a free port; stopped by its
+2. over HTTP: http.server (`python -m http.server`'s ThreadingHTTPServer and handler, with a
+   listen backlog of 128: its default of 5 drops some of 16 simultaneous connections' SYNs, and
+   their 1 s retry decided each row) on 127.0.0.1 serving the folder (a free port; stopped by its
    PID), the brace URL indexed (each shard streamed and hashed) against the plain read.
 3. from S3: a private SeaweedFS (`weed mini`, tests/support/s3server.py, as store_bench.py starts
    it), the shards put under a prefix, the s3:// prefix indexed against the plain read.
@@ -192,13 +194,23 @@ def process_cpu_s(pid: int) -> float:
     return store_cpu_s(pid)
 
 
+SERVE = """
+import functools, http.server, sys
+class Server(http.server.ThreadingHTTPServer):
+    request_queue_size = 128  # socketserver's 5 drops SYNs of 16 connections at once: a 1 s retry
+handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
+Server((sys.argv[2], int(sys.argv[3])), handler).serve_forever()
+"""
+"""`python -m http.server`'s server and handler, with a listen backlog of 128 in place of 5."""
+
+
 @contextlib.contextmanager
 def http_server(folder: Path, log: Path) -> Iterator[tuple[str, int]]:
-    """`python -m http.server` serving `folder` on 127.0.0.1: (its URL, its PID); stopped by that PID."""
+    """http.server serving `folder` on 127.0.0.1 (SERVE): (its URL, its PID); stopped by that PID."""
     port = free_port()
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "http.server", str(port), "--bind", HOST, "--directory", str(folder)],
+            [sys.executable, "-c", SERVE, str(folder), HOST, str(port)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -417,7 +429,7 @@ def main() -> None:
                 remote.measure("plain read", plain, pid)
                 remote.measure("index", index, pid)
         http_pairs = [("plain read", "plain read"), ("index", "plain read")]
-        show("", "2. Over HTTP (python -m http.server on 127.0.0.1, same machine)", "")
+        show("", "2. Over HTTP (http.server, listen backlog 128, on 127.0.0.1, same machine)", "")
         show(*remote_table(remote, http_pairs, num_bytes, "server"))
         http_ratio = remote.median("plain read", "s") / remote.median("index", "s")
         record["http"] = dict(remote.rows)

@@ -518,7 +518,7 @@ def manifest_for(
         manifest = index_shards(splits, options, policy=policy)
         write_manifest(folder, {**manifest, "indexed_from": specs})
         counts = ", ".join(f"{len(v['shards'])} {k} shards" for k, v in manifest["splits"].items())
-        log.warning(
+        log.info(
             "indexed %s (%s, %s samples) in %.1f s into %s; reused while the shards stay as they are",
             data,
             counts,
