@@ -128,12 +128,22 @@ def test_three_ranks_on_the_ray_data_plane_read_split_epochs_from_a_bucket_exact
     """Ray Data's read tasks, in worker processes of the cluster, open the shards in the bucket; three
     Ray Train ranks on two CPUs, split mode on 9 shards of 1..30 samples: every sample once each
     epoch by the audit files and by the trainers' own ledger, and the plane's stages in the record,
-    which the doctor reads."""
+    which the doctor reads. The shards are named as a WebDataset user names them in a bucket, a
+    brace list and a glob, not by a manifest: the driver indexes them (streamed from the bucket)
+    and the plane's read tasks read them with the labels the index found."""
     upload(uneven, json.loads((uneven / "manifest.json").read_text()), s3.url("data"))
     audit = tmp_path / "audit"
-    config = config_file(tmp_path, s3.url("data"), audit, num_epochs=2)
+    shards = s3.url("data") + "/uneven-train-{000000..000008}.tar"
+    config = config_file(
+        tmp_path,
+        shards,
+        audit,
+        num_epochs=2,
+        val_data=s3.url("data") + "/imagenet-val-*.tar",
+        index_cache=str(tmp_path / "index"),
+    )
     run = subprocess.run(
-        [*RAYWDS, "ray", "--data", s3.url("data"), "--config", str(config), "--num-workers", "3"]
+        [*RAYWDS, "ray", "--data", shards, "--config", str(config), "--num-workers", "3"]
         + ["--data-plane", "ray", "--storage-path", str(tmp_path / "runs"), "--name", "plane"],
         # 4 logical CPUs (Ray's own override of what a node has), as `ray start --num-cpus 4` gives:
         # a trainer a CPU each, and one for the plane's tasks, on a 2-core machine
@@ -145,6 +155,7 @@ def test_three_ranks_on_the_ray_data_plane_read_split_epochs_from_a_bucket_exact
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "training on 3 CPU (gloo) workers" in run.stdout, run.stdout[-3000:]
     assert "decoding on Ray Data tasks" in run.stdout
+    assert re.search(r"indexed s3://\S+ \(9 train shards, \d+ val shards, 170 samples\)", run.stdout), run.stdout[:2000]
     assert "Traceback" not in run.stdout + run.stderr
     everything = Counter(tar_keys(uneven))
     for epoch in (0, 1):
