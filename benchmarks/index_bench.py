@@ -28,9 +28,9 @@ them. In one run, each row against the row under it in its table, over `rounds` 
 4. raywds's train loader (`--decode cpu`, 224 px, batch 64, WORKERS workers, timed after the first
    batch as in loader_bench.py) on the foreign shards through
    `manifest_for(brace URL, index_cache=...)`, against the converted shards, alternated; and on
-   the same foreign shards written with ustar headers (`ShardWriter(..., format=USTAR_FORMAT)`):
-   webdataset's TarWriter writes tarfile's pax format with a float mtime, so a pax header comes
-   before every member, and that row tells what those headers cost the loader.
+   the same foreign shards written with plain ustar headers (`ShardWriter(..., mtime=<int>)`):
+   webdataset's TarWriter stamps members with a float mtime in tarfile's pax format, so a pax
+   header comes before every member, and that row tells what those headers cost the loader.
 
 Each table gives the medians, the spread over the rounds and the CPU seconds of a pass (this
 process's threads and its reaped loader workers; the server's process). The servers run on the
@@ -106,14 +106,15 @@ def build_tree(images: list[Path], num_samples: int, root: Path) -> None:
 
 
 def write_foreign(
-    own: Path, manifest: dict[str, Any], images: list[Path], out: Path, tar_format: int | None = None
+    own: Path, manifest: dict[str, Any], images: list[Path], out: Path, whole_second_mtime: bool = False
 ) -> list[Path]:
     """The converted train shards' samples again, in their order and shard cuts, as webdataset's
     ShardWriter writes them: `.jpg` and `.cls` only. Each JPEG is checked to be one of the photos
-    byte for byte (--keep-jpeg-bytes), so both kinds of shard hold the same decode work. By default
-    (tarfile's pax format and a float mtime, as webdataset's TarWriter writes) each member comes
-    after a pax header of its own; `tar_format=tarfile.USTAR_FORMAT` writes plain ustar headers."""
-    formats = {} if tar_format is None else {"format": tar_format}
+    byte for byte (--keep-jpeg-bytes), so both kinds of shard hold the same decode work. webdataset's
+    TarWriter stamps each member with time.time(), a float, in tarfile's default pax format (its own
+    `format=` goes unused in webdataset 1.0.2), so each member comes after a pax header holding that
+    mtime; `whole_second_mtime` gives it an integer mtime, and the tar plain ustar headers."""
+    formats = {"mtime": int(time.time())} if whole_second_mtime else {}
     photo_hashes = {hashlib.sha256(p.read_bytes()).digest() for p in images}
     entries = manifest["splits"]["train"]["shards"]
     out.mkdir(parents=True)
@@ -378,7 +379,7 @@ def main() -> None:
         own = convert(root / "tree", root / "own", options)
         paths = write_foreign(root / "own", own, images, root / "foreign")
         ustar = root / "foreign-ustar"  # the same, without a pax header before each member
-        write_foreign(root / "own", own, images, ustar, tarfile.USTAR_FORMAT)
+        write_foreign(root / "own", own, images, ustar, whole_second_mtime=True)
         urls = [str(p) for p in paths]
         num_bytes = sum(p.stat().st_size for p in paths)
         threads = max(1, min(IndexOptions().num_workers, len(urls)))

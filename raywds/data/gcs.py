@@ -154,7 +154,13 @@ def listing(prefix: str, timeout_s: float = 30.0) -> Iterator[tuple[str, int, st
         if token:
             query["pageToken"] = token
         address = f"{endpoint()}/storage/v1/b/{bucket}/o?{urllib.parse.urlencode(query)}"
-        page = json.loads(_request(prefix, address, timeout_s=timeout_s))
+        try:
+            page = json.loads(_request(prefix, address, timeout_s=timeout_s))
+        except FileNotFoundError:  # an empty prefix of a bucket that exists lists nothing; a 404 is the bucket
+            raise DataError(
+                f"{prefix}: bucket {bucket!r} does not exist at {endpoint()} (HTTP 404); check the bucket name "
+                f"(or {EMULATOR})"
+            ) from None
         for item in page.get("items", []):
             yield f"{SCHEME}{bucket}/{item['name']}", int(item["size"]), str(item.get("etag", ""))
         token = page.get("nextPageToken", "")

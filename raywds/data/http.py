@@ -30,6 +30,8 @@ from raywds.errors import ShardError, ShardMismatch
 log = logging.getLogger(__name__)
 
 TRANSIENT = (OSError, http.client.HTTPException, socket.timeout)
+PIECE = 64 << 10
+"""Bytes one read of a response waits for (and reads again after a broken connection, at most)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,7 +166,10 @@ class HttpShard(io.RawIOBase):
         while True:
             try:
                 assert self._response is not None
-                n = self._response.readinto(buffer)
+                # At most a PIECE at a time: http.client's readinto waits to fill what it is given and
+                # drops it when the connection breaks, so the retry resumes at most a PIECE before the break.
+                with memoryview(buffer) as view:
+                    n = self._response.readinto(view[:PIECE])
                 if n == 0 and self.size is not None and self.pos < self.size:
                     raise OSError(f"connection closed at byte {self.pos} of {self.size}")
                 self.pos += n

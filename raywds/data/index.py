@@ -490,7 +490,7 @@ def manifest_for(
             return read_manifest(data, shards_at=shards_at, s3_endpoint=s3_endpoint)
         try:
             stores.expand([data], s3_endpoint)
-        except DataError:  # a folder or prefix with neither a manifest nor shards: say what to run
+        except stores.NoShards:  # a folder or prefix with neither a manifest nor shards: say what to run
             return read_manifest(data, shards_at=shards_at, s3_endpoint=s3_endpoint)
     options = options or IndexOptions()
     specs = {"data": data, "val_data": val_data, "options": asdict(options)}

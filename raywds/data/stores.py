@@ -16,7 +16,6 @@ or bucket prefix (every `.tar` under it), or `pipe:` templates.
 
 from __future__ import annotations
 
-import fnmatch
 import glob
 import io
 import os
@@ -245,8 +244,12 @@ def expand(specs: Iterable[str], s3_endpoint: str | None = None) -> list[str]:
             else:
                 found.extend(url for url, _, _ in listing(one, s3_endpoint) if url.endswith(SHARD_SUFFIX))
         if len(found) == before:
-            raise DataError(f"{spec}: names no shard (no .tar file there); check the path, the braces or the prefix")
+            raise NoShards(f"{spec}: names no shard (no .tar file there); check the path, the braces or the prefix")
     return found
+
+
+class NoShards(DataError):
+    """A shard list that names no shard."""
 
 
 def _globbed(pattern: str, kind: str, s3_endpoint: str | None) -> list[str]:
@@ -254,7 +257,8 @@ def _globbed(pattern: str, kind: str, s3_endpoint: str | None) -> list[str]:
         return sorted(glob.glob(local_path(pattern), recursive=True))
     if kind in (S3, GS):
         head = pattern[: _GLOB.search(pattern).start()]  # type: ignore[union-attr]
-        return [url for url, _, _ in listing(head, s3_endpoint) if fnmatch.fnmatchcase(url, pattern)]
+        matches = folder_glob(pattern).fullmatch
+        return [url for url, _, _ in listing(head, s3_endpoint) if matches(url)]
     raise DataError(f"{pattern}: a glob needs a folder or a bucket to list; over {kind} name shards in brace notation")
 
 
@@ -274,3 +278,27 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def folder_glob(pattern: str) -> re.Pattern[str]:
+    """A glob over object names as a local glob (and gsutil) reads it: `*` and `?` stay inside one
+    folder, `**` spans folders, `[...]` is a set."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and (end := pattern.find("]", i + 2)) > 0:
+            body = pattern[i + 1 : end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
