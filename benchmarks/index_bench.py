@@ -175,10 +175,13 @@ def plain_read(urls: list[str], policy: ReadPolicy, num_threads: int, num_bytes:
     return {"s": seconds, "read": total}
 
 
-def indexed(urls: list[str], policy: ReadPolicy, num_threads: int, num_samples: int) -> dict[str, float]:
+def indexed(
+    urls: list[str], policy: ReadPolicy, num_threads: int, num_samples: int, skip_hash: bool = False
+) -> dict[str, float]:
     """`index_shards` on the shards: seconds (around the call), bytes it read, its own seconds."""
     start = time.perf_counter()
-    manifest = index_shards({"train": urls}, IndexOptions(num_workers=num_threads), policy=policy)
+    options = IndexOptions(num_workers=num_threads, skip_hash=skip_hash)
+    manifest = index_shards({"train": urls}, options, policy=policy)
     seconds = time.perf_counter() - start
     found = manifest["splits"]["train"]["num_samples"]
     if found != num_samples or manifest["skipped"] or manifest["bad_shards"]:
@@ -196,22 +199,34 @@ def process_cpu_s(pid: int) -> float:
 
 
 SERVE = """
-import functools, http.server, sys
+import functools, http.server, sys, time
 class Server(http.server.ThreadingHTTPServer):
     request_queue_size = 128  # socketserver's 5 drops SYNs of 16 connections at once: a 1 s retry
-handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
+class Paced(http.server.SimpleHTTPRequestHandler):
+    rate = float(sys.argv[4])  # bytes/s a connection, 0: as fast as it goes
+    def copyfile(self, source, outputfile):
+        if not self.rate:
+            return super().copyfile(source, outputfile)
+        start, sent = time.monotonic(), 0
+        while chunk := source.read(1 << 16):
+            outputfile.write(chunk)
+            sent += len(chunk)
+            time.sleep(max(0.0, start + sent / self.rate - time.monotonic()))
+handler = functools.partial(Paced, directory=sys.argv[1])
 Server((sys.argv[2], int(sys.argv[3])), handler).serve_forever()
 """
-"""`python -m http.server`'s server and handler, with a listen backlog of 128 in place of 5."""
+"""`python -m http.server`'s server and handler, with a listen backlog of 128 in place of 5, and
+(with a rate) each response paced to that many bytes/s, as a link or an object store's
+per-request stream would deliver it."""
 
 
 @contextlib.contextmanager
-def http_server(folder: Path, log: Path) -> Iterator[tuple[str, int]]:
+def http_server(folder: Path, log: Path, rate: float = 0.0) -> Iterator[tuple[str, int]]:
     """http.server serving `folder` on 127.0.0.1 (SERVE): (its URL, its PID); stopped by that PID."""
     port = free_port()
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-c", SERVE, str(folder), HOST, str(port)],
+            [sys.executable, "-c", SERVE, str(folder), HOST, str(port), str(rate)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -249,6 +264,12 @@ def loader_rate(manifest: Manifest, data: str, workers: int, num_images: int) ->
     )
     batches = train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
     return timed(batches, num_images)
+
+
+def paired(rounds: Rounds, name: str, base: str) -> float:
+    """The median over rounds of a row's rate against its baseline's in the same round: on a
+    machine whose speed drifts by 20% within a minute, the medians of each row alone are not."""
+    return statistics.median(a["rate"] / b["rate"] for a, b in zip(rounds.rows[name], rounds.rows[base]))
 
 
 def as_row(run: Callable[[], float]) -> dict[str, float]:
@@ -316,13 +337,13 @@ def remote_table(rounds: Rounds, pairs: list[tuple[str, str]], num_bytes: int, s
 
 def loader_table(rounds: Rounds, pairs: list[tuple[str, str]]) -> list[str]:
     lines = [
-        "| row | images/s (median) | rounds | ratio | CPU s per pass |",
+        "| row | images/s (median) | rounds | ratio (median of the rounds' ratios) | CPU s per pass |",
         "| --- | --- | --- | --- | --- |",
     ]
     for name, base in pairs:
         rate = rounds.median(name, "rate")
         lines.append(
-            f"| {name} | {rate:,.0f} | {rounds.spread(name, 'rate')} | {rate / rounds.median(base, 'rate'):.2f}x "
+            f"| {name} | {rate:,.0f} | {rounds.spread(name, 'rate')} | {paired(rounds, name, base):.2f}x "
             f"| {rounds.median(name, 'cpu'):.2f} |"
         )
     return lines
@@ -353,6 +374,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2000, help="train samples (default %(default)s)")
     parser.add_argument("--shards", type=int, default=16, help="train shards (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--loader-rounds", type=int, default=9, help="rounds of the loader rows (default 9)")
+    parser.add_argument("--link-mb-s", type=float, default=16.0, help="the paced server's MB/s a connection")
     parser.add_argument("--workers", type=int, help="loader workers (default: one a core)")
     parser.add_argument("--no-results", action="store_true", help="print only; write nothing to benchmarks/results/")
     args = parser.parse_args()
@@ -425,15 +448,39 @@ def main() -> None:
             remote = Rounds()
             plain = partial(plain_read, http_urls, policy, threads, num_bytes)
             index = partial(indexed, http_urls, policy, threads, args.samples)
+            unhashed = partial(indexed, http_urls, policy, threads, args.samples, skip_hash=True)
             plain()  # connections and the server's first requests untimed
             for _ in range(args.rounds):
                 remote.measure("plain read", plain, pid)
                 remote.measure("index", index, pid)
-        http_pairs = [("plain read", "plain read"), ("index", "plain read")]
+                remote.measure("index --skip-hash", unhashed, pid)
+        http_pairs = [("plain read", "plain read"), ("index", "plain read"), ("index --skip-hash", "plain read")]
         show("", "2. Over HTTP (http.server, listen backlog 128, on 127.0.0.1, same machine)", "")
         show(*remote_table(remote, http_pairs, num_bytes, "server"))
         http_ratio = remote.median("plain read", "s") / remote.median("index", "s")
+        http_unhashed = remote.median("plain read", "s") / remote.median("index --skip-hash", "s")
         record["http"] = dict(remote.rows)
+
+        # The same over a link: each response paced to --link-mb-s, as an object store streams one GET
+        link = args.link_mb_s * 1e6
+        with http_server(root / "foreign", root / "http-paced.log", rate=link) as (base, pid):
+            paced_urls = stores.expand([f"{base}/foreign-{brace}.tar"])
+            paced = Rounds()
+            plain = partial(plain_read, paced_urls, policy, threads, num_bytes)
+            index = partial(indexed, paced_urls, policy, threads, args.samples)
+            plain()
+            for _ in range(args.rounds):
+                paced.measure("plain read", plain, pid)
+                paced.measure("index", index, pid)
+        show(
+            "",
+            f"2b. Over HTTP at {args.link_mb_s:g} MB/s a connection ({threads} at once: "
+            f"{threads * args.link_mb_s:g} MB/s at most), the pace of a link or an object store's GET",
+            "",
+        )
+        show(*remote_table(paced, http_pairs[:2], num_bytes, "server"))
+        paced_ratio = paced.median("plain read", "s") / paced.median("index", "s")
+        record["http_paced"] = dict(paced.rows)
 
         with s3server.s3_server("raywds-bench") as server:
             for name in s3server.FOREIGN_AWS_VARS:
@@ -448,15 +495,18 @@ def main() -> None:
             store = Rounds()
             plain = partial(plain_read, s3_urls, s3_policy, threads, num_bytes)
             index = partial(indexed, s3_urls, s3_policy, threads, args.samples)
+            unhashed = partial(indexed, s3_urls, s3_policy, threads, args.samples, skip_hash=True)
             plain()  # the client's first requests and the store's cache untimed
             weed = store_pid()
             for _ in range(args.rounds):
                 store.measure("plain read", plain, weed)
                 store.measure("index", index, weed)
+                store.measure("index --skip-hash", unhashed, weed)
             version = weed_version()
         show("", f"3. From S3 ({version}, `weed mini` on 127.0.0.1, same machine)", "")
         show(*remote_table(store, http_pairs, num_bytes, "store"))
         s3_ratio = store.median("plain read", "s") / store.median("index", "s")
+        s3_unhashed = store.median("plain read", "s") / store.median("index --skip-hash", "s")
         record["s3"] = dict(store.rows)
 
         started_index = time.perf_counter()
@@ -475,9 +525,9 @@ def main() -> None:
             USTAR_ROW: partial(loader_rate, plain_headers, ustar_data, workers, args.samples),
         }
         loaders = Rounds()
-        for _ in range(args.rounds):
-            for name, run in rows.items():
-                loaders.measure(name, partial(as_row, run))
+        for r in range(args.loader_rounds):  # ABC, CBA, ...: neither order nor drift favours a row
+            for name in list(rows) if r % 2 == 0 else list(rows)[::-1]:
+                loaders.measure(name, partial(as_row, rows[name]))
     own_name, foreign_name, _ = rows
     show(
         "",
@@ -487,15 +537,18 @@ def main() -> None:
         *loader_table(loaders, [(own_name, own_name), (foreign_name, own_name), (USTAR_ROW, own_name)]),
     )
     record["loader"] = dict(loaders.rows)
-    loader_ratio = loaders.median(foreign_name, "rate") / loaders.median(own_name, "rate")
-    ustar_ratio = loaders.median(USTAR_ROW, "rate") / loaders.median(own_name, "rate")
+    loader_ratio = paired(loaders, foreign_name, own_name)
+    ustar_ratio = paired(loaders, USTAR_ROW, own_name)
     local_ratio = local.median("plain read, warm", "s") / local.median("index, warm", "s")
     show(
         "",
         f"local, warm: the index reads {local.median('index, warm', 'read') / num_bytes:.1%} of the bytes, "
         f"{local_ratio:.1f}x as fast as reading them all",
         goal("over HTTP, index / plain read", http_ratio, 0.9),
+        goal("over HTTP, index --skip-hash / plain read", http_unhashed, 0.9),
+        goal(f"over HTTP at {args.link_mb_s:g} MB/s a connection, index / plain read", paced_ratio, 0.9),
         goal("from S3, index / plain read", s3_ratio, 0.9),
+        goal("from S3, index --skip-hash / plain read", s3_unhashed, 0.9),
         goal("loader, foreign / raywds's own shards", loader_ratio, 0.97),
         f"loader, the same foreign shards with ustar headers / raywds's own shards: {ustar_ratio:.2f}x",
         f"wall time {time.perf_counter() - started:.0f} s (conversion, servers' start and stop included)",
@@ -509,7 +562,10 @@ def main() -> None:
     (RESULTS / f"index_bench-{today}.md").write_text("\n".join(header + out) + "\n")
     summary = {
         "http": http_ratio,
+        "http_skip_hash": http_unhashed,
+        "http_paced": paced_ratio,
         "s3": s3_ratio,
+        "s3_skip_hash": s3_unhashed,
         "loader": loader_ratio,
         "loader_ustar": ustar_ratio,
         "local_warm": local_ratio,

@@ -21,14 +21,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import io
 import json
 import logging
 import os
 import re
 import tarfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,15 +75,12 @@ class Shard:
     error: str = ""
 
 
-class _Counting(io.RawIOBase):
-    """A file's reads counted (and hashed, when streamed whole)."""
+class _Counting:
+    """A file's reads counted (and hashed, when streamed whole); seeks passed through otherwise."""
 
     def __init__(self, raw: BinaryIO, hashing: bool):
         self.raw, self.count = raw, 0
         self.hash = hashlib.sha256() if hashing else None
-
-    def readable(self) -> bool:
-        return True
 
     def seekable(self) -> bool:
         return self.hash is None and self.raw.seekable()
@@ -92,17 +88,12 @@ class _Counting(io.RawIOBase):
     def seek(self, offset: int, whence: int = 0) -> int:
         return self.raw.seek(offset, whence)
 
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.raw.read(len(buffer))
-        n = len(data)
-        buffer[:n] = data
-        self.count += n
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.count += len(data)
         if self.hash is not None:
             self.hash.update(data)
-        return n
+        return data
 
 
 class Strict(DataError):
@@ -129,6 +120,10 @@ class Rules:
             )
         return found[0] if found else None
 
+    def wanted(self, name: str, size: int) -> bool:
+        """Whether a member's data is read: a label member's (any other is passed over)."""
+        return size <= 1 << 20 and tars.key_and_ext(name)[1] in self.label_keys
+
     def label_key(self, exts: Sequence[str]) -> str | None:
         return next((k for k in self.label_keys if k in exts), None)
 
@@ -144,26 +139,23 @@ class Rules:
         raise ValueError(f"label {value!r} is neither an integer nor a class name")
 
 
-def _samples(tar: tarfile.TarFile, rules: Rules) -> Iterator[Sample]:
+def _samples(entries: Iterable[tuple[str, int, int, bytes | None]]) -> Iterator[Sample]:
     """The tar's samples, as webdataset groups them (consecutive members of one key), each with its
-    first header's offset and the bytes of its label member (read as it goes by; the rest skipped)."""
+    first header's offset and the bytes of its label member (the only data read)."""
     current: Sample | None = None
-    while (info := tar.next()) is not None:
-        tar.members = []  # type: ignore[attr-defined]  # keep no list of what went by
-        if not info.isreg() or tars.SKIP.match(info.name):
+    for name, offset, _, data in entries:
+        if tars.SKIP.match(name):
             continue
-        key, ext = tars.key_and_ext(info.name)
+        key, ext = tars.key_and_ext(name)
         if key is None or ext is None:
             continue
         if current is None or key != current.key:
             if current is not None:
                 yield current
-            current = Sample(key, info.offset)
+            current = Sample(key, offset)
         current.exts.append(ext)
-        if ext == rules.label_key([ext]) and info.size <= 1 << 20:
-            member = tar.extractfile(info)
-            assert member is not None
-            current.label = member.read()
+        if data is not None:
+            current.label = data
     if current is not None:
         yield current
 
@@ -178,22 +170,18 @@ def index_shard(url: str, rules: Rules, policy: ReadPolicy) -> Shard:
             open(stores.local_path(url), "rb", buffering=0) if local else stores.open_shard(url, policy)  # type: ignore[assignment]
         )
         with contextlib.closing(raw):
-            counting = _Counting(raw, hashing=not local)
-            mode = "r:" if local else "r|"
-            with tarfile.open(fileobj=counting, mode=mode) as tar:  # type: ignore[call-overload]
-                for sample in _samples(tar, rules):
-                    _add(shard, sample, rules)
-                end = tar.offset
-            if local and shard.num_bytes < end + tarfile.BLOCKSIZE:
-                raise tarfile.ReadError(f"it ends at byte {shard.num_bytes} without the end-of-archive block")
+            counting = _Counting(raw, hashing=not local and not rules.options.skip_hash)
+            walk = tars.Entries(counting, wanted=rules.wanted)  # type: ignore[arg-type]
+            for sample in _samples(walk):
+                _add(shard, sample, rules)
+            if walk.end is None:
+                raise tarfile.ReadError("it ends without the end-of-archive block: cut short")
             if counting.hash is not None:
                 while counting.read(1 << 20):  # the closing blocks count in the sha256 too
                     pass
                 shard.sha256 = counting.hash.hexdigest()
                 if shard.num_bytes < 0:  # a pipe: command: its size is what came
                     shard.num_bytes = counting.count
-                if counting.count < end + tarfile.BLOCKSIZE:
-                    raise tarfile.ReadError(f"it ends at byte {counting.count} without the end-of-archive block")
             shard.bytes_read = counting.count
     except Strict:
         raise  # stops the whole index, not only this shard

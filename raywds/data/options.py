@@ -52,6 +52,9 @@ class IndexOptions:
     """A text file of class names, one a line, in label order (default: _info.json's, else 0..K-1)."""
     strict: bool = False
     """Stop at the first sample without an image or a label, naming its shard and key (default: skip and count)."""
+    skip_hash: bool = False
+    """Record no sha256 for shards streamed whole (http, s3, gs, pipe:): hashing costs a core per ~1.8 GB/s,
+    which a fast link on few cores notices; --verify-hashes and `raywds verify` then check sizes and keys only."""
     skip_bad_shards: bool = False
     """Leave out shards that cannot be read, listed in the manifest (default: write no manifest)."""
     num_workers: int = field(default=16, metadata=flag("--workers"))

@@ -3,11 +3,17 @@
 webdataset reads tars with Python's tarfile in stream mode (`r|*`), at about 50 µs a member
 (buffer joins and slices, full header parsing, compression sniffing). Shards hold three
 members a sample, so that was about a sixth of a loader worker's time next to region JPEG
-decoding. Most headers need only a name, a size and a checksum; the first header that needs
-more (pax or GNU long names, links, directories, base-256 sizes) hands the rest of the
-stream to tarfile, so any tar tarfile reads is read the same way.
+decoding. Most headers need only a name, a size and a checksum; pax headers (webdataset's
+ShardWriter writes one before every member, for its float mtime), GNU long names, links,
+directories and base-256 sizes are read here too, and only what is rarer (sparse files) hands
+the rest of the stream to tarfile, so any tar tarfile reads is read the same way. Handing pax
+headers to tarfile cost 112 µs a sample against 8 (benchmarks/index_bench.py).
+
+`Entries` is the same walk with each member's offset and size, reading only the members asked
+for and seeking past the rest: what `raywds index` reads a shard with.
 
     for sample in group_by_keys(tar_files(sources, handler), keys=key_and_ext): ...
+    for name, offset, size, data in Entries(open(path, "rb", buffering=0), wanted=lambda n, s: n.endswith(".cls")): ...
 """
 
 from __future__ import annotations
@@ -27,23 +33,120 @@ KEY_AND_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
 def members(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
     """(name, data) for each regular file in the tar `stream`, in order."""
-    while True:
-        header = _read(stream, BLOCK)
-        if len(header) < BLOCK or not any(header):
-            return  # end of archive (a zero block), or a stream that simply ends there
-        if header[156:157] not in (b"0", b"\0", b"7") or header[124] & 0x80:
-            yield from _tarfile_members(header, stream)  # a header only tarfile should interpret
-            return
-        _check(header)
-        name = header[:100].split(b"\0", 1)[0]
-        if header[257:263] == b"ustar\x00" and header[345] != 0:  # POSIX ustar: a prefix for long paths
-            name = header[345:500].split(b"\0", 1)[0] + b"/" + name
-        size = int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
-        data = _read(stream, size)
-        if len(data) < size:
+    for name, _, _, data in Entries(stream):
+        yield name, data  # type: ignore[misc]
+
+
+EXTENDED = (b"x", b"g", b"L")
+"""Headers that describe the next member (pax `x`, GNU long name `L`) or the archive (pax `g`),
+read here: webdataset's ShardWriter gives every member a pax header (for its float mtime)."""
+SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6")
+"""Links, devices, directories and FIFOs: no sample data, passed over as webdataset does."""
+
+
+class Entries:
+    """(name, offset of its first header, size, data) for each regular file in the tar `stream`,
+    the data read only where `wanted(name, size)` says so (else None: skipped, by a seek where the
+    stream can). `end` is where the end-of-archive block starts, once reached (None while the
+    archive has not ended, and when the stream simply stops there)."""
+
+    def __init__(self, stream: BinaryIO, wanted: Callable[[str, int], bool] | None = None):
+        self.stream, self.wanted = stream, wanted
+        self.seeks = wanted is not None and stream.seekable()
+        self.pos = 0
+        self.end: int | None = None
+
+    def _read(self, size: int) -> bytes:
+        data = _read(self.stream, size)
+        self.pos += len(data)
+        return data
+
+    def _skip(self, size: int) -> None:
+        if self.seeks:
+            self.stream.seek(size, 1)
+            self.pos += size
+        elif len(self._read(size)) < size:
             raise tarfile.ReadError("unexpected end of data")
-        _read(stream, -size % BLOCK)
-        yield name.decode("utf-8", "surrogateescape"), data
+
+    def __iter__(self) -> Iterator[tuple[str, int, int, bytes | None]]:
+        path: bytes | None = None
+        length: int | None = None
+        first: int | None = None
+        while True:
+            at = self.pos
+            header = self._read(BLOCK)
+            if len(header) < BLOCK or not any(header):
+                if len(header) == BLOCK:
+                    self.end = at
+                return  # end of archive (a zero block), or a stream that simply ends there
+            kind = header[156:157]
+            if kind not in (b"0", b"\0", b"7", *EXTENDED, *SKIPPED):  # sparse files and the like
+                yield from self._tarfile(header)
+                return
+            _check(header)
+            size = _size(header)
+            first = at if first is None else first
+            if kind in EXTENDED:
+                data = self._read(size)
+                if len(data) < size:
+                    raise tarfile.ReadError("unexpected end of data")
+                self._read(-size % BLOCK)
+                if kind == b"x" and (b"path=" in data or b"size=" in data):  # most say only an mtime
+                    records = _pax(data)
+                    path = records.get(b"path", path)
+                    length = int(records[b"size"]) if b"size" in records else length
+                elif kind == b"L":
+                    path = data.split(b"\0", 1)[0]
+                elif kind == b"g":
+                    first = None  # a global header belongs to no member
+                continue
+            if path is None:
+                path = header[:100].split(b"\0", 1)[0]
+                if header[257:263] == b"ustar\x00" and header[345] != 0:  # POSIX ustar: a prefix for long paths
+                    path = header[345:500].split(b"\0", 1)[0] + b"/" + path
+            size = length if length is not None else size
+            name = path.decode("utf-8", "surrogateescape")
+            path, length, member = None, None, first
+            first = None
+            if kind in SKIPPED:
+                self._skip(size + (-size % BLOCK))
+                continue
+            if self.wanted is None or self.wanted(name, size):
+                data = self._read(size)
+                if len(data) < size:
+                    raise tarfile.ReadError("unexpected end of data")
+                self._read(-size % BLOCK)
+                yield name, member, size, data  # type: ignore[misc]
+            else:
+                self._skip(size + (-size % BLOCK))
+                yield name, member, size, None  # type: ignore[misc]
+
+    def _tarfile(self, header: bytes) -> Iterator[tuple[str, int, int, bytes | None]]:
+        """Hand the rest of the archive to tarfile (its offsets from this header on are relative)."""
+        for name, data in _tarfile_members(header, self.stream):
+            yield name, -1, len(data), data
+        self.end = -1  # tarfile read to the archive's end; where it lies is tarfile's
+
+
+def _size(header: bytes) -> int:
+    """A header's size field: octal, or base-256 (GNU, for members of 8 GiB and more)."""
+    if header[124] & 0x80:
+        return int.from_bytes(header[125:136], "big")
+    return int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
+
+
+def _pax(data: bytes) -> dict[bytes, bytes]:
+    """A pax extended header's records (`LEN KEY=VALUE` and a newline, LEN counting the whole record)."""
+    records, pos = {}, 0
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0 or not data[pos:space].isdigit():
+            break
+        end = pos + int(data[pos:space])
+        key, _, value = data[space + 1 : end - 1].partition(b"=")
+        records[key] = value
+        pos = end
+    return records
 
 
 def key_and_ext(name: str) -> tuple[str | None, str | None]:

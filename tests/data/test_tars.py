@@ -9,7 +9,7 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from raywds.data.tars import BLOCK, key_and_ext, members, tar_files
+from raywds.data.tars import BLOCK, Entries, key_and_ext, members, tar_files
 
 
 def tar_bytes(
@@ -139,3 +139,37 @@ def test_tar_files_marks_shard_ends_and_hands_failures_to_the_handler() -> None:
 def test_keys_split_as_webdatasets() -> None:
     names = ["a/000.jpg", "a/000.seg.png", "n01/x_1.JPEG", "noext", "a/.hidden", "a.b/c.d", "a.b/noext", ".x", "a/b/"]
     assert [key_and_ext(n) for n in names] == [wds.tariterators.base_plus_ext(n) for n in names]
+
+
+def test_entries_give_each_members_first_header_and_seek_past_what_is_not_wanted() -> None:
+    """Offsets are where a member's first header starts (its pax header, where it has one): a
+    reader seeking there reads the member; only wanted members are read, the rest seeked past;
+    the end-of-archive block's place is known, and a stream that stops early has none."""
+    data = tar_bytes(SAMPLES, tarfile.PAX_FORMAT, 1_700_000_000.5)  # a pax header before every member
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        infos = [m for m in tar.getmembers() if m.isreg()]
+
+    class Counting(io.BytesIO):
+        read_bytes = 0
+
+        def read(self, size: int | None = -1) -> bytes:
+            out = super().read(size)
+            Counting.read_bytes += len(out)
+            return out
+
+    stream = Counting(data)
+    walk = Entries(stream, wanted=lambda name, size: name.endswith(".cls"))
+    got = list(walk)
+    assert [(n, s) for n, _, s, _ in got] == [(m.name, m.size) for m in infos]
+    assert [d for n, _, _, d in got if n.endswith(".cls")] == [b"7", b"x" * 512]
+    assert all(d is None for n, _, _, d in got if not n.endswith(".cls"))
+    for (name, offset, _, _), info in zip(got, infos):
+        assert offset == info.offset and info.offset_data - offset == 3 * BLOCK, name  # pax header, its data, header
+        assert next(iter(Entries(io.BytesIO(data[offset:]))))[0] == name, "a reader can start at the offset"
+    assert walk.end is not None and not any(data[walk.end : walk.end + BLOCK])
+    assert Counting.read_bytes < len(data) // 2, "the jpg members' data was not read"
+    cut = list(Entries(io.BytesIO(data[: walk.end])))
+    assert len(cut) == len(infos), "a tar cut before its end block reads the same members"
+    cut_walk = Entries(io.BytesIO(data[: walk.end]))
+    list(cut_walk)
+    assert cut_walk.end is None, "but says it never saw its end"
