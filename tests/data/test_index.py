@@ -510,3 +510,30 @@ def test_manifest_for_with_val_data_takes_both_lists(tmp_path: Path) -> None:
     )
     assert manifest.num_samples("train") == 32 and manifest.num_samples("val") == 10
     assert len(manifest.classes) == foreign.HUB_NUM_CLASSES
+
+
+# --- raywds verify on what raywds index wrote ------------------------------------------------------
+
+
+def test_verify_checks_indexed_shards_by_what_the_index_recorded(tmp_path: Path) -> None:
+    """Shards of one size that only their keys tell apart, with JSON-free `.cls` labels: `raywds
+    verify` passes them as indexed, and names the shard once one is overwritten by the other's
+    bytes (same size, same count: only the first key differs); a sample without its label is
+    passed over as the index did, not reported as a missing .cls."""
+    from raywds.data.verify import verify
+
+    names = foreign.equal_size_shards(tmp_path / "same")
+    foreign.write_tar(
+        tmp_path / "same" / "same-0002.tar",
+        [("a.jpg", jpeg()), ("a.cls", b"1"), ("b.jpg", jpeg()), ("c.jpg", jpeg()), ("c.cls", b"0")],
+    )
+    manifest = index(str(tmp_path / "same" / "same-{0000..0002}.tar"))
+    assert manifest["skipped"] == [
+        f"shard {tmp_path / 'same' / 'same-0002.tar'}: sample b: no label member "
+        "(cls or label or target or class or index; found jpg)"
+    ]
+    write_index(manifest, None)
+    assert verify(tmp_path / "same") == (3, [])
+    shutil.copy(tmp_path / "same" / names[1], tmp_path / "same" / names[0])
+    count, problems = verify(tmp_path / "same")
+    assert count == 3 and problems == [f"{names[0]}: first sample k00016, manifest says k00000"], problems
