@@ -64,7 +64,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from raywds.data import s3, stores
+    from raywds.data import stores
     from raywds.data.convert import ConvertOptions, convert
     from raywds.data.manifest import shard_url
     from raywds.data.upload import convert_to_bucket
@@ -76,12 +76,12 @@ def cmd_convert(args: argparse.Namespace) -> None:
             f"location: copy the tree down first; for WebDataset shards already there, `raywds index {args.src}` "
             "makes them trainable as they are"
         )
-    if stores.scheme(args.out) not in (stores.LOCAL, stores.S3):
+    if stores.scheme(args.out) not in (stores.LOCAL, stores.S3, stores.GS):
         raise RaywdsError(
-            f"convert writes shards to a local folder or an s3:// prefix, not to {args.out}: convert into a folder "
-            "and copy it up (e.g. `gcloud storage cp -r`), then `raywds verify` the copy"
+            f"convert writes shards to a local folder or an s3:// or gs:// prefix, not to {args.out}: convert into "
+            "a folder and serve it (`raywds serve`)"
         )
-    if s3.is_s3(args.out):
+    if stores.scheme(args.out) in (stores.S3, stores.GS):
         manifest = convert_to_bucket(
             Path(args.src), args.out, options, staging=args.staging and Path(args.staging), endpoint=args.s3_endpoint
         )

@@ -180,6 +180,98 @@ def write_bytes(url: str, data: bytes, timeout_s: float = 60.0) -> None:
         raise DataError(f"{url}: bucket {bucket!r} does not exist at {endpoint()}") from None
 
 
+def _object_address(url: str) -> str:
+    bucket, key = split(url)
+    return f"{endpoint()}/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}"
+
+
+def metadata(url: str, timeout_s: float = 30.0) -> dict[str, Any] | None:
+    """An object's resource (size, etag, custom `metadata`), or None when there is no such object."""
+    try:
+        return json.loads(_request(url, _object_address(url), timeout_s=timeout_s))  # type: ignore[no-any-return]
+    except FileNotFoundError:
+        return None
+
+
+def delete(url: str, timeout_s: float = 30.0) -> None:
+    """Remove an object; one that is not there is no error."""
+    try:
+        _request(url, _object_address(url), method="DELETE", timeout_s=timeout_s)
+    except FileNotFoundError:
+        pass
+
+
+def check_bucket(url: str, timeout_s: float = 30.0) -> None:
+    """One line before any work when the bucket is missing or refuses these credentials."""
+    bucket, _ = split(url)
+    try:
+        _request(url, f"{endpoint()}/storage/v1/b/{bucket}", timeout_s=timeout_s)
+    except FileNotFoundError:
+        raise DataError(
+            f"{url}: bucket {bucket!r} does not exist at {endpoint()}; create it, or check its name"
+        ) from None
+
+
+UPLOAD_RETRIES = 3
+
+
+def put_file(
+    path: str | os.PathLike[str], url: str, custom: dict[str, str] | None = None, timeout_s: float = 60.0
+) -> None:
+    """Upload a file (a shard) with a resumable upload: after a broken connection the upload asks
+    the store how much it holds and sends the rest (`UPLOAD_RETRIES` times)."""
+    bucket, key = split(url)
+    size = os.path.getsize(path)
+    start = urllib.request.Request(
+        f"{endpoint()}/upload/storage/v1/b/{bucket}/o?uploadType=resumable",
+        data=json.dumps({"name": key, "metadata": custom or {}}).encode(),
+        method="POST",
+        headers={**headers(), "Content-Type": "application/json", "X-Upload-Content-Length": str(size)},
+    )
+    try:
+        with urllib.request.urlopen(start, timeout=timeout_s) as response:
+            session = response.headers["Location"]
+    except urllib.error.HTTPError as e:
+        raise DataError(error_line(url, e.code, e.read().decode("utf-8", "replace"))) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise DataError(f"{url}: cannot reach {endpoint()}: {e}; check the network or {EMULATOR}") from None
+    sent, failures = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            f.seek(sent)
+            body = f.read() if sent < size else b""
+            ranges = f"bytes {sent}-{size - 1}/{size}" if size else "bytes */0"
+            put = urllib.request.Request(session, data=body, method="PUT", headers={"Content-Range": ranges})
+            try:
+                with urllib.request.urlopen(put, timeout=timeout_s):
+                    return
+            except urllib.error.HTTPError as e:
+                if e.code not in (308, 500, 502, 503, 504):
+                    raise DataError(error_line(url, e.code, e.read().decode("utf-8", "replace"))) from None
+            except (urllib.error.URLError, OSError):
+                pass
+            failures += 1
+            if failures > UPLOAD_RETRIES:
+                raise DataError(f"{url}: the upload of {path} broke off {failures} times; run the command again")
+            held = _uploaded(session, size, timeout_s)
+            if held is None:
+                return  # the store had it all after all
+            sent = held
+
+
+def _uploaded(session: str, size: int, timeout_s: float) -> int | None:
+    """How many bytes of a resumable upload the store holds (its 308 answer's Range); None once complete."""
+    ask = urllib.request.Request(session, data=b"", method="PUT", headers={"Content-Range": f"bytes */{size}"})
+    try:
+        with urllib.request.urlopen(ask, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as e:
+        held = e.headers.get("Range", "") if e.code == 308 else ""
+        return int(held.rsplit("-", 1)[1]) + 1 if held else 0
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
 def _after_fork() -> None:
     global _lock
     _lock = threading.Lock()  # a thread of the parent may have held it as the child was made

@@ -1,10 +1,11 @@
-"""`raywds convert SRC s3://bucket/prefix`: convert into a local staging folder, then put the
-shards into the bucket and the manifest last.
+"""`raywds convert SRC s3://bucket/prefix` (or gs://): convert into a local staging folder, then
+put the shards into the bucket and the manifest last.
 
 The staging folder is the usual converter's output (raywds.data.convert), so an interrupted
 conversion resumes there from its journal. The upload then skips every shard the bucket
 already holds with the same size and sha256 (kept in the object's metadata), uploads the
-others with boto3's transfer manager (multipart above 64 MB), reads each one back from the
+others (s3: boto3's transfer manager, multipart above 64 MB; gs: a resumable upload that
+continues where a broken connection left it, raywds.data.gcs), reads each one back from the
 bucket against the manifest's sha256, and only then writes `_info.json` and `manifest.json`.
 An older manifest at the prefix is deleted before the first shard changes, so a half-done
 upload is never mistaken for a dataset.
@@ -16,12 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from raywds.data import s3
+from raywds.data import gcs, s3, stores
 from raywds.data.columns import COLUMNS
 from raywds.data.convert import ConvertOptions, convert
+from raywds.data.http import ReadPolicy
 from raywds.data.manifest import MANIFEST, TIMM_INFO
 from raywds.errors import DataError
 
@@ -38,9 +42,12 @@ def staging_folder(url: str) -> Path:
 def convert_to_bucket(
     src: Path, url: str, options: ConvertOptions, *, staging: Path | None = None, endpoint: str | None = None
 ) -> dict[str, Any]:
-    """Convert `src` and upload the result under `url`; returns the manifest, with the count of
-    shards the bucket already held as `kept_in_bucket`."""
-    s3.check_bucket(url, endpoint)  # a wrong key or bucket is one line before any work
+    """Convert `src` and upload the result under `url` (s3:// or gs://); returns the manifest, with
+    the count of shards the bucket already held as `kept_in_bucket`."""
+    if gcs.is_gs(url):
+        gcs.check_bucket(url)
+    else:
+        s3.check_bucket(url, endpoint)  # a wrong key or bucket is one line before any work
     folder = staging or staging_folder(url)
     manifest = convert(src, folder, options)
     try:
@@ -57,6 +64,8 @@ def _key(prefix: str, name: str) -> str:
 def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | None = None) -> int:
     """Put the shards of `manifest` from `folder` under `url`, then `folder`'s manifest files;
     returns how many shards were there already."""
+    if gcs.is_gs(url):
+        return _upload_gcs(folder, manifest, url)
     from boto3.s3.transfer import TransferConfig
 
     bucket, prefix = s3.split(url)
@@ -70,10 +79,35 @@ def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | Non
         key = _key(prefix, shard["name"])
         extra = {"Metadata": {"sha256": shard["sha256"]}}
         client.upload_file(str(folder / shard["name"]), bucket, key, ExtraArgs=extra, Config=transfer)
-        _check_back(client, bucket, key, shard)
+        _check_back(f"s3://{bucket}/{key}", shard, endpoint, partial(client.delete_object, Bucket=bucket, Key=key))
     for name in (TIMM_INFO, COLUMNS, MANIFEST):  # as the converter wrote them into the staging folder
         if (folder / name).is_file():  # (no columns from a conversion staged by an older raywds)
             client.put_object(Bucket=bucket, Key=_key(prefix, name), Body=(folder / name).read_bytes())
+    return len(shards) - len(missing)
+
+
+def _upload_gcs(folder: Path, manifest: dict[str, Any], url: str) -> int:
+    """`upload` into a gs:// prefix: the same steps through the JSON API (raywds.data.gcs)."""
+    shards = [shard for info in manifest["splits"].values() for shard in info["shards"]]
+
+    def holds(shard: dict[str, Any]) -> bool:
+        found = gcs.metadata(stores.join(url, shard["name"]))
+        return (
+            found is not None
+            and int(found["size"]) == shard["num_bytes"]
+            and (found.get("metadata") or {}).get("sha256") == shard["sha256"]
+        )
+
+    missing = [shard for shard in shards if not holds(shard)]
+    if missing:
+        gcs.delete(stores.join(url, MANIFEST))
+    for shard in missing:
+        where = stores.join(url, shard["name"])
+        gcs.put_file(folder / shard["name"], where, {"sha256": shard["sha256"]})
+        _check_back(where, shard, None, partial(gcs.delete, where))
+    for name in (TIMM_INFO, COLUMNS, MANIFEST):
+        if (folder / name).is_file():
+            gcs.write_bytes(stores.join(url, name), (folder / name).read_bytes())
     return len(shards) - len(missing)
 
 
@@ -88,16 +122,16 @@ def _holds(client: Any, bucket: str, key: str, shard: dict[str, Any]) -> bool:
     return head["ContentLength"] == shard["num_bytes"] and head.get("Metadata", {}).get("sha256") == shard["sha256"]
 
 
-def _check_back(client: Any, bucket: str, key: str, shard: dict[str, Any]) -> None:
+def _check_back(url: str, shard: dict[str, Any], endpoint: str | None, remove: Callable[[], None]) -> None:
     """Read the uploaded object back whole: the bucket must hold the bytes the manifest describes."""
     digest, size = hashlib.sha256(), 0
-    body = client.get_object(Bucket=bucket, Key=key)["Body"]
-    for chunk in iter(lambda: body.read(1 << 20), b""):
-        digest.update(chunk)
-        size += len(chunk)
+    with stores.open_shard(url, ReadPolicy(s3_endpoint=endpoint)) as body:
+        for chunk in iter(lambda: body.read(1 << 20), b""):
+            digest.update(chunk)
+            size += len(chunk)
     if size != shard["num_bytes"] or digest.hexdigest() != shard["sha256"]:
-        client.delete_object(Bucket=bucket, Key=key)
+        remove()
         raise DataError(
-            f"s3://{bucket}/{key} read back as {size} bytes, sha256 {digest.hexdigest()[:12]}…, not the "
+            f"{url} read back as {size} bytes, sha256 {digest.hexdigest()[:12]}…, not the "
             f"{shard['num_bytes']} bytes and {shard['sha256'][:12]}… written; removed it: run the conversion again"
         )

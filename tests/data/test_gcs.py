@@ -485,22 +485,31 @@ def test_data_with_neither_a_manifest_nor_shards_is_one_line_that_keeps_gs(bucke
 # --- bugs ----------------------------------------------------------------------------------------
 
 
-def test_convert_into_a_gs_prefix_refuses_in_one_line(bucket: Bucket, tree: Path, tmp_path: Path) -> None:
-    """convert writes no gs:// (it once wrote ./gs:/B/ds/ and said `wrote gs://B/ds/manifest.json`)."""
-    run = subprocess.run(
-        [sys.executable, "-m", "raywds", "convert", str(tree), bucket.url("ds")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        check=False,
+def test_convert_into_a_gs_prefix_uploads_the_shards_and_the_manifest_last(
+    bucket: Bucket, tree: Path, tmp_path: Path
+) -> None:
+    """convert into gs:// as into s3:// (it once wrote ./gs:/B/ds/ and said `wrote gs://B/ds/manifest.json`):
+    staged, uploaded with each shard's sha256 in its metadata, read back, the manifest last; `verify`
+    then reads every shard from the bucket, and a second run finds them all there."""
+    args = ["convert", str(tree), bucket.url("ds"), "--maxcount", "40", "--staging", str(tmp_path / "stage")]
+    first = subprocess.run(
+        [sys.executable, "-m", "raywds", *args], capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False
     )
-    line = error_line(run)
-    assert line == (
-        f"raywds: error: convert writes shards to a local folder or an s3:// prefix, not to {bucket.url('ds')}: "
-        "convert into a folder and copy it up (e.g. `gcloud storage cp -r`), then `raywds verify` the copy"
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"raywds: wrote {bucket.url('ds/manifest.json')} (10 classes)" in first.stdout
+    assert not (tmp_path / "gs:").exists()
+    manifest = read_manifest(bucket.url("ds"))
+    shards = [s.name for split in manifest.splits for s in manifest.shards(split)]
+    held = set(bucket.server.names(bucket.name))
+    assert {f"ds/{name}" for name in shards} | {"ds/manifest.json", "ds/manifest.npz", "ds/_info.json"} == held
+    sha = json.loads(bucket.server.get(bucket.name, "ds/manifest.json"))["splits"]["train"]["shards"][0]
+    assert gcs.metadata(bucket.url(f"ds/{sha['name']}"))["metadata"] == {"sha256": sha["sha256"]}  # type: ignore[index]
+    checked = raywds("verify", bucket.url("ds"))
+    assert (
+        checked.returncode == 0 and f"{len(shards)} shards in {bucket.url('ds')} match the manifest" in checked.stdout
     )
-    assert not (tmp_path / "gs:").exists() and bucket.server.names(bucket.name) == []
+    again = raywds(*args)
+    assert again.returncode == 0 and f"the bucket held {len(shards)} of these shards already" in again.stdout
 
 
 def test_a_missing_bucket_is_one_line(bucket: Bucket) -> None:
