@@ -68,10 +68,11 @@ from loader_bench import BATCH, photos, timed
 from store_bench import store_cpu_s, store_pid, weed_version
 
 from raywds.config import TrainConfig
-from raywds.data import stores
+from raywds.data import shardlists, stores
 from raywds.data.convert import ConvertOptions, convert
+from raywds.data.dataset import manifest_for
 from raywds.data.http import ReadPolicy
-from raywds.data.index import index_shards, manifest_for
+from raywds.data.index import index_shards
 from raywds.data.manifest import Manifest, read_manifest
 from raywds.data.options import IndexOptions
 from raywds.loader.loader import train_loader
@@ -444,7 +445,7 @@ def main() -> None:
         record["local"] = dict(local.rows)
 
         with http_server(root / "foreign", root / "http.log") as (base, pid):
-            http_urls = stores.expand([f"{base}/foreign-{brace}.tar"])
+            http_urls = shardlists.expand([f"{base}/foreign-{brace}.tar"])
             remote = Rounds()
             plain = partial(plain_read, http_urls, policy, threads, num_bytes)
             index = partial(indexed, http_urls, policy, threads, args.samples)
@@ -464,7 +465,7 @@ def main() -> None:
         # The same over a link: each response paced to --link-mb-s, as an object store streams one GET
         link = args.link_mb_s * 1e6
         with http_server(root / "foreign", root / "http-paced.log", rate=link) as (base, pid):
-            paced_urls = stores.expand([f"{base}/foreign-{brace}.tar"])
+            paced_urls = shardlists.expand([f"{base}/foreign-{brace}.tar"])
             paced = Rounds()
             plain = partial(plain_read, paced_urls, policy, threads, num_bytes)
             index = partial(indexed, paced_urls, policy, threads, args.samples)
@@ -490,7 +491,7 @@ def main() -> None:
             for path in paths:
                 client.upload_file(str(path), server.bucket, f"{PREFIX}/{path.name}")
             s3_policy = ReadPolicy(s3_endpoint=server.endpoint)
-            s3_urls = stores.expand([server.url(f"{PREFIX}/")], server.endpoint)
+            s3_urls = shardlists.expand([server.url(f"{PREFIX}/")], server.endpoint)
             assert len(s3_urls) == len(urls), s3_urls
             store = Rounds()
             plain = partial(plain_read, s3_urls, s3_policy, threads, num_bytes)

@@ -65,44 +65,19 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     from raywds.data import stores
-    from raywds.data.convert import ConvertOptions, convert
+    from raywds.data.convert import ConvertOptions, convert, summary
     from raywds.data.manifest import shard_url
-    from raywds.data.upload import convert_to_bucket
+    from raywds.data.upload import check_places, convert_to_bucket
 
     options = ConvertOptions(**values(args, ConvertOptions))
-    if stores.scheme(args.src) != stores.LOCAL:
-        raise RaywdsError(
-            f"convert reads an image tree from a local folder, and {args.src} is a {stores.scheme(args.src)} "
-            f"location: copy the tree down first; for WebDataset shards already there, `raywds index {args.src}` "
-            "makes them trainable as they are"
-        )
-    if stores.scheme(args.out) not in (stores.LOCAL, stores.S3, stores.GS):
-        raise RaywdsError(
-            f"convert writes shards to a local folder or an s3:// or gs:// prefix, not to {args.out}: convert into "
-            "a folder and serve it (`raywds serve`)"
-        )
-    if stores.scheme(args.out) in (stores.S3, stores.GS):
+    check_places(args.src, args.out)
+    if stores.is_url(args.out):
         manifest = convert_to_bucket(
             Path(args.src), args.out, options, staging=args.staging and Path(args.staging), endpoint=args.s3_endpoint
         )
     else:
         manifest = convert(Path(args.src), Path(args.out), options)
-    for split, info in manifest["splits"].items():
-        print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards ({manifest['layouts'][split]})")
-    if manifest["kept_from_earlier_run"]:
-        print(f"kept {manifest['kept_from_earlier_run']} finished shards from an earlier run")
-    if manifest.get("kept_in_bucket"):
-        print(f"the bucket held {manifest['kept_in_bucket']} of these shards already")
-    if manifest["ignored"]["count"]:
-        print(
-            f"ignored {manifest['ignored']['count']} files that are not images, e.g. "
-            f"{', '.join(manifest['ignored']['examples'][:3])}"
-        )
-    if manifest["skipped"]:
-        print(f"skipped {len(manifest['skipped'])} unreadable images (listed in the manifest):")
-        for bad in manifest["skipped"][:50]:
-            print(f"  {bad['path']}: {bad['reason']}")
-    print(f"raywds: wrote {shard_url(args.out, 'manifest.json')} ({len(manifest['classes'])} classes)")
+    print("\n".join(summary(manifest, shard_url(args.out, "manifest.json"))))
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
@@ -117,43 +92,21 @@ def cmd_verify(args: argparse.Namespace) -> None:
 def cmd_index(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from raywds.data import stores
+    from raywds.data.dataset import summary, write_index
     from raywds.data.http import ReadPolicy
-    from raywds.data.index import IndexOptions, index_shards, split_by_name, write_index
+    from raywds.data.index import IndexOptions, index_shards
+    from raywds.data.shardlists import splits_of
 
-    options = IndexOptions(**values(args, IndexOptions))
-    if args.train:
-        splits = {"train": stores.expand(args.train, args.s3_endpoint)}
-        if args.val:
-            splits["val"] = stores.expand(args.val, args.s3_endpoint)
-    elif args.shards:
-        splits = split_by_name(stores.expand(args.shards, args.s3_endpoint))
-    else:
-        raise RaywdsError("index needs SHARDS (or --train SHARDS [--val SHARDS])")
+    splits = splits_of(args.shards, args.train, args.val, args.s3_endpoint)
     total = sum(len(v) for v in splits.values())
     with tqdm(total=total, unit="shard", desc="raywds: indexing", file=sys.stderr, disable=None) as bar:
-        manifest = index_shards(
-            splits, options, policy=ReadPolicy(s3_endpoint=args.s3_endpoint), progress=lambda _: bar.update()
-        )
-    where = write_index(manifest, args.out, args.s3_endpoint)
-    made = manifest["made_by"]
-    for split, info in manifest["splits"].items():
-        print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards")
-    if manifest["skipped"]:
-        print(f"skipped {len(manifest['skipped'])} samples without an image or a label (listed in the manifest):")
-        for line in manifest["skipped"][:10]:
-            print(f"  {line}")
-    for line in manifest["bad_shards"]:
-        print(f"left out: {line}")
-    share = made["bytes_read"] / max(1, made["bytes_in_shards"])
-    print(
-        f"raywds: wrote {where} ({len(manifest['classes'])} classes; read {made['bytes_read']:,} of "
-        f"{made['bytes_in_shards']:,} bytes, {share:.1%}, in {made['seconds']:.2f} s)"
-    )
+        policy = ReadPolicy(s3_endpoint=args.s3_endpoint)
+        manifest = index_shards(splits, IndexOptions(**values(args, IndexOptions)), policy=policy, progress=bar.update)
+    print("\n".join(summary(manifest, write_index(manifest, args.out, args.s3_endpoint))))
 
 
 def cmd_audit(args: argparse.Namespace) -> None:
-    from raywds.data.index import manifest_for
+    from raywds.data.dataset import manifest_for
     from raywds.train.audit import audit
 
     checks = audit(

@@ -218,34 +218,22 @@ def choices() -> dict[str, tuple[str, ...]]:
     return {name: typing.get_args(hint) for name, hint in hints.items() if typing.get_origin(hint) is Literal}
 
 
+IMAGENET: dict[str, Any] = dict(
+    optimizer="sgd",
+    lr=None,
+    weight_decay=5e-5,
+    warmup_epochs=5.0,
+    num_epochs=90,
+    label_smoothing=0.1,
+    image_size_px=224,
+    crop_scale_min=0.08,
+    batch_size_per_rank=256,
+    num_loader_workers_per_rank=8,
+)
+"""Goyal et al. / torchvision's reference, with label smoothing and a cosine schedule."""
 RECIPES: dict[str, dict[str, Any]] = {
-    # Goyal et al. / torchvision's reference, with label smoothing and a cosine schedule.
-    "imagenet-resnet50": dict(
-        model="resnet50",
-        optimizer="sgd",
-        lr=None,
-        weight_decay=5e-5,
-        warmup_epochs=5.0,
-        num_epochs=90,
-        label_smoothing=0.1,
-        image_size_px=224,
-        crop_scale_min=0.08,
-        batch_size_per_rank=256,
-        num_loader_workers_per_rank=8,
-    ),
-    "imagenet-resnet18": dict(
-        model="resnet18",
-        optimizer="sgd",
-        lr=None,
-        weight_decay=5e-5,
-        warmup_epochs=5.0,
-        num_epochs=90,
-        label_smoothing=0.1,
-        image_size_px=224,
-        crop_scale_min=0.08,
-        batch_size_per_rank=256,
-        num_loader_workers_per_rank=8,
-    ),
+    "imagenet-resnet50": {"model": "resnet50", **IMAGENET},
+    "imagenet-resnet18": {"model": "resnet18", **IMAGENET},
     # Reaches high accuracy on the generated demo data in a few CPU minutes.
     "demo": dict(
         model="demo",

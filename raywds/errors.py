@@ -25,6 +25,13 @@ class ShardMismatch(ShardError):
     not the shard the manifest lists. Always an error: an epoch must never count wrong."""
 
 
+ANOTHER_SHARD = (
+    "it is another shard's bytes or changed after the manifest was made; run `raywds verify` "
+    "(or `raywds index` again for shards raywds did not write)"
+)
+"""What a shard that disagrees with its manifest entry before it is read (size, first key) means."""
+
+
 class StorageError(RaywdsError):
     """A run folder or checkpoint that cannot be used: a full disk, a damaged checkpoint, one
     holding code, a folder another run holds."""

@@ -243,3 +243,23 @@ def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[st
     write_json_atomic(out / TIMM_INFO, timm_info(manifest))
     write_manifest(out, manifest)
     return manifest
+
+
+def summary(manifest: dict[str, Any], where: str) -> list[str]:
+    """What `raywds convert` says of the manifest it wrote at `where`."""
+    lines = [
+        f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards ({manifest['layouts'][split]})"
+        for split, info in manifest["splits"].items()
+    ]
+    if manifest["kept_from_earlier_run"]:
+        lines.append(f"kept {manifest['kept_from_earlier_run']} finished shards from an earlier run")
+    if manifest.get("kept_in_bucket"):
+        lines.append(f"the bucket held {manifest['kept_in_bucket']} of these shards already")
+    if manifest["ignored"]["count"]:
+        examples = ", ".join(manifest["ignored"]["examples"][:3])
+        lines.append(f"ignored {manifest['ignored']['count']} files that are not images, e.g. {examples}")
+    if manifest["skipped"]:
+        lines.append(f"skipped {len(manifest['skipped'])} unreadable images (listed in the manifest):")
+        lines += [f"  {bad['path']}: {bad['reason']}" for bad in manifest["skipped"][:50]]
+    lines.append(f"raywds: wrote {where} ({len(manifest['classes'])} classes)")
+    return lines

@@ -22,6 +22,7 @@ from typing import Any
 
 from raywds.data import columns, stores
 from raywds.data.columns import ShardInfo, ShardTable, sample_counts
+from raywds.data.members import Members
 from raywds.data.stores import write_atomic
 from raywds.errors import DataError
 
@@ -84,48 +85,6 @@ class Manifest:
                 h.update(f"{s.name} {s.num_samples} {s.sha256}\n".encode())
             self.kept[key] = h.hexdigest()[:16]
         return self.kept[key]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Members:
-    """Where a sample keeps its image and label: raywds's own shards hold `.jpg` and `.cls`;
-    `raywds index` records what shards others wrote hold."""
-
-    image: tuple[str, ...] = ("jpg", "png", "webp", "jpeg")
-    """The image member's extension, the first of these a sample has."""
-    label: str = "cls"
-    """The member holding the label: an integer as text, or (with `label_field`) a JSON object."""
-    label_field: str | None = None
-    """The field of the JSON `label` member that holds the label."""
-    label_names: bool = False
-    """Labels are class names (the manifest's `classes`), not indices."""
-    label_keys: tuple[str, ...] = ()
-    """Where `label` is empty: the label member is the first of these a sample has."""
-    drop_incomplete: bool = False
-    """A sample without an image or a label member is not a sample (`raywds index` counted and
-    listed it, and left it out of the shard's count)."""
-
-    def usable(self, sample: dict[str, Any]) -> bool:
-        """Whether a sample dict has an image and a label member, as the index counted it."""
-        return any(k in sample for k in self.image) and self.label_member(sample) is not None
-
-    def label_member(self, sample: dict[str, Any]) -> str | None:
-        if self.label:
-            return self.label if self.label in sample else None
-        return next((k for k in self.label_keys if k in sample), None)
-
-    @classmethod
-    def of(cls, raw: dict[str, Any] | None) -> Members:
-        if not raw:
-            return cls()
-        return cls(
-            image=tuple(raw.get("image", cls.image)),
-            label=str(raw.get("label", "cls")),
-            label_field=raw.get("label_field"),
-            label_names=bool(raw.get("label_names", False)),
-            label_keys=tuple(raw.get("label_keys", ())),
-            drop_incomplete=bool(raw.get("drop_incomplete", False)),
-        )
 
 
 SHARD_NAME = columns.SEGMENTED

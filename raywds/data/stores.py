@@ -5,29 +5,21 @@ or prefix, or a `pipe:` command whose output is the shard (`pipe:gsutil cat gs:/
 Every command asks `scheme()` before it treats a location as a path, so a URL is never
 mistaken for a folder named `gs:`; a scheme raywds does not read is one line naming those it does.
 
-Shard lists are written as WebDataset users write them (`expand`): brace notation
-(`imagenet-train-{0000..1023}.tar`), globs (`shards/*.tar`, `s3://b/x/train-*.tar`), a folder
-or bucket prefix (every `.tar` under it), or `pipe:` templates.
-
     kind = scheme("gs://bucket/imagenet")                  # "gs"
-    urls = expand(["https://host/imagenet-train-{000000..001281}.tar"])
     with open_shard(urls[0], ReadPolicy()) as stream: ...
 """
 
 from __future__ import annotations
 
-import glob
 import io
 import os
 import re
 import secrets
 import signal
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
-
-import braceexpand
 
 from raywds.data import gcs, s3
 from raywds.data.cache import CachingReader, cache_path
@@ -39,8 +31,6 @@ SCHEMES = {"file": LOCAL, "http": HTTP, "https": HTTP, "s3": S3, "gs": GS}
 """Each URL scheme raywds reads, by the kind of store that serves it (`pipe:` has no `//`)."""
 READS = "local paths, file://, http(s)://, s3://, gs:// and pipe: commands"
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-SHARD_SUFFIX = ".tar"
-_GLOB = re.compile(r"[*?\[]")
 
 
 def scheme(location: str) -> str:
@@ -228,40 +218,6 @@ def listing(prefix: str, s3_endpoint: str | None = None) -> list[tuple[str, int,
     return sorted(found)
 
 
-def expand(specs: Iterable[str], s3_endpoint: str | None = None) -> list[str]:
-    """Shard locations from shard lists as WebDataset users write them: brace notation, globs,
-    folders and bucket prefixes (their `.tar` files, sorted), `pipe:` templates. DataError when a
-    spec names no shard."""
-    found: list[str] = []
-    for spec in specs:
-        before = len(found)
-        for one in braceexpand.braceexpand(spec):
-            kind = scheme(one)
-            if kind == PIPE or (not _GLOB.search(one) and one.endswith(SHARD_SUFFIX)):
-                found.append(one)
-            elif _GLOB.search(one):
-                found.extend(_globbed(one, kind, s3_endpoint))
-            else:
-                found.extend(url for url, _, _ in listing(one, s3_endpoint) if url.endswith(SHARD_SUFFIX))
-        if len(found) == before:
-            raise NoShards(f"{spec}: names no shard (no .tar file there); check the path, the braces or the prefix")
-    return found
-
-
-class NoShards(DataError):
-    """A shard list that names no shard."""
-
-
-def _globbed(pattern: str, kind: str, s3_endpoint: str | None) -> list[str]:
-    if kind == LOCAL:
-        return sorted(glob.glob(local_path(pattern), recursive=True))
-    if kind in (S3, GS):
-        head = pattern[: _GLOB.search(pattern).start()]  # type: ignore[union-attr]
-        matches = folder_glob(pattern).fullmatch
-        return [url for url, _, _ in listing(head, s3_endpoint) if matches(url)]
-    raise DataError(f"{pattern}: a glob needs a folder or a bucket to list; over {kind} name shards in brace notation")
-
-
 def write_atomic(path: Path, data: bytes) -> None:
     """Write a file so that a reader sees either the old file or the whole new one.
 
@@ -278,27 +234,3 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def folder_glob(pattern: str) -> re.Pattern[str]:
-    """A glob over object names as a local glob (and gsutil) reads it: `*` and `?` stay inside one
-    folder, `**` spans folders, `[...]` is a set."""
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        elif pattern[i] == "[" and (end := pattern.find("]", i + 2)) > 0:
-            body = pattern[i + 1 : end]
-            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
-            i = end + 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out))

@@ -39,6 +39,21 @@ def staging_folder(url: str) -> Path:
     return Path(tempfile.gettempdir()) / f"raywds-staging-{digest}"
 
 
+def check_places(src: str, out: str) -> None:
+    """`raywds convert` reads a local tree and writes a folder or a bucket: one line otherwise."""
+    if stores.scheme(src) != stores.LOCAL:
+        raise DataError(
+            f"convert reads an image tree from a local folder, and {src} is a {stores.scheme(src)} location: copy "
+            f"the tree down first; for WebDataset shards already there, `raywds index {src}` makes them trainable "
+            "as they are"
+        )
+    if stores.scheme(out) not in (stores.LOCAL, stores.S3, stores.GS):
+        raise DataError(
+            f"convert writes shards to a local folder or an s3:// or gs:// prefix, not to {out}: convert into "
+            "a folder and serve it (`raywds serve`)"
+        )
+
+
 def convert_to_bucket(
     src: Path, url: str, options: ConvertOptions, *, staging: Path | None = None, endpoint: str | None = None
 ) -> dict[str, Any]:

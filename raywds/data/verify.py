@@ -21,7 +21,8 @@ from typing import Any, BinaryIO
 from raywds.data import columns, s3, stores
 from raywds.data.http import ReadPolicy
 from raywds.data.layout import IMAGE_EXTENSIONS
-from raywds.data.manifest import Members, read_location, read_manifest, split_location, write_atomic
+from raywds.data.manifest import read_location, read_manifest, split_location, write_atomic
+from raywds.data.members import Members
 from raywds.data.tars import key_and_ext, members
 from raywds.errors import DataError, ShardError
 

@@ -22,7 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raywds import console
 from raywds.config import TrainConfig
-from raywds.data.index import manifest_of
+from raywds.data.dataset import manifest_of
 from raywds.errors import ConfigError, RaywdsError, one_line, own_cause
 from raywds.launch.cluster import (
     WorkerPlan,

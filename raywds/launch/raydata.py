@@ -34,11 +34,12 @@ from ray.util.debug import log_once
 
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ShardError, one_line, own_cause
+from raywds.loader.labels import Labels
 from raywds.loader.loader import EpochLoader, expected, labels_of, split_slots
 from raywds.loader.plane import Batches, Columns, decode_rows, shard_rows
 from raywds.loader.readers import ReadPolicy
 from raywds.loader.settings import LoaderConfig
-from raywds.loader.stages import Batch, Decoder, Labels, train_decoder, val_decoder
+from raywds.loader.stages import Batch, Decoder, train_decoder, val_decoder
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position, already_done

@@ -28,7 +28,7 @@ import torch
 
 from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
-from raywds.data.index import manifest_of
+from raywds.data.dataset import manifest_of
 from raywds.errors import ConfigError, DataError
 from raywds.lightning.epochs import EpochRun, ExactEpochs
 from raywds.loader.decoding import decoding

@@ -26,12 +26,12 @@ from raywds.data.manifest import Manifest, ShardInfo, deal, shard_url
 from raywds.loader.blocks import Blocks, HandedOver, Slots
 from raywds.loader.clock import Clock
 from raywds.loader.decoding import decoding
+from raywds.loader.labels import Labels
 from raywds.loader.readers import Expected, tar_samples
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import (
     Batch,
     Decoder,
-    Labels,
     Skips,
     collate,
     decoded,

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from raywds.loader.clock import Spent
+from raywds.loader.labels import IMAGE_KEYS, Labels
 from raywds.loader.readers import Expected, Failures, ReadPolicy, tar_samples
-from raywds.loader.stages import IMAGE_KEYS, Batch, Decoder, Labels, Skips, decoded, fold_single_tail
+from raywds.loader.stages import Batch, Decoder, Skips, decoded, fold_single_tail
 
 TIMED = ("read_s", "read_bytes", "decode_s")
 """Columns a decoded block carries for the doctor (raywds.train.doctor): each row's seconds

@@ -1,11 +1,11 @@
-"""Reading shards into samples, each shard opened by raywds.data.http.
+"""Reading shards into samples, each shard opened by raywds.data.stores.
 
-Every shard is checked against its manifest entry as it is read: as many samples, no key
-twice, and with `verify_hashes` the same sha256 (hashed while streaming, checked at the
-shard's end). A shard that disagrees is always an error (`ShardMismatch`): an epoch must never
-count wrong without a word. What happens to a shard that stays unreadable is the caller's
-policy: split mode raises (an exact epoch cannot lose a shard); resample mode skips it with a
-counted warning, and gives up when several shards in a row fail (the server is down).
+Every shard is checked against its manifest entry: its size as it is opened, its first key (where
+the manifest has it) before that sample is used, and as it is read as many samples, no key twice,
+and with `verify_hashes` the same sha256 (checked at its end). A shard that disagrees is always an
+error (`ShardMismatch`): an epoch must never count wrong without a word. A shard that stays
+unreadable is the caller's policy: split mode raises (an exact epoch cannot lose a shard);
+resample mode skips it with a counted warning, and gives up when several in a row fail.
 
     expected = {url: Expected(num_samples=1000, sha256=...)}
     for sample in tar_samples([{"url": u} for u in urls], ReadPolicy(skip_unreadable=True), expected): ...
@@ -26,9 +26,9 @@ import webdataset as wds
 
 from raywds.data import tars
 from raywds.data.http import ReadPolicy
-from raywds.data.manifest import Members
+from raywds.data.members import Members
 from raywds.data.stores import open_shard
-from raywds.errors import ShardError, ShardMismatch
+from raywds.errors import ANOTHER_SHARD, ShardError, ShardMismatch
 
 log = logging.getLogger(__name__)
 RETRIES_LOCK = threading.Lock()
@@ -77,8 +77,7 @@ class Expected:
     first_key: str = ""
     """Its first sample's key, where the manifest records it: checked before that sample is used."""
     members: Members | None = None
-    """Shards raywds indexed: samples without an image or a label member were left out of the
-    count (and listed) when indexed, and are passed over here the same way."""
+    """Indexed shards: a sample without an image or label member is passed over, as the index did."""
 
 
 class _Hashing(io.RawIOBase):
@@ -120,11 +119,8 @@ def shard_samples(
             if expected.members is not None and not expected.members.usable(sample):
                 continue
             if not seen and expected.first_key and key != expected.first_key:
-                raise ShardMismatch(
-                    f"shard {url}: its first sample is {key}, its manifest entry's {expected.first_key}: "
-                    "it is another shard's bytes or changed after the manifest was made; run `raywds verify` "
-                    "(or `raywds index` again for shards raywds did not write)"
-                )
+                first = f"its first sample is {key}, its manifest entry's {expected.first_key}"
+                raise ShardMismatch(f"shard {url}: {first}: {ANOTHER_SHARD}")
             if key in seen:
                 raise ShardMismatch(f"shard {url}: key {key} appears twice; the shard is corrupt, reconvert it")
             if len(seen) >= expected.num_samples:

@@ -9,13 +9,12 @@ Every batch carries its samples' ids and keys, so the loop knows what it trained
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial as bind
 from typing import Any, NamedTuple
 
@@ -25,17 +24,16 @@ import webdataset as wds
 from torch.utils.data import get_worker_info
 
 from raywds.config import TrainConfig
-from raywds.data.manifest import Members
 from raywds.errors import ConfigError, DataError
 from raywds.loader import crops, decode, encoded
 from raywds.loader.blocks import Slots
 from raywds.loader.clock import Spent
 from raywds.loader.decoding import decoding
+from raywds.loader.labels import Labels, MemberError
 from raywds.loader.readers import Failures, ReadPolicy
 from raywds.loader.settings import LoaderConfig
 from raywds.plan import seeds
 
-IMAGE_KEYS = ("jpg", "png", "webp", "jpeg")
 log = logging.getLogger(__name__)
 
 
@@ -152,44 +150,6 @@ def _what(e: BaseException) -> str:
     return text.rsplit(".cpp:", 1)[-1].split(", ", 1)[-1] if ".cpp:" in text else text
 
 
-class Labels:
-    """Which member of a sample is its image and which its label, and the label as a class index:
-    raywds's own shards hold `.jpg` (or another image) and `.cls`; shards others wrote hold what
-    `raywds index` recorded (raywds.data.manifest.Members)."""
-
-    def __init__(self, members: Members | None = None, classes: Sequence[str] = ()):
-        self.members = members or Members()
-        self.image_keys = self.members.image if members is not None else IMAGE_KEYS
-        self.by_name = {name: i for i, name in enumerate(classes)} if self.members.label_names else None
-        self.num_classes = len(classes)
-
-    def image(self, sample: dict[str, Any]) -> str | None:
-        return next((k for k in self.image_keys if k in sample), None)
-
-    def label(self, sample: dict[str, Any], member: str) -> int:
-        """The class index in `sample[member]`; ValueError naming what it holds otherwise."""
-        raw = sample[member]
-        field = self.members.label_field
-        try:
-            value: Any = json.loads(raw)[field] if field else (raw if self.by_name is None else raw.decode().strip())
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise ValueError(
-                f"class {bytes(raw[:20])!r} is not a number" + (f" nor JSON with {field!r}" if field else "")
-            ) from None
-        if self.by_name is not None:
-            if str(value) not in self.by_name:
-                raise ValueError(f"class {value!r} is not one of the manifest's {len(self.by_name)} classes")
-            return self.by_name[str(value)]
-        try:
-            label = int(value)
-        except (TypeError, ValueError):
-            shown = bytes(value[:20]) if isinstance(value, bytes | bytearray | memoryview) else str(value)[:20]
-            raise ValueError(f"class {shown!r} is not a number") from None
-        if self.num_classes and not 0 <= label < self.num_classes:
-            raise ValueError(f"class {label} is outside the manifest's {self.num_classes} classes")
-        return label
-
-
 def decoded(
     samples: Iterable[dict[str, Any]],
     decode: Decoder,
@@ -203,24 +163,14 @@ def decoded(
     labels = labels or Labels()
     for sample in samples:
         key, url = sample["__key__"], sample["__url__"]
-        ext = labels.image(sample)
-        member = f"{key}.{ext}"
+        member = f"{key}.*"
         try:
-            where = labels.members.label_member(sample)
-            if ext is None or where is None:
-                member = f"{key}.*"
-                raise ValueError(
-                    f"has no {'image' if ext is None else '.' + (labels.members.label or 'cls')} member (found "
-                    f"{', '.join(sorted(k for k in sample if not k.startswith('__')))})"
-                )
-            try:
-                label = labels.label(sample, where)
-            except ValueError:
-                member = f"{key}.{where}"
-                raise
+            ext, label = labels.read(sample)
+            member = f"{key}.{ext}"
             slot = slots.next() if slots is not None else None
             image = decode(sample[ext], sample["__id__"], **({} if slot is None else {"out": slot}))
         except Exception as e:  # noqa: BLE001 - PIL, libjpeg and torchvision raise many types for bad bytes
+            member = f"{key}.{e.member}" if isinstance(e, MemberError) else member
             skips.bad_sample(SampleError(f"shard {url}: sample {key} ({member}): {_what(e)}"))
             continue
         if slots is not None and slot is not None:

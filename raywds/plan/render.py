@@ -5,7 +5,7 @@ raywds plan --num-shards 1282 --samples-per-shard 1000 --nodes 64 --gpus-per-nod
 
 from __future__ import annotations
 
-from raywds.data.index import manifest_for
+from raywds.data.dataset import manifest_for
 from raywds.data.manifest import ShardInfo
 from raywds.errors import ConfigError
 from raywds.plan.checks import verdict

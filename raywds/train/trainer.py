@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
-from raywds.data.index import manifest_of
+from raywds.data.dataset import manifest_of
 from raywds.errors import DataError
 from raywds.loader.loader import Loaders, PerRank
 from raywds.loader.settings import LoaderConfig

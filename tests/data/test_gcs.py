@@ -26,7 +26,7 @@ from support.gcsserver import GcsServer, gcs_server
 from support.runs import SUMMARY, command
 from support.s3proxy import S3Proxy
 
-from raywds.data import gcs, stores
+from raywds.data import gcs, shardlists, stores
 from raywds.data.http import PIECE, ReadPolicy
 from raywds.data.manifest import read_manifest
 from raywds.errors import DataError, ShardError, ShardMismatch
@@ -124,13 +124,13 @@ def test_read_stat_list_and_write_round_trip(bucket: Bucket) -> None:
     assert dict((url, size) for url, size, _ in found)[bucket.url("m/sub/c.tar")] == 3
     assert all(stamp for _, _, stamp in found)
     shards = [bucket.url(k) for k in sorted(objects) if k.endswith(".tar")]
-    assert stores.expand([bucket.url("m/")]) == shards  # a prefix: its .tar objects only
-    assert stores.expand([bucket.url("m/{a,b}.tar"), bucket.url("other/")]) == [
+    assert shardlists.expand([bucket.url("m/")]) == shards  # a prefix: its .tar objects only
+    assert shardlists.expand([bucket.url("m/{a,b}.tar"), bucket.url("other/")]) == [
         bucket.url("m/a.tar"),
         bucket.url("m/b.tar"),
         bucket.url("other/d.tar"),
     ]
-    assert stores.expand([bucket.url("m/[ab].tar")]) == [bucket.url("m/a.tar"), bucket.url("m/b.tar")]
+    assert shardlists.expand([bucket.url("m/[ab].tar")]) == [bucket.url("m/a.tar"), bucket.url("m/b.tar")]
 
 
 def test_missing_objects_and_buckets(bucket: Bucket) -> None:
@@ -142,7 +142,7 @@ def test_missing_objects_and_buckets(bucket: Bucket) -> None:
         stores.stat(bucket.url("nope/a.tar"))
     assert stores.listing(bucket.url("nope/")) == []
     with pytest.raises(DataError, match=r"nope/: names no shard \(no \.tar file there\)"):
-        stores.expand([bucket.url("nope/")])
+        shardlists.expand([bucket.url("nope/")])
     with pytest.raises(DataError, match=rf"bucket '{bucket.name}-gone' does not exist at http://127\.0\.0\.1:\d+$"):
         stores.write_bytes(f"gs://{bucket.name}-gone/m/manifest.json", b"{}")
     with pytest.raises(DataError, match=r"gs:///k: a Google Cloud Storage address is gs://BUCKET/KEY"):
@@ -158,7 +158,7 @@ def test_a_listing_of_more_than_a_page_gets_every_page(tmp_path: Path, monkeypat
         first = json.loads(server.request("GET", "/storage/v1/b/many/o?prefix=p/&maxResults=1000"))
         assert len(first["items"]) == 1000 and first["nextPageToken"]
         monkeypatch.setenv(gcs.EMULATOR, server.endpoint)
-        assert stores.expand(["gs://many/p/"]) == [f"gs://many/{name}" for name in sorted(names)]
+        assert shardlists.expand(["gs://many/p/"]) == [f"gs://many/{name}" for name in sorted(names)]
 
 
 # --- shard reads ---------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def test_an_emulator_gets_no_authorization_even_with_credentials_at_hand(
             monkeypatch.setenv(gcs.EMULATOR, recorder.endpoint.removeprefix("http://"))  # host:port, as gcloud sets it
             assert gcs.headers() == {}
             assert stores.stat(bucket.url("pub/a.tar"))[0] == 3000
-            assert stores.expand([bucket.url("pub/")]) == [bucket.url("pub/a.tar")]
+            assert shardlists.expand([bucket.url("pub/")]) == [bucket.url("pub/a.tar")]
             with stores.open_shard(bucket.url("pub/a.tar"), ReadPolicy()) as stream:
                 assert stream.read() == b"a" * 3000
             stores.write_bytes(bucket.url("pub/manifest.json"), b"{}")
@@ -526,5 +526,5 @@ def test_a_bucket_glob_star_stays_in_its_folder_as_a_local_one_does(bucket: Buck
         bucket.put(key, b"x")
         (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / key).write_bytes(b"x")
-    assert stores.expand([str(tmp_path / "m" / "*.tar")]) == [str(tmp_path / "m" / n) for n in ("a.tar", "b.tar")]
-    assert stores.expand([bucket.url("m/*.tar")]) == [bucket.url("m/a.tar"), bucket.url("m/b.tar")]
+    assert shardlists.expand([str(tmp_path / "m" / "*.tar")]) == [str(tmp_path / "m" / n) for n in ("a.tar", "b.tar")]
+    assert shardlists.expand([bucket.url("m/*.tar")]) == [bucket.url("m/a.tar"), bucket.url("m/b.tar")]

@@ -21,22 +21,15 @@ import pytest
 from support import foreign
 from support.s3server import S3Server
 
-from raywds.data import stores
+from raywds.data import shardlists, stores
+from raywds.data.dataset import cache_dir, manifest_for, names_shards, write_index
 from raywds.data.demo import make_image
 from raywds.data.http import ReadPolicy
-from raywds.data.index import (
-    IMAGE_KEYS,
-    LABEL_KEYS,
-    cache_dir,
-    common_base,
-    index_shards,
-    manifest_for,
-    names_shards,
-    split_by_name,
-    write_index,
-)
+from raywds.data.index import index_shards
 from raywds.data.manifest import read_manifest, split_location
+from raywds.data.members import IMAGE_KEYS, LABEL_KEYS
 from raywds.data.options import IndexOptions
+from raywds.data.shardlists import common_base, split_by_name
 from raywds.errors import DataError
 
 RAYWDS = str(Path(sys.executable).with_name("raywds"))
@@ -44,7 +37,7 @@ RAYWDS = str(Path(sys.executable).with_name("raywds"))
 
 def index(*specs: str, **options: object) -> dict:
     """The manifest `raywds index SPECS` makes (splits by name), not written anywhere."""
-    return index_shards(split_by_name(stores.expand(list(specs))), IndexOptions(**options))  # type: ignore[arg-type]
+    return index_shards(split_by_name(shardlists.expand(list(specs))), IndexOptions(**options))  # type: ignore[arg-type]
 
 
 def shard_table(manifest: dict, split: str = "train") -> list[tuple[str, int, int]]:
@@ -186,7 +179,7 @@ def test_split_by_name_sorts_train_val_and_validation() -> None:
 
 def test_a_spec_naming_no_shard_and_shards_in_no_common_folder_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"train-\{0..3\}.tar\*: names no shard \(no .tar file there\); check the path"):
-        stores.expand([str(tmp_path / "train-{0..3}.tar*")])
+        shardlists.expand([str(tmp_path / "train-{0..3}.tar*")])
     with pytest.raises(DataError, match=r"^shards a.tar … share no folder: index them in groups, one folder each$"):
         common_base(["a.tar", "b.tar"])
 
@@ -247,7 +240,7 @@ def test_index_over_http_streams_and_records_each_shards_sha256(http_wds: str, w
 
 def test_a_glob_over_http_is_refused_in_one_line(http_wds: str) -> None:
     with pytest.raises(DataError, match=r"train-\*.tar: a glob needs a folder or a bucket to list; over http name"):
-        stores.expand([f"{http_wds}/train-*.tar"])
+        shardlists.expand([f"{http_wds}/train-*.tar"])
 
 
 # --- Over S3: SeaweedFS -----------------------------------------------------------------------------
@@ -258,7 +251,7 @@ def test_index_an_s3_prefix_writes_the_manifest_beside_the_shards_in_the_bucket(
     for path in sorted(wds_dir.glob("*.tar")):
         client.upload_file(str(path), s3.bucket, f"ds/{path.name}")
     client.put_object(Bucket=s3.bucket, Key="ds/README.txt", Body=b"not a shard")
-    urls = stores.expand([s3.url("ds/")], s3.endpoint)
+    urls = shardlists.expand([s3.url("ds/")], s3.endpoint)
     assert urls == [s3.url(f"ds/train-{i:04d}.tar") for i in range(4)]
     manifest = index_shards({"train": urls}, IndexOptions(), policy=ReadPolicy(s3_endpoint=s3.endpoint))
     assert manifest["shards_at"] == s3.url("ds")
@@ -440,7 +433,7 @@ def test_an_unknown_scheme_is_one_line_naming_the_schemes_raywds_reads(tmp_path:
         r"s3://, gs:// and pipe: commands$"
     )
     with pytest.raises(DataError, match=line):
-        stores.expand(["ftp://x/y.tar"])
+        shardlists.expand(["ftp://x/y.tar"])
     with pytest.raises(DataError, match=line):
         manifest_for("ftp://x/y.tar", index_cache=str(tmp_path))
     with pytest.raises(DataError, match=line.replace("y.tar", "y")):
@@ -479,10 +472,10 @@ def test_manifest_for_indexes_once_and_again_when_a_shard_changes(
     assert cache_dir(str(cache)) == cache
 
     shutil.copy(shards / "train-0003.tar", shards / "train-0001.tar")  # another size: 6 samples, not 8
-    logger = logging.getLogger("raywds.data.index")
+    logger = logging.getLogger("raywds.data.dataset")
     logger.addHandler(caplog.handler)  # the raywds logger does not propagate (raywds.console)
     try:
-        with caplog.at_level(logging.WARNING, logger="raywds.data.index"):
+        with caplog.at_level(logging.WARNING, logger="raywds.data.dataset"):
             third = manifest_for(data, index_cache=str(cache))
     finally:
         logger.removeHandler(caplog.handler)

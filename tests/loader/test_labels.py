@@ -1,4 +1,4 @@
-"""Which member of a sample is its image and which its label (raywds.loader.stages.Labels), for
+"""Which member of a sample is its image and which its label (raywds.loader.labels.Labels), for
 raywds's own shards (.jpg and .cls) and for shards others wrote as `raywds index` records them;
 and the Ray Data plane's rows, which carry the same labels (raywds.loader.plane)."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from raywds.data.manifest import Members
+from raywds.data.members import Members
+from raywds.loader.labels import Labels
 from raywds.loader.plane import _row
-from raywds.loader.stages import Labels
 
 
 def sample(**members: bytes) -> dict:

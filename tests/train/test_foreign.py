@@ -14,9 +14,11 @@ from support import foreign
 from support.runs import small_config
 
 from raywds.cli import main
-from raywds.data import stores
-from raywds.data.index import index_shards, manifest_for, split_by_name, write_index
+from raywds.data import shardlists
+from raywds.data.dataset import manifest_for, write_index
+from raywds.data.index import index_shards
 from raywds.data.options import IndexOptions
+from raywds.data.shardlists import split_by_name
 from raywds.train.audit import audit, kept, trained
 from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
@@ -145,7 +147,7 @@ def test_an_indexed_shard_overwritten_by_one_of_the_same_size_fails_its_first_ke
 ) -> None:
     data = tmp_path / "data"
     shutil.copytree(foreign_shards, data)
-    write_index(index_shards(split_by_name(stores.expand([str(data)])), IndexOptions()), None)
+    write_index(index_shards(split_by_name(shardlists.expand([str(data)])), IndexOptions()), None)
     assert (data / "train-0000.tar").stat().st_size == (data / "train-0001.tar").stat().st_size  # 12 samples each
     shutil.copy(data / "train-0001.tar", data / "train-0000.tar")
     assert failed_run(data, tmp_path, capfd) == (
@@ -158,7 +160,7 @@ def test_an_indexed_shard_overwritten_by_one_of_the_same_size_fails_its_first_ke
 def test_png_shards_with_folder_keys_and_json_class_names_train(tmp_path: Path) -> None:
     shards = tmp_path / "png"
     foreign.png_shards(shards, label="name")
-    write_index(index_shards({"train": stores.expand([str(shards)])}, IndexOptions(label_field="class")), None)
+    write_index(index_shards({"train": shardlists.expand([str(shards)])}, IndexOptions(label_field="class")), None)
     audit_dir = tmp_path / "audit"
     cfg = small_config(shards, mode="split", num_epochs=2, audit_dir=str(audit_dir))
     final = train(cfg, World(), run_dir=RunDir(tmp_path / "run"))
