@@ -64,10 +64,10 @@ from typing import Any
 
 import torch
 import webdataset as wds
-from loader_bench import BATCH, photos, timed
+from loader_bench import BATCH, photos
+from store_bench import loader_rate as store_loader_rate
 from store_bench import store_cpu_s, store_pid, weed_version
 
-from raywds.config import TrainConfig
 from raywds.data import shardlists, stores
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.dataset import manifest_for
@@ -75,9 +75,6 @@ from raywds.data.http import ReadPolicy
 from raywds.data.index import index_shards
 from raywds.data.manifest import Manifest, read_manifest
 from raywds.data.options import IndexOptions
-from raywds.loader.loader import train_loader
-from raywds.plan.modes import epoch_plan
-from raywds.world import World
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import s3server  # the tests' private SeaweedFS: own temp dir, ports and keys; stopped by its PID
@@ -254,17 +251,8 @@ def http_server(folder: Path, log: Path, rate: float = 0.0) -> Iterator[tuple[st
 
 
 def loader_rate(manifest: Manifest, data: str, workers: int, num_images: int) -> float:
-    """raywds's train loader as loader_bench.py times it: images/s after the first batch."""
-    cfg = TrainConfig(
-        data=data,
-        model="demo",
-        batch_size_per_rank=BATCH,
-        num_loader_workers_per_rank=workers,
-        image_size_px=224,
-        decode="cpu",
-    )
-    batches = train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
-    return timed(batches, num_images)
+    """raywds's train loader over `manifest`'s shards, as store_bench.py times it."""
+    return store_loader_rate(data, workers, num_images, manifest=manifest)
 
 
 def paired(rounds: Rounds, name: str, base: str) -> float:

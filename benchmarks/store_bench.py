@@ -55,7 +55,7 @@ from loader_bench import BATCH, build_tree, photos, timed
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.http import ReadPolicy
-from raywds.data.manifest import read_manifest
+from raywds.data.manifest import Manifest, read_manifest
 from raywds.data.stores import open_shard
 from raywds.data.upload import upload
 from raywds.loader.loader import train_loader
@@ -125,9 +125,10 @@ def read_pyarrow_file(fs: Any, bucket: str, key: str, size: int) -> int:
     return drain(io.BytesIO(data), key, size)
 
 
-def loader_rate(data: str, workers: int, num_images: int, skip: int = 0) -> float:
-    """raywds's train loader as loader_bench.py times it, on local shards or an s3:// prefix;
-    with `skip`, timed only after the first `skip` images (once the shuffle buffers are full)."""
+def loader_rate(data: str, workers: int, num_images: int, skip: int = 0, manifest: Manifest | None = None) -> float:
+    """raywds's train loader as loader_bench.py times it, on local shards or an s3:// prefix (or
+    the shards `manifest` lists); with `skip`, timed only after the first `skip` images (once the
+    shuffle buffers are full)."""
     cfg = TrainConfig(
         data=data,
         model="demo",
@@ -136,7 +137,7 @@ def loader_rate(data: str, workers: int, num_images: int, skip: int = 0) -> floa
         image_size_px=224,
         decode="cpu",
     )
-    manifest = read_manifest(data)
+    manifest = manifest or read_manifest(data)
     batches = iter(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0))
     skipped = 0
     while skipped < skip:

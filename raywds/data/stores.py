@@ -11,13 +11,14 @@ mistaken for a folder named `gs:`; a scheme raywds does not read is one line nam
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
 import secrets
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -139,16 +140,8 @@ def read_bytes(where: str, timeout_s: float = 30.0, s3_endpoint: str | None = No
     if kind == GS:
         return gcs.read_bytes(where, timeout_s)
     if kind == HTTP:
-        import urllib.error
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(where, timeout=timeout_s) as response:
-                return response.read()  # type: ignore[no-any-return]
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                raise FileNotFoundError(where) from None
-            raise
+        with _http(where, "GET", timeout_s) as response:
+            return response.read()  # type: ignore[no-any-return]
     if kind == PIPE:
         raise DataError(f"{where}: a pipe: command is read as a shard, not as a manifest; give the manifest's path")
     return Path(local_path(where)).read_bytes()
@@ -163,22 +156,28 @@ def stat(where: str, timeout_s: float = 30.0, s3_endpoint: str | None = None) ->
     if kind == GS:
         return gcs.stat(where, timeout_s)
     if kind == HTTP:
-        import urllib.error
-        import urllib.request
-
-        request = urllib.request.Request(where, method="HEAD")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                stamp = response.headers.get("ETag") or response.headers.get("Last-Modified") or ""
-                return int(response.headers.get("Content-Length", -1)), stamp.strip('"')
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                raise FileNotFoundError(where) from None
-            raise
+        with _http(where, "HEAD", timeout_s) as response:
+            stamp = response.headers.get("ETag") or response.headers.get("Last-Modified") or ""
+            return int(response.headers.get("Content-Length", -1)), stamp.strip('"')
     if kind == PIPE:
         return -1, ""
     info = os.stat(local_path(where))
     return info.st_size, f"mtime:{info.st_mtime_ns}"
+
+
+@contextlib.contextmanager
+def _http(url: str, method: str, timeout_s: float) -> Iterator[Any]:
+    """An http(s) response to a small request; FileNotFoundError on a 404."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=timeout_s) as response:
+            yield response
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise FileNotFoundError(url) from None
+        raise
 
 
 def write_bytes(where: str, data: bytes, s3_endpoint: str | None = None) -> None:
