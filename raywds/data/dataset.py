@@ -23,11 +23,13 @@ from typing import Any
 
 from raywds.config import TrainConfig
 from raywds.data import shardlists, stores
+from raywds.data.columns import COLUMNS
 from raywds.data.http import ReadPolicy
 from raywds.data.index import index_shards
 from raywds.data.manifest import MANIFEST, Manifest, read_manifest, split_location, write_manifest
 from raywds.data.options import IndexOptions
 from raywds.data.shardlists import split_by_name
+from raywds.data.stores import write_atomic
 from raywds.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,18 @@ def cache_dir(given: str | None = None) -> Path:
     return Path(root)
 
 
-def manifest_of(cfg: TrainConfig) -> Manifest:
-    """The manifest a run trains on (`manifest_for` its --data and --val-data)."""
+def manifest_of(cfg: TrainConfig, *, trusted: bytes | None = None) -> Manifest:
+    """The manifest a run trains on (`manifest_for` its --data and --val-data). `trusted`: the
+    manifest the run's driver indexed --data into (`raywds ray`, `index_of`), put into this node's
+    cache and read as it is: a worker on another node neither indexes the shards again nor asks
+    the store about each of them (1,024 requests a rank for ImageNet, at every start)."""
+    if trusted is not None:
+        folder = _folder(cfg.data, cfg.val_data, cfg.index_cache, IndexOptions())
+        if not (folder / MANIFEST).is_file() or (folder / MANIFEST).read_bytes() != trusted:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / COLUMNS).unlink(missing_ok=True)  # another index's columns: the JSON is the manifest
+            write_atomic(folder / MANIFEST, trusted)
+        return read_manifest(str(folder), s3_endpoint=cfg.s3_endpoint)
     return manifest_for(
         cfg.data,
         val_data=cfg.val_data,
@@ -75,18 +87,11 @@ def manifest_for(
     """The manifest for --data: the one at that folder, file or prefix; else (shards named as
     WebDataset users name them, or a folder of shards with no manifest) an index of them, made once
     into the cache and reused while every shard keeps its size and stamp."""
-    if val_data is None and not names_shards(data):
-        _, where = _manifest_place(data)
-        if where is None or stores.scheme(data) == stores.HTTP or _exists(where, s3_endpoint):
-            return read_manifest(data, shards_at=shards_at, s3_endpoint=s3_endpoint)
-        try:
-            shardlists.expand([data], s3_endpoint)
-        except shardlists.NoShards:  # a folder or prefix with neither a manifest nor shards: say what to run
-            return read_manifest(data, shards_at=shards_at, s3_endpoint=s3_endpoint)
+    if not needs_index(data, val_data, s3_endpoint):
+        return read_manifest(data, shards_at=shards_at, s3_endpoint=s3_endpoint)
     options = options or IndexOptions()
     specs = {"data": data, "val_data": val_data, "options": asdict(options)}
-    key = hashlib.sha256(json.dumps(specs, sort_keys=True).encode()).hexdigest()[:20]
-    folder = cache_dir(index_cache) / key
+    folder = _folder(data, val_data, index_cache, options)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks on one node index once; the others wait and read it
@@ -121,6 +126,35 @@ def manifest_for(
             folder,
         )
     return read_manifest(str(folder), s3_endpoint=s3_endpoint)
+
+
+def needs_index(data: str, val_data: str | None, s3_endpoint: str | None) -> bool:
+    """Whether --data names shards to index (else it names a manifest, or a place that lacks one)."""
+    if val_data is not None or names_shards(data):
+        return True
+    _, where = _manifest_place(data)
+    if where is None or stores.scheme(data) == stores.HTTP or _exists(where, s3_endpoint):
+        return False
+    try:
+        shardlists.expand([data], s3_endpoint)
+    except shardlists.NoShards:  # a folder or prefix with neither a manifest nor shards: say what to run
+        return False
+    return True
+
+
+def index_of(cfg: TrainConfig) -> bytes | None:
+    """The manifest.json this node indexed the run's --data into (after `manifest_of`), for the
+    run's other nodes (`manifest_of(trusted=)`); None where --data names a manifest."""
+    if not needs_index(cfg.data, cfg.val_data, cfg.s3_endpoint):
+        return None
+    path = _folder(cfg.data, cfg.val_data, cfg.index_cache, IndexOptions()) / MANIFEST
+    return path.read_bytes() if path.is_file() else None
+
+
+def _folder(data: str, val_data: str | None, index_cache: str | None, options: IndexOptions) -> Path:
+    """The cache entry of an index: keyed by the shards as named and the options."""
+    specs = {"data": data, "val_data": val_data, "options": asdict(options)}
+    return cache_dir(index_cache) / hashlib.sha256(json.dumps(specs, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def _manifest_place(data: str) -> tuple[str, str | None]:

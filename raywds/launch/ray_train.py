@@ -22,7 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raywds import console
 from raywds.config import TrainConfig
-from raywds.data.dataset import manifest_of
+from raywds.data.dataset import index_of, manifest_of
 from raywds.errors import ConfigError, RaywdsError, one_line, own_cause
 from raywds.launch.cluster import (
     WorkerPlan,
@@ -87,6 +87,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     console.configure()
     cfg = TrainConfig.from_dict(config["config"])
     loaders = RayData(Plane(**config["plane"])) if config.get("plane") else None
+    manifest = manifest_of(cfg, trusted=config["index"]) if config.get("index") else None  # the driver's index
     context = ray.train.get_context()  # RAY
     world = World(
         rank=context.get_world_rank(),
@@ -105,7 +106,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             log.info(f"restarted: resuming from the checkpoint at step {resume['steps']} on {world.world_size} rank(s)")
     run_dir = open_run_dir(cfg) if world.is_main else None
     try:
-        train(cfg, world, functools.partial(report_to_ray, run_dir=run_dir), resume, run_dir=run_dir, loaders=loaders)
+        report = functools.partial(report_to_ray, run_dir=run_dir)
+        train(cfg, world, report, resume, run_dir=run_dir, loaders=loaders, manifest=manifest)
     finally:
         if run_dir is not None:
             run_dir.close()
@@ -250,7 +252,11 @@ def make_trainer(
     """The TorchTrainer that runs train_loop_per_worker on `plan`'s workers."""
     return TorchTrainer(  # RAY
         train_loop_per_worker,
-        train_loop_config={"config": cfg.to_dict(), "plane": dataclasses.asdict(plane) if plane else None},
+        train_loop_config={
+            "config": cfg.to_dict(),
+            "plane": plane and dataclasses.asdict(plane),
+            "index": index_of(cfg),
+        },
         scaling_config=ray.train.ScalingConfig(
             num_workers=plan.ray_num_workers,  # type: ignore[arg-type]  # V2 takes (min, max); mypy sees V1's
             use_gpu=plan.use_gpu,

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
-from raywds.data.dataset import manifest_of
+from raywds.data.dataset import Manifest, manifest_of
 from raywds.errors import DataError
 from raywds.loader.loader import Loaders, PerRank
 from raywds.loader.settings import LoaderConfig
@@ -56,6 +56,7 @@ class Trainer:
         resume: dict[str, Any] | None,
         run_dir: RunDir | None = None,
         loaders: Loaders | None = None,
+        manifest: Manifest | None = None,
     ):
         torch.manual_seed(cfg.seed)
         self.cfg, self.world, self.run_dir, self.workers = cfg, world, run_dir, Workers(cfg, world)
@@ -63,7 +64,7 @@ class Trainer:
             run_dir.open_tensorboard()
         self.loaders: Loaders = loaders if loaders is not None else PerRank()
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
-        self.manifest = manifest_of(cfg)
+        self.manifest = manifest if manifest is not None else manifest_of(cfg)
         self.num_samples = self.manifest.num_samples("train")
         self.shard_sizes = sample_counts(self.manifest.shards("train"))
         self.compute = Compute.for_run(cfg, world.device)
@@ -152,9 +153,8 @@ class Trainer:
         return cfg.max_steps is not None and self.progress.steps >= cfg.max_steps
 
     def maybe_checkpoint(self, epoch: Epoch, step: int) -> bool:
-        """After in-epoch `step`: checkpoint when max_steps or checkpoint_every_steps says so,
-        only where every rank is still in the loop (collectives cannot meet a joined rank);
-        True to stop at max_steps."""
+        """After in-epoch `step`: checkpoint when max_steps or checkpoint_every_steps says so, only
+        where every rank is still in the loop (collectives cannot meet a joined rank); True: stop."""
         cfg = self.cfg
         if step > epoch.plan.min_batches:
             return False
@@ -289,11 +289,12 @@ def train(
     *,
     run_dir: RunDir | None = None,
     loaders: Loaders | None = None,
+    manifest: Manifest | None = None,
 ) -> Metrics:
     """Train for cfg.num_epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or cfg.resume_from;
-    returns the last metrics, the same on every rank. Rank 0's `run_dir` gets progress rows and is the
-    report (metrics, checkpoint, best/) unless `report` is given; `loaders`: where batches come from."""
+    returns the last metrics, the same on every rank. Rank 0's `run_dir` gets progress rows and is the report
+    unless `report` is given; `loaders`: where batches come from; `manifest`: cfg.data's, where known."""
     if resume is None and cfg.resume_from:
         resume = load_checkpoint(cfg.resume_from)
         check_unfinished(resume, cfg)
-    return Trainer(cfg, world, report, resume, run_dir, loaders).fit()
+    return Trainer(cfg, world, report, resume, run_dir, loaders, manifest).fit()

@@ -530,3 +530,26 @@ def test_verify_checks_indexed_shards_by_what_the_index_recorded(tmp_path: Path)
     shutil.copy(tmp_path / "same" / names[1], tmp_path / "same" / names[0])
     count, problems = verify(tmp_path / "same")
     assert count == 3 and problems == [f"{names[0]}: first sample k00016, manifest says k00000"], problems
+
+
+def test_a_worker_on_another_node_takes_the_drivers_index_and_reads_no_shard(wds_dir: Path, tmp_path: Path) -> None:
+    """`raywds ray`: the driver indexes --data and hands the manifest to the workers, so a node
+    with an empty cache neither indexes the shards again nor asks the store about each one. Here
+    the shards are gone by the time the worker reads its manifest: it still gets the driver's."""
+    from raywds.config import TrainConfig
+    from raywds.data.dataset import index_of, manifest_of
+
+    data = tmp_path / "shards"
+    shutil.copytree(wds_dir, data)
+    driver = TrainConfig(data=f"{data}/train-{{0000..0003}}.tar", index_cache=str(tmp_path / "head"))
+    assert index_of(driver) is None, "nothing indexed yet"
+    indexed = manifest_of(driver)
+    text = index_of(driver)
+    assert text is not None and json.loads(text)["splits"]["train"]["num_samples"] == 30
+    shutil.rmtree(data)
+    worker = TrainConfig(data=driver.data, index_cache=str(tmp_path / "other-node"))
+    with pytest.raises(DataError, match=r"^4 of 4 shards cannot be indexed"):
+        manifest_of(worker)  # on its own it would read every shard again
+    got = manifest_of(worker, trusted=text)
+    assert list(got.shards("train")) == list(indexed.shards("train")) and got.first_keys == indexed.first_keys
+    assert index_of(TrainConfig(data=str(wds_dir))) is None, "a folder with a manifest is read, not indexed"
