@@ -1,6 +1,6 @@
 """Google Cloud Storage (`gs://bucket/key`) through its JSON API, over the same HTTP reader as
 every other store (raywds.data.http): one streaming GET per shard from the byte it needs,
-retried and resumed at the byte like an http(s) or s3:// shard.
+retried and resumed like an http(s) shard (from its last whole 1 MiB piece).
 
 Credentials are Google's Application Default Credentials, found by google-auth:
 GOOGLE_APPLICATION_CREDENTIALS, gcloud's ADC file (`gcloud auth application-default login`),
@@ -8,12 +8,13 @@ or the metadata server on GCE and GKE. Without any, requests go out anonymously,
 a public bucket is read. `STORAGE_EMULATOR_HOST` (as Google's own clients read it) points
 every request at an emulator, anonymously.
 
-Why not google-cloud-storage, gcsfs or pyarrow's GcsFileSystem: a shard read must resume at
-the byte after a dropped connection, count its retries and honour the loader's timeouts, which
+Why not google-cloud-storage, gcsfs or pyarrow's GcsFileSystem: a shard read must resume after a
+dropped connection, count its retries into `read_retries` and honour the loader's timeouts, which
 the http(s) and s3 readers already do over one streaming GET; the JSON API's media download is
 that same GET, so the readers share their code, and google-auth (which Ray already brings) is
-the only library it needs. pyarrow's file system reads a shard as ranged reads of the caller's
-size (a round trip each) and hides the status behind an OSError (docs/stores.md).
+the only library it needs. Measured against pyarrow's GcsFileSystem on the same objects
+(benchmarks/gcs_bench.py, a local emulator): 3,728 MB/s against 3,183 for its stream reader, at
+0.05 against 0.09 CPU seconds a pass.
 
     read_bytes("gs://bucket/imagenet/manifest.json")
     for name, size, etag in listing("gs://bucket/imagenet/"): ...
