@@ -90,7 +90,7 @@ class Entries:
                 data = self._read(size)
                 if len(data) < size:
                     raise tarfile.ReadError("unexpected end of data")
-                self._read(-size % BLOCK)
+                self._skip(-size % BLOCK)
                 if kind == b"x" and (b"path=" in data or b"size=" in data):  # most say only an mtime
                     records = _pax(data)
                     path = records.get(b"path", path)
@@ -115,7 +115,7 @@ class Entries:
                 data = self._read(size)
                 if len(data) < size:
                     raise tarfile.ReadError("unexpected end of data")
-                self._read(-size % BLOCK)
+                self._skip(-size % BLOCK)
                 yield name, member, size, data  # type: ignore[misc]
             else:
                 self._skip(size + (-size % BLOCK))
