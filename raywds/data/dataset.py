@@ -26,7 +26,7 @@ from raywds.data import shardlists, stores
 from raywds.data.columns import COLUMNS
 from raywds.data.http import ReadPolicy
 from raywds.data.index import index_shards
-from raywds.data.manifest import MANIFEST, Manifest, read_manifest, split_location, write_manifest
+from raywds.data.manifest import MANIFEST, Manifest, read_manifest, shard_url, split_location, write_manifest
 from raywds.data.options import IndexOptions
 from raywds.data.shardlists import split_by_name
 from raywds.data.stores import write_atomic
@@ -90,7 +90,7 @@ def manifest_for(
     if not needs_index(data, val_data, s3_endpoint):
         return read_manifest(data, shards_at=shards_at, s3_endpoint=s3_endpoint)
     options = options or IndexOptions()
-    specs = {"data": data, "val_data": val_data, "options": asdict(options)}
+    specs = _specs(data, val_data, options)
     folder = _folder(data, val_data, index_cache, options)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
@@ -153,12 +153,16 @@ def index_of(cfg: TrainConfig) -> bytes | None:
 
 def _folder(data: str, val_data: str | None, index_cache: str | None, options: IndexOptions) -> Path:
     """The cache entry of an index: keyed by the shards as named and the options."""
-    specs = {"data": data, "val_data": val_data, "options": asdict(options)}
-    return cache_dir(index_cache) / hashlib.sha256(json.dumps(specs, sort_keys=True).encode()).hexdigest()[:20]
+    key = hashlib.sha256(json.dumps(_specs(data, val_data, options), sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir(index_cache) / key
+
+
+def _specs(data: str, val_data: str | None, options: IndexOptions) -> dict[str, Any]:
+    """What an index was made from (kept in it as `indexed_from`, and its cache key)."""
+    return {"data": data, "val_data": val_data, "options": asdict(options)}
 
 
 def _manifest_place(data: str) -> tuple[str, str | None]:
-
     try:
         return split_location(data)
     except DataError:
@@ -178,11 +182,7 @@ def _changed(path: Path, s3_endpoint: str | None) -> list[str]:
     raw = json.loads(path.read_bytes())
     base = raw.get("shards_at") or str(path.parent)
     entries = [
-        (
-            stores.join(base, s["name"]) if "{}" not in base else base.replace("{}", s["name"]),
-            s,
-            info["stamps"].get(s["name"], ""),
-        )
+        (shard_url(base, s["name"]), s, info["stamps"].get(s["name"], ""))
         for info in raw["splits"].values()
         for s in info["shards"]
     ]

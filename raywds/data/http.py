@@ -68,7 +68,8 @@ def _status_error(url: str, status: int, reason: str) -> ShardError:
     return ShardError(f"shard {url} answered HTTP {status} {reason}")
 
 
-def _moved(url: str, actual: int, listed: int) -> ShardMismatch:
+def size_mismatch(url: str, actual: int, listed: int) -> ShardMismatch:
+    """A shard of another size than its manifest entry's: not the shard the manifest lists."""
     return ShardMismatch(
         f"shard {url} is {actual} bytes, its manifest entry {listed}: it changed after the manifest was made; "
         "run `raywds verify` (or `raywds index` again for shards raywds did not write)"
@@ -132,7 +133,7 @@ class HttpShard(io.RawIOBase):
         if length is not None and response.status == 200:
             if self.size is not None and not self.pos and int(length) != self.size:
                 conn.close()
-                raise _moved(self.url, int(length), self.size)
+                raise size_mismatch(self.url, int(length), self.size)
             self.size = int(length)
         self._conn, self._response = conn, response
 
@@ -232,7 +233,7 @@ class S3Shard(HttpShard):
             raise ShardError(f"shard {s3.error_line(e, self.url, where)}") from None
         if self.size is not None and not self.pos and int(answer["ContentLength"]) != self.size:
             answer["Body"].close()
-            raise _moved(self.url, int(answer["ContentLength"]), self.size)
+            raise size_mismatch(self.url, int(answer["ContentLength"]), self.size)
         if self.size is None:
             self.size = self.pos + int(answer["ContentLength"])
         self._conn, self._response = answer["Body"], _Partial(answer["Body"]._raw_stream)  # type: ignore[assignment]

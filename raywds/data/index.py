@@ -26,7 +26,6 @@ import logging
 import os
 import tarfile
 import time
-from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
@@ -39,14 +38,6 @@ from raywds.data.options import IndexOptions
 from raywds.errors import DataError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Sample:
-    key: str
-    offset: int
-    exts: list[str] = field(default_factory=list)
-    label: bytes | None = None
 
 
 @dataclass
@@ -86,27 +77,6 @@ class _Counting:
         return data
 
 
-def _samples(entries: Iterable[tuple[str, int, int, bytes | None]]) -> Iterator[Sample]:
-    """The tar's samples, as webdataset groups them (consecutive members of one key), each with its
-    first header's offset and the bytes of its label member (the only data read)."""
-    current: Sample | None = None
-    for name, offset, _, data in entries:
-        if tars.SKIP.match(name):
-            continue
-        key, ext = tars.key_and_ext(name)
-        if key is None or ext is None:
-            continue
-        if current is None or key != current.key:
-            if current is not None:
-                yield current
-            current = Sample(key, offset)
-        current.exts.append(ext)
-        if data is not None:
-            current.label = data
-    if current is not None:
-        yield current
-
-
 def index_shard(url: str, rules: Rules, policy: ReadPolicy) -> Shard:
     """Read one shard's keys and labels; its problems go into `error` (the shard) or `skipped` (samples)."""
     shard = Shard(url)
@@ -119,7 +89,7 @@ def index_shard(url: str, rules: Rules, policy: ReadPolicy) -> Shard:
         with contextlib.closing(raw):
             counting = _Counting(raw, hashing=not local and not rules.options.skip_hash)
             walk = tars.Entries(counting, wanted=rules.wanted)  # type: ignore[arg-type]
-            for sample in _samples(walk):
+            for sample in tars.samples(walk):
                 _add(shard, sample, rules)
             if walk.end is None:
                 raise tarfile.ReadError("it ends without the end-of-archive block: cut short")
@@ -147,7 +117,7 @@ def index_shard(url: str, rules: Rules, policy: ReadPolicy) -> Shard:
     return shard
 
 
-def _add(shard: Shard, sample: Sample, rules: Rules) -> None:
+def _add(shard: Shard, sample: tars.Sample, rules: Rules) -> None:
     why = ""
     try:
         image = rules.image(sample.key, sample.exts)

@@ -24,8 +24,8 @@ from typing import Any, BinaryIO
 
 from raywds.data import gcs, s3
 from raywds.data.cache import CachingReader, cache_path
-from raywds.data.http import GcsShard, HttpShard, ReadPolicy, S3Shard
-from raywds.errors import DataError, ShardError, ShardMismatch
+from raywds.data.http import GcsShard, HttpShard, ReadPolicy, S3Shard, size_mismatch
+from raywds.errors import DataError, ShardError
 
 LOCAL, HTTP, PIPE, S3, GS = "local", "http", "pipe", "s3", "gs"
 SCHEMES = {"file": LOCAL, "http": HTTP, "https": HTTP, "s3": S3, "gs": GS}
@@ -94,10 +94,7 @@ def open_shard(
         raise ShardError(f"shard {url}: cannot open it: {e.strerror}") from None
     if size is not None and (actual := os.fstat(stream.fileno()).st_size) != size:
         stream.close()
-        raise ShardMismatch(
-            f"shard {url} is {actual} bytes, its manifest entry {size}: it changed after the manifest was made; "
-            "run `raywds verify` (or `raywds index` again for shards raywds did not write)"
-        )
+        raise size_mismatch(url, actual, size)
     return stream
 
 

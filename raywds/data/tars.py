@@ -22,6 +22,7 @@ import re
 import tarfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 BLOCK = 512
@@ -147,6 +148,38 @@ def _pax(data: bytes) -> dict[bytes, bytes]:
         records[key] = value
         pos = end
     return records
+
+
+@dataclass
+class Sample:
+    """One sample of a tar as webdataset groups it: its key, its first header's offset, its
+    members' extensions and the data of the one member read (`Entries`'s `wanted`), if any."""
+
+    key: str
+    offset: int
+    exts: list[str] = field(default_factory=list)
+    label: bytes | None = None
+
+
+def samples(entries: Iterable[tuple[str, int, int, bytes | None]]) -> Iterator[Sample]:
+    """`Entries` grouped into samples as webdataset groups members (consecutive members of one key;
+    `__key__`-like members skipped), without keeping any member's data but a wanted one's."""
+    current: Sample | None = None
+    for name, offset, _, data in entries:
+        if SKIP.match(name):
+            continue
+        key, ext = key_and_ext(name)
+        if key is None or ext is None:
+            continue
+        if current is None or key != current.key:
+            if current is not None:
+                yield current
+            current = Sample(key, offset)
+        current.exts.append(ext)
+        if data is not None:
+            current.label = data
+    if current is not None:
+        yield current
 
 
 def key_and_ext(name: str) -> tuple[str | None, str | None]:

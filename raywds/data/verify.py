@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from raywds.data import columns, s3, stores
+from raywds.data import columns, s3, stores, tars
 from raywds.data.http import ReadPolicy
 from raywds.data.layout import IMAGE_EXTENSIONS
 from raywds.data.manifest import read_location, read_manifest, split_location, write_atomic
 from raywds.data.members import Members
-from raywds.data.tars import key_and_ext, members
+from raywds.data.tars import members
 from raywds.errors import DataError, ShardError
 
 IMAGE_KEYS = set(IMAGE_EXTENSIONS.values())
@@ -88,6 +88,9 @@ class _Counted:
     def __init__(self, source: Any):
         self.source, self.digest, self.size = source, hashlib.sha256(), 0
 
+    def seekable(self) -> bool:
+        return False  # every byte goes through the hash
+
     def read(self, n: int = -1) -> bytes:
         data: bytes = self.source.read(n)
         self.digest.update(data)
@@ -122,20 +125,9 @@ def _check_stream(
 
 def _check_indexed(stream: BinaryIO, num_samples: int, rules: Members, first_key: str) -> list[str]:
     """A foreign shard's samples as the loader counts them (those with an image and a label member)."""
-    keys: list[str] = []
-    current: dict[str, Any] = {}
     try:
-        for name, _ in members(stream):
-            key, ext = key_and_ext(name)
-            if key is None or ext is None:
-                continue
-            if current and current["__key__"] != key:
-                keys += [current["__key__"]] if rules.usable(current) else []
-                current = {}
-            current.setdefault("__key__", key)
-            current[ext] = b""
-        if current and rules.usable(current):
-            keys.append(current["__key__"])
+        found = tars.samples(tars.Entries(stream, wanted=lambda name, size: False))
+        keys = [sample.key for sample in found if rules.usable(dict.fromkeys(sample.exts))]
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         return [f"unreadable tar ({e})"]
     problems = [f"{len(keys)} samples, manifest says {num_samples}"] if len(keys) != num_samples else []
