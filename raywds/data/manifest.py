@@ -45,7 +45,7 @@ class Manifest:
     members: Members = field(default_factory=lambda: Members())
     """Which members of a sample hold its image and label (raywds's own shards: .jpg and .cls)."""
     first_keys: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
-    """Each shard's first sample key, by URL, where the manifest records it: checked at open."""
+    """Each shard's first sample key, by shard name, where the manifest records it: checked at open."""
 
     def shards(self, split: str) -> Sequence[ShardInfo]:
         if split not in self.splits or not self.splits[split]:
@@ -164,11 +164,9 @@ def read_manifest(
             "digits, . _ + -, no leading dot), so that it stays in its folder and out of a --shards-at command"
         )
     base = shards_at or raw.get("shards_at") or base
-    manifest = Manifest(base=base, classes=list(raw["classes"]), splits=splits, members=Members.of(raw.get("members")))
-    for info in raw["splits"].values():
-        for name, key in info.get("first_keys", {}).items():
-            manifest.first_keys[shard_url(base, name)] = key
-    return manifest
+    first_keys = {name: key for info in raw["splits"].values() for name, key in info.get("first_keys", {}).items()}
+    members = Members.of(raw.get("members"))
+    return Manifest(base=base, classes=list(raw["classes"]), splits=splits, members=members, first_keys=first_keys)
 
 
 def _check_format(raw: Any, where: str) -> None:

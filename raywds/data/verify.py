@@ -168,7 +168,7 @@ def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, l
             expected = (shard.num_samples, shard.num_bytes, shard.sha256)
             if indexed is not None or stores.scheme(url) not in (stores.LOCAL, stores.S3):
                 problems += _check_any(
-                    url, shard.name, *expected, indexed, manifest.first_keys.get(url, ""), s3_endpoint
+                    url, shard.name, *expected, indexed, manifest.first_keys.get(shard.name, ""), s3_endpoint
                 )
             elif s3.is_s3(url):
                 problems += check_object(url, *expected, s3_endpoint)

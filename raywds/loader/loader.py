@@ -62,7 +62,7 @@ def expected(manifest: Manifest, split: str, names: set[str] | None = None) -> d
             num_bytes=s.num_bytes,
             sha256=s.sha256,
             first_id=first[i],
-            first_key=manifest.first_keys.get(url, ""),
+            first_key=manifest.first_keys.get(s.name, ""),
             members=manifest.members if manifest.members.drop_incomplete else None,
         )
         for i in places

@@ -96,7 +96,8 @@ def test_png_shards_with_folder_keys_and_json_labels_by_class_name(tmp_path: Pat
 
     read = read_manifest(write_index(manifest, None))
     assert read.members.label_names and read.classes == foreign.CLASS_NAMES
-    assert read.first_keys[str(tmp_path / "part-001.tar")] == "disc/img00010"
+    assert read.first_keys["part-001.tar"] == "disc/img00010"
+    assert read.url(next(s for s in read.shards("train") if s.name == "part-001.tar")) == str(tmp_path / "part-001.tar")
 
 
 def test_png_shards_with_json_labels_by_integer_field(tmp_path: Path) -> None:
@@ -265,7 +266,8 @@ def test_index_an_s3_prefix_writes_the_manifest_beside_the_shards_in_the_bucket(
     assert "shards_at" not in written  # beside the shards
     read = read_manifest(s3.url("ds"), s3_endpoint=s3.endpoint)
     assert read.base == s3.url("ds") and read.num_samples("train") == 30 and read.classes == ["0", "1", "2", "3", "4"]
-    assert read.first_keys[s3.url("ds/train-0002.tar")] == "sample000016"
+    assert read.first_keys["train-0002.tar"] == "sample000016"
+    assert read.url(read.shards("train")[2]) == s3.url("ds/train-0002.tar")
 
 
 # --- Where the manifest goes: beside the shards, else --out -----------------------------------------
