@@ -79,62 +79,75 @@ def _key(prefix: str, name: str) -> str:
 def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | None = None) -> int:
     """Put the shards of `manifest` from `folder` under `url`, then `folder`'s manifest files;
     returns how many shards were there already."""
-    if gcs.is_gs(url):
-        return _upload_gcs(folder, manifest, url)
-    from boto3.s3.transfer import TransferConfig
-
-    bucket, prefix = s3.split(url)
-    client = s3.client(endpoint)
+    bucket: _S3 | _Gcs = _Gcs(url) if gcs.is_gs(url) else _S3(url, endpoint)
     shards = [shard for info in manifest["splits"].values() for shard in info["shards"]]
-    missing = [shard for shard in shards if not _holds(client, bucket, _key(prefix, shard["name"]), shard)]
+    missing = [shard for shard in shards if not bucket.holds(shard)]
     if missing:
-        client.delete_object(Bucket=bucket, Key=_key(prefix, MANIFEST))
-    transfer = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
+        bucket.delete(MANIFEST)
     for shard in missing:
-        key = _key(prefix, shard["name"])
-        extra = {"Metadata": {"sha256": shard["sha256"]}}
-        client.upload_file(str(folder / shard["name"]), bucket, key, ExtraArgs=extra, Config=transfer)
-        _check_back(f"s3://{bucket}/{key}", shard, endpoint, partial(client.delete_object, Bucket=bucket, Key=key))
+        bucket.put_file(folder / shard["name"], shard)
+        _check_back(stores.join(url, shard["name"]), shard, endpoint, partial(bucket.delete, shard["name"]))
     for name in (TIMM_INFO, COLUMNS, MANIFEST):  # as the converter wrote them into the staging folder
         if (folder / name).is_file():  # (no columns from a conversion staged by an older raywds)
-            client.put_object(Bucket=bucket, Key=_key(prefix, name), Body=(folder / name).read_bytes())
+            bucket.put_bytes(name, (folder / name).read_bytes())
     return len(shards) - len(missing)
 
 
-def _upload_gcs(folder: Path, manifest: dict[str, Any], url: str) -> int:
-    """`upload` into a gs:// prefix: the same steps through the JSON API (raywds.data.gcs)."""
-    shards = [shard for info in manifest["splits"].values() for shard in info["shards"]]
+class _S3:
+    """An s3:// prefix, through boto3 (its transfer manager for the shards)."""
 
-    def holds(shard: dict[str, Any]) -> bool:
-        found = gcs.metadata(stores.join(url, shard["name"]))
+    def __init__(self, url: str, endpoint: str | None):
+        self.bucket, self.prefix = s3.split(url)
+        self.client = s3.client(endpoint)
+
+    def holds(self, shard: dict[str, Any]) -> bool:
+        """Whether the bucket has this very shard (size, and the sha256 our upload recorded)."""
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=_key(self.prefix, shard["name"]))
+        except s3.errors() as e:
+            if s3.status_and_code(e)[0] == 404:
+                return False
+            raise
+        return head["ContentLength"] == shard["num_bytes"] and head.get("Metadata", {}).get("sha256") == shard["sha256"]
+
+    def delete(self, name: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=_key(self.prefix, name))
+
+    def put_file(self, path: Path, shard: dict[str, Any]) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        transfer = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
+        extra = {"Metadata": {"sha256": shard["sha256"]}}
+        key = _key(self.prefix, shard["name"])
+        self.client.upload_file(str(path), self.bucket, key, ExtraArgs=extra, Config=transfer)
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=_key(self.prefix, name), Body=data)
+
+
+class _Gcs:
+    """A gs:// prefix, through the JSON API (raywds.data.gcs; resumable uploads for the shards)."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def holds(self, shard: dict[str, Any]) -> bool:
+        """Whether the bucket has this very shard (size, and the sha256 our upload recorded)."""
+        found = gcs.metadata(stores.join(self.url, shard["name"]))
         return (
             found is not None
             and int(found["size"]) == shard["num_bytes"]
             and (found.get("metadata") or {}).get("sha256") == shard["sha256"]
         )
 
-    missing = [shard for shard in shards if not holds(shard)]
-    if missing:
-        gcs.delete(stores.join(url, MANIFEST))
-    for shard in missing:
-        where = stores.join(url, shard["name"])
-        gcs.put_file(folder / shard["name"], where, {"sha256": shard["sha256"]})
-        _check_back(where, shard, None, partial(gcs.delete, where))
-    for name in (TIMM_INFO, COLUMNS, MANIFEST):
-        if (folder / name).is_file():
-            gcs.write_bytes(stores.join(url, name), (folder / name).read_bytes())
-    return len(shards) - len(missing)
+    def delete(self, name: str) -> None:
+        gcs.delete(stores.join(self.url, name))
 
+    def put_file(self, path: Path, shard: dict[str, Any]) -> None:
+        gcs.put_file(path, stores.join(self.url, shard["name"]), {"sha256": shard["sha256"]})
 
-def _holds(client: Any, bucket: str, key: str, shard: dict[str, Any]) -> bool:
-    """Whether the bucket has this very shard (size, and the sha256 our upload recorded)."""
-    try:
-        head = client.head_object(Bucket=bucket, Key=key)
-    except s3.errors() as e:
-        if s3.status_and_code(e)[0] == 404:
-            return False
-        raise
-    return head["ContentLength"] == shard["num_bytes"] and head.get("Metadata", {}).get("sha256") == shard["sha256"]
+    def put_bytes(self, name: str, data: bytes) -> None:
+        gcs.write_bytes(stores.join(self.url, name), data)
 
 
 def _check_back(url: str, shard: dict[str, Any], endpoint: str | None, remove: Callable[[], None]) -> None:
