@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from raywds.train.checkpoint import CHECKPOINT_FILE, save_checkpoint
+from raywds.runs.checkpoint import save_checkpoint
+from raywds.runs.files import CHECKPOINT as CHECKPOINT_FILE
 from raywds.train.model import build_model
 
 

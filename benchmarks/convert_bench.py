@@ -51,7 +51,7 @@ from pathlib import Path
 from raywds.data.convert import ConvertOptions, convert
 imported = time.perf_counter() - start
 if len(sys.argv) > 1:
-    convert(Path(sys.argv[1]), Path(sys.argv[2]), ConvertOptions(maxcount=100, num_workers=int(sys.argv[3])))
+    convert(Path(sys.argv[1]), Path(sys.argv[2]), ConvertOptions(maxcount=100, workers=int(sys.argv[3])))
 print(imported, "torch" in sys.modules, "webdataset" in sys.modules)
 """
 
@@ -98,7 +98,7 @@ def main() -> None:
         rates = {}
         for workers in (1, 2):
             start = time.perf_counter()
-            convert(root / "src", root / f"out{workers}", ConvertOptions(maxcount=100, num_workers=workers))
+            convert(root / "src", root / f"out{workers}", ConvertOptions(maxcount=100, workers=workers))
             seconds = time.perf_counter() - start
             rates[workers] = num_files / seconds
             print(
@@ -107,7 +107,7 @@ def main() -> None:
             )
         print(f"ratio workers 2 / workers 1: {rates[2] / rates[1]:.2f}x")
         start = time.perf_counter()
-        kept = ConvertOptions(maxcount=100, num_workers=1, keep_jpeg_bytes=True)
+        kept = ConvertOptions(maxcount=100, workers=1, keep_jpeg_bytes=True)
         convert(root / "src", root / "kept", kept)
         seconds = time.perf_counter() - start
         print(

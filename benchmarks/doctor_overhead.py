@@ -9,7 +9,7 @@
    vary by more than the clock costs on this shared machine, so the clock's own time a sample
    is also measured alone (200,000 samples through its stages around a decoder that does
    nothing but through the resize's own timer) and set against the loader's time a sample.
-2. The training loop: the marks each step takes (raywds.train.steptime: four marks, the
+2. The training loop: the marks each step takes (raywds.train.timing: four marks, the
    seconds between them, the rank's own CPU time), against one real step of a ResNet-50 at
    224 px, batch 32, on this CPU.
 """
@@ -35,14 +35,12 @@ from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import train_decoder
 from raywds.plan.modes import epoch_plan
 from raywds.train.model import build_model
-from raywds.train.steptime import StepTimer
+from raywds.train.timing import StepTimer
 from raywds.world import World
 
 
 def loader_rate(shards: Path, clocked: bool, num_images: int) -> float:
-    cfg = TrainConfig(
-        data=str(shards), model="demo", mode="split", batch_size_per_rank=BATCH, num_loader_workers_per_rank=1
-    )
+    cfg = TrainConfig(data=str(shards), model="demo", mode="split", batch_size=BATCH, loader_workers=1)
     manifest = read_manifest(str(shards))
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
     clock = Clock() if clocked else None

@@ -52,10 +52,10 @@ import torch
 import torch._dynamo
 import torchvision
 
-from raywds.config import Decoder, TrainConfig, resolve
+from raywds.config import DecodeName, TrainConfig, resolve
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import MANIFEST, read_manifest
-from raywds.loader import decode
+from raywds.loader import crops
 from raywds.loader.loader import train_loader
 from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
@@ -69,7 +69,7 @@ from raywds.world import World
 RECIPE = "imagenet-resnet50"
 NUM_CLASSES = 1000
 """The model's head, as on ImageNet (the sample's 100 classes use the first 100)."""
-SMALL: dict[str, Any] = dict(model="resnet18", image_size_px=32, batch_size_per_rank=16)
+SMALL: dict[str, Any] = dict(model="resnet18", image_size=32, batch_size=16)
 """What a CPU runs instead of the recipe's ResNet-50 at 224 px."""
 QUICK = dict(num_samples=1600, num_shards=16, workers="1,2", steps=5)
 """--quick's defaults (and 3 warm-up steps before each row, plus 2 per loader worker)."""
@@ -136,8 +136,8 @@ def config(args: argparse.Namespace, data: str) -> TrainConfig:
     small = SMALL if not args.device.startswith("cuda") else {}
     flags = {
         "model": args.model or small.get("model"),
-        "batch_size_per_rank": args.batch_size or small.get("batch_size_per_rank"),
-        "image_size_px": args.image_size or small.get("image_size_px"),
+        "batch_size": args.batch_size or small.get("batch_size"),
+        "image_size": args.image_size or small.get("image_size"),
     }
     return resolve(
         data,
@@ -186,7 +186,7 @@ def build_shards(images: list[Path], out: Path, num_samples: int, num_shards: in
                 shutil.copy(path, target)
             made += 1
     try:
-        options = ConvertOptions(maxcount=math.ceil(num_samples / num_shards), num_workers=len(cores()))
+        options = ConvertOptions(maxcount=math.ceil(num_samples / num_shards), workers=len(cores()))
         return convert(tree, out, options)
     finally:
         shutil.rmtree(tree, ignore_errors=True)
@@ -274,7 +274,7 @@ class Trainee:
 
 def synthetic(cfg: TrainConfig, device: str) -> Iterator[Batch]:
     """The same uint8 batch, already on the device, for ever."""
-    size, n = cfg.image_size_px, cfg.batch_size_per_rank
+    size, n = cfg.image_size, cfg.batch_size
     images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, device=device)
     labels = torch.randint(0, NUM_CLASSES, (n,), device=device)
     ids = torch.arange(n)
@@ -282,9 +282,11 @@ def synthetic(cfg: TrainConfig, device: str) -> Iterator[Batch]:
         yield Batch(images, labels, ids, [])
 
 
-def loader_row(trainee: Trainee, name: str, data: str, how: Decoder, workers: int, *, warmup: int, steps: int) -> Row:
+def loader_row(
+    trainee: Trainee, name: str, data: str, how: DecodeName, workers: int, *, warmup: int, steps: int
+) -> Row:
     cfg = dataclasses.replace(
-        trainee.cfg, data=data, decode=how, num_loader_workers_per_rank=workers, batches_per_epoch=warmup + steps
+        trainee.cfg, data=data, decode=how, loader_workers=workers, batches_per_epoch=warmup + steps
     )
     manifest = read_manifest(data)
     batches = train_loader(manifest, cfg, trainee.world, epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
@@ -310,8 +312,8 @@ def header(
     args: argparse.Namespace, cfg: TrainConfig, compute: Compute, manifest: dict[str, Any], num_photos: int
 ) -> dict[str, Any]:
     cuda = args.device.startswith("cuda")
-    if decode._jpeg is not None:
-        library = str(decode._jpeg.__file__)
+    if crops._jpeg is not None:
+        library = str(crops._jpeg.__file__)
         jpeg = f"raywds.loader._jpeg (region decoding), {library}, linked to {linked_libjpeg(library)}"
     else:
         jpeg = "fallback: whole-image decoding (raywds.loader._jpeg was not built)"
@@ -326,8 +328,8 @@ def header(
         "python": platform.python_version(),
         "model": cfg.model,
         "num_classes": NUM_CLASSES,
-        "image_size_px": cfg.image_size_px,
-        "batch_size": cfg.batch_size_per_rank,
+        "image_size": cfg.image_size,
+        "batch_size": cfg.batch_size,
         "precision": "bf16 autocast" if compute.autocast_dtype is not None else "fp32",
         "memory_format": "channels_last" if compute.channels_last else "contiguous",
         "compile": cfg.compile,
@@ -343,7 +345,7 @@ def header(
 def print_header(info: dict[str, Any]) -> None:
     if info["on_cpu"]:
         print(
-            f"RAN ON THE CPU WITH A SMALL MODEL ({info['model']}, {info['image_size_px']} px, batch "
+            f"RAN ON THE CPU WITH A SMALL MODEL ({info['model']}, {info['image_size']} px, batch "
             f"{info['batch_size']}): these are not GPU numbers; they show only that every row runs."
         )
     for key, value in info.items():
@@ -381,7 +383,7 @@ def run_rows(args: argparse.Namespace, trainee: Trainee, shards: Path, url: str 
         print(line(row, ratio=False), flush=True)
         return row
 
-    def from_loader(name: str, data: str, how: Decoder, workers: int) -> Row:
+    def from_loader(name: str, data: str, how: DecodeName, workers: int) -> Row:
         """The row, or where it fails (a decoder the device cannot run, say) a row saying why: the other rows go on."""
         warmup = warmup_steps(args, workers)
         try:
@@ -395,10 +397,10 @@ def run_rows(args: argparse.Namespace, trainee: Trainee, shards: Path, url: str 
     ceiling = trainee.measure("(a) synthetic, on the device", batches, warmup=warmup_steps(args, 0), steps=args.steps)
     rows = [shown(ceiling)]
     for how, name in (("cpu", "(b) local shards"), ("device", "(c) local shards")):
-        rows += [from_loader(name, str(shards), cast(Decoder, how), workers) for workers in args.worker_counts]
+        rows += [from_loader(name, str(shards), cast(DecodeName, how), workers) for workers in args.worker_counts]
     if url is not None:
         best = max((r for r in rows[1:] if not r.error), key=lambda r: r.images_per_s, default=rows[1])
-        rows.append(from_loader("(d) HTTP, embedded server", url, cast(Decoder, best.decode), best.num_workers))
+        rows.append(from_loader("(d) HTTP, embedded server", url, cast(DecodeName, best.decode), best.num_workers))
     for row in rows:
         row.vs_synthetic = row.images_per_s / ceiling.images_per_s
     return rows

@@ -74,7 +74,7 @@ from raywds.data.dataset import manifest_for
 from raywds.data.http import ReadPolicy
 from raywds.data.index import index_shards
 from raywds.data.manifest import Manifest, read_manifest
-from raywds.data.options import IndexOptions
+from raywds.data.shardoptions import IndexOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import s3server  # the tests' private SeaweedFS: own temp dir, ports and keys; stopped by its PID
@@ -178,7 +178,7 @@ def indexed(
 ) -> dict[str, float]:
     """`index_shards` on the shards: seconds (around the call), bytes it read, its own seconds."""
     start = time.perf_counter()
-    options = IndexOptions(num_workers=num_threads, skip_hash=skip_hash)
+    options = IndexOptions(workers=num_threads, skip_hash=skip_hash)
     manifest = index_shards({"train": urls}, options, policy=policy)
     seconds = time.perf_counter() - start
     found = manifest["splits"]["train"]["num_samples"]
@@ -385,16 +385,14 @@ def main() -> None:
         images = photos(args.images, root / "generated")
         kind = "generated" if images[0].is_relative_to(root) else "real ImageNet"
         build_tree(images, args.samples, root / "tree")
-        options = ConvertOptions(
-            maxcount=math.ceil(args.samples / args.shards), num_workers=cores, keep_jpeg_bytes=True
-        )
+        options = ConvertOptions(maxcount=math.ceil(args.samples / args.shards), workers=cores, keep_jpeg_bytes=True)
         own = convert(root / "tree", root / "own", options)
         paths = write_foreign(root / "own", own, images, root / "foreign")
         ustar = root / "foreign-ustar"  # the same, without a pax header before each member
         write_foreign(root / "own", own, images, ustar, whole_second_mtime=True)
         urls = [str(p) for p in paths]
         num_bytes = sum(p.stat().st_size for p in paths)
-        threads = max(1, min(IndexOptions().num_workers, len(urls)))
+        threads = max(1, min(IndexOptions().workers, len(urls)))
         brace = f"{{{0:06d}..{len(urls) - 1:06d}}}"
         show(
             f"{args.samples} JPEGs ({len(images)} {kind} photos, repeated) in {len(urls)} foreign shards "

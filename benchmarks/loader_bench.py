@@ -65,12 +65,12 @@ from PIL import Image, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from raywds.config import Decoder, TrainConfig
+from raywds.config import DecodeName, TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.images import with_restarts
 from raywds.data.manifest import read_manifest
 from raywds.data.tars import members
-from raywds.loader import crops, decode
+from raywds.loader import crops
 from raywds.loader.blocks import Blocks
 from raywds.loader.clock import Spent
 from raywds.loader.loader import train_loader
@@ -140,11 +140,11 @@ def parallel_loop_rate(datas: list[bytes], fn: Callable[[bytes], object], proces
 
 def whole_image_crop(data: bytes) -> object:
     """raywds's crop as it runs where raywds.loader._jpeg was not built."""
-    saved, decode._jpeg = decode._jpeg, None  # type: ignore[assignment]
+    saved, crops._jpeg = crops._jpeg, None  # type: ignore[assignment]
     try:
-        return decode.train_crop(data, 224, (0.08, 1.0))
+        return crops.train_crop(data, 224, (0.08, 1.0))
     finally:
-        decode._jpeg = saved
+        crops._jpeg = saved
 
 
 def draw_rate(draw: Callable[[int, int], object], count: int = 3000) -> float:
@@ -211,7 +211,7 @@ def raywds_rate(
     workers: int,
     num_images: int,
     size: int,
-    how: Decoder,
+    how: DecodeName,
     reuse_blocks: bool = True,
     clocks: list[Spent] | None = None,
 ) -> float:
@@ -224,9 +224,9 @@ def raywds_rate(
     cfg = TrainConfig(
         data=str(shards),
         model="demo",
-        batch_size_per_rank=BATCH,
-        num_loader_workers_per_rank=workers,
-        image_size_px=size,
+        batch_size=BATCH,
+        loader_workers=workers,
+        image_size=size,
         decode=how,
     )
     manifest = read_manifest(str(shards))
@@ -294,8 +294,8 @@ def main() -> None:
         root = Path(tmp)
         images = photos(args.images, root / "generated")
         n = build_tree(images, args.copies, root / "tree")
-        convert(root / "tree", root / "shards", ConvertOptions(maxcount=100, num_workers=cores))
-        kept = ConvertOptions(maxcount=100, num_workers=cores, keep_jpeg_bytes=True)
+        convert(root / "tree", root / "shards", ConvertOptions(maxcount=100, workers=cores))
+        kept = ConvertOptions(maxcount=100, workers=cores, keep_jpeg_bytes=True)
         convert(root / "tree", root / "shards-kept", kept)  # the JPEGs byte for byte: no restart markers
         kind = "generated" if images[0].is_relative_to(root) else "real ImageNet"
         print(
@@ -306,14 +306,14 @@ def main() -> None:
         scaling = {w: f"raywds cpu, {w}w, 224" for w in counts}
         clocks: list[Spent] = []  # the 1-worker loader's own clock, each round
         runs: dict[str, Callable[[], float]] = {
-            "limit: full decode, decode_jpeg": partial(loop_rate, datas, decode.jpeg_tensor),
-            "limit: full decode, PIL": partial(loop_rate, datas, decode.open_rgb),
+            "limit: full decode, decode_jpeg": partial(loop_rate, datas, crops.jpeg_tensor),
+            "limit: full decode, PIL": partial(loop_rate, datas, crops.open_rgb),
             "loop: raywds crop (cpu), 224": partial(
-                loop_rate, datas, partial(decode.train_crop, size=224, scale=(0.08, 1.0))
+                loop_rate, datas, partial(crops.train_crop, size=224, scale=(0.08, 1.0))
             ),
             "loop: same, whole-image decoding": partial(loop_rate, datas, whole_image_crop),
             "loop: same, the JPEGs as convert stores them": partial(
-                loop_rate, [with_restarts(d) for d in datas], partial(decode.train_crop, size=224, scale=(0.08, 1.0))
+                loop_rate, [with_restarts(d) for d in datas], partial(crops.train_crop, size=224, scale=(0.08, 1.0))
             ),
         }
         runs["draw: torchvision get_params (crops/s)"] = partial(draw_rate, torchvision_draw)
@@ -338,7 +338,7 @@ def main() -> None:
             runs.setdefault(name, partial(raywds_rate, root / "shards", workers, n, 224, "cpu"))
         together = {w: f"limit: {w} full decodes at once" for w in counts if w > 1}
         for workers, name in together.items():
-            runs[name] = partial(parallel_loop_rate, datas, decode.jpeg_tensor, workers)
+            runs[name] = partial(parallel_loop_rate, datas, crops.jpeg_tensor, workers)
         if args.scaling_only:
             runs = {
                 name: runs[name]

@@ -40,7 +40,7 @@ def synthetic(count: int) -> list[ShardInfo]:
 
 def plan_seconds(shards: list[ShardInfo], ranks: int, dealer: Callable | None, repeats: int) -> float:
     """Median seconds of one rank's split plan: the deal to the ranks (every rank makes the same
-    one), then its own shards to its workers (raywds.plan.epoch.Slots)."""
+    one), then its own shards to its workers (raywds.plan.epoch.WorkerShards)."""
     times = []
     for _ in range(repeats):
         with (

@@ -76,10 +76,10 @@ def config(shards: Path, workers: int) -> TrainConfig:
         data=str(shards),
         model="demo",
         mode="split",
-        batch_size_per_rank=BATCH,
-        image_size_px=SIZE,
-        num_loader_workers_per_rank=workers,
-        shuffle_buffer_samples=0,
+        batch_size=BATCH,
+        image_size=SIZE,
+        loader_workers=workers,
+        worker_shuffle_buffer=0,
     )
 
 

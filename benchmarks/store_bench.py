@@ -132,9 +132,9 @@ def loader_rate(data: str, workers: int, num_images: int, skip: int = 0, manifes
     cfg = TrainConfig(
         data=data,
         model="demo",
-        batch_size_per_rank=BATCH,
-        num_loader_workers_per_rank=workers,
-        image_size_px=224,
+        batch_size=BATCH,
+        loader_workers=workers,
+        image_size=224,
         decode="cpu",
     )
     manifest = manifest or read_manifest(data)
@@ -224,7 +224,7 @@ def main() -> None:
         root = Path(tmp)
         images = photos(args.images, root / "generated")
         n = build_tree(images, args.copies, root / "tree")
-        options = ConvertOptions(maxcount=math.ceil(n / NUM_SHARDS), num_workers=cores)
+        options = ConvertOptions(maxcount=math.ceil(n / NUM_SHARDS), workers=cores)
         manifest = convert(root / "tree", root / "shards", options)
         url = server.url(PREFIX)
         upload(root / "shards", manifest, url)  # reads every shard back once: the store's cache is warm

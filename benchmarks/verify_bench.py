@@ -45,8 +45,8 @@ def loader_rate(shards: Path, verify: bool, num_images: int) -> float:
         data=str(shards),
         model="demo",
         mode="split",
-        batch_size_per_rank=BATCH,
-        num_loader_workers_per_rank=1,
+        batch_size=BATCH,
+        loader_workers=1,
         verify_hashes=verify,
     )
     manifest = read_manifest(str(shards))

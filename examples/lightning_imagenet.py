@@ -32,7 +32,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from raywds.config import TrainConfig, resolve
 from raywds.flags import add_flags, given
-from raywds.launch.options import worker_count
+from raywds.launch.rayoptions import worker_count
 from raywds.lightning import ShardDataModule
 from raywds.train.compute import Compute
 from raywds.train.model import build_model
@@ -106,7 +106,7 @@ class Classifier(L.LightningModule):
                 else ""
             )
             print(
-                f"epoch {m['epoch']}/{self.cfg.num_epochs}  samples {m['epoch_samples']}{val}"
+                f"epoch {m['epoch']}/{self.cfg.epochs}  samples {m['epoch_samples']}{val}"
                 f"  images/s {m['images_per_s']:.1f}",
                 flush=True,
             )
@@ -143,20 +143,20 @@ def fit(cfg: TrainConfig, devices: int | str = "auto", accelerator: str = "auto"
     data = ShardDataModule(cfg)
     model = Classifier(cfg, data)
     options: dict[str, Any] = dict(
-        max_epochs=cfg.num_epochs,
+        max_epochs=cfg.epochs,
         max_steps=cfg.max_steps or -1,
         devices=devices,
         accelerator=accelerator,
-        strategy=DDPStrategy(timeout=timedelta(seconds=cfg.pg_timeout_s)),  # split mode needs DDP
+        strategy=DDPStrategy(timeout=timedelta(seconds=cfg.pg_timeout)),  # split mode needs DDP
         precision=precision(cfg),
-        default_root_dir=cfg.out_dir,
-        check_val_every_n_epoch=cfg.val_every_epochs,
+        default_root_dir=cfg.out,
+        check_val_every_n_epoch=cfg.val_every,
         **QUIET,
     )
     if cfg.tensorboard:
-        options["logger"] = TensorBoardLogger(cfg.out_dir, name="tensorboard")
+        options["logger"] = TensorBoardLogger(cfg.out, name="tensorboard")
     t = L.Trainer(**{**options, **trainer})
-    t.fit(model, datamodule=data, ckpt_path=cfg.resume_from)
+    t.fit(model, datamodule=data, ckpt_path=cfg.resume)
     line = summary(data, model)
     if t.is_global_zero:
         print(line, flush=True)
@@ -184,36 +184,36 @@ def fit_on_ray(
             fit_in_worker(TrainConfig.from_dict(config), ray_folder)
 
     def fit_in_worker(run: TrainConfig, ray_folder: str | None) -> None:
-        newest = [p for p in (Path(run.out_dir) / "last.ckpt",) if p.is_file()]
+        newest = [p for p in (Path(run.out) / "last.ckpt",) if p.is_file()]
         if ray_folder is not None:
             newest.append(Path(ray_folder) / RayTrainReportCallback.CHECKPOINT_NAME)
         if newest:
-            run = dataclasses.replace(run, resume_from=str(max(newest, key=_global_step)))
+            run = dataclasses.replace(run, resume=str(max(newest, key=_global_step)))
         data = ShardDataModule(run)
         model = Classifier(run, data)
         trainer = L.Trainer(
-            max_epochs=run.num_epochs,
+            max_epochs=run.epochs,
             max_steps=run.max_steps or -1,
             devices="auto",
             accelerator="auto",
-            strategy=RayDDPStrategy(timeout=timedelta(seconds=run.pg_timeout_s)),
+            strategy=RayDDPStrategy(timeout=timedelta(seconds=run.pg_timeout)),
             precision=precision(run),
             plugins=[RayLightningEnvironment()],
             callbacks=[RayTrainReportCallback()],
-            check_val_every_n_epoch=run.val_every_epochs,
+            check_val_every_n_epoch=run.val_every,
             **QUIET,
         )
         trainer = prepare_trainer(trainer)
-        trainer.fit(model, datamodule=data, ckpt_path=run.resume_from)
+        trainer.fit(model, datamodule=data, ckpt_path=run.resume)
         if trainer.is_global_zero:
             print(summary(data, model), flush=True)
 
     connect(address)
     coordinator = start_autoscaling_coordinator()  # Ray Train asks it for resources as it starts
-    out = Path(cfg.out_dir).resolve()
+    out = Path(cfg.out).resolve()
     trainer = TorchTrainer(
         per_worker,
-        train_loop_config=dataclasses.replace(cfg, out_dir=str(out)).to_dict(),
+        train_loop_config=dataclasses.replace(cfg, out=str(out)).to_dict(),
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=torch.cuda.is_available()),
         run_config=ray.train.RunConfig(
             name=out.name, storage_path=storage or str(out.parent / "ray"),

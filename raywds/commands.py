@@ -172,14 +172,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from raywds.plan.modes import nodes_of, parse
     from raywds.plan.render import plan_shards, render
 
-    if args.num_loader_workers_per_rank == "auto":  # training chooses it at each epoch's start
+    if args.loader_workers == "auto":  # training chooses it at each epoch's start
         raise RaywdsError("raywds plan needs a number of loader workers: --workers N")
     shards = plan_shards(args.data, args.num_shards, args.samples_per_shard, args.last_shard_samples)
     plan = parse(args.mode).plan(
         shards,
         num_ranks=args.nodes * args.gpus_per_node,
-        num_workers=max(1, args.num_loader_workers_per_rank),
-        batch_size=args.batch_size_per_rank,
+        num_workers=max(1, args.loader_workers),
+        batch_size=args.batch_size,
         seed=args.seed,
         epoch=args.epoch,
         batches_per_epoch=args.batches_per_epoch,
@@ -190,7 +190,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.shuffle_report:
         from raywds.loader.mixing import report
 
-        buffers = {"worker_buffer": args.shuffle_buffer_samples, "cross_buffer": args.cross_worker_shuffle_samples}
+        buffers = {"worker_buffer": args.worker_shuffle_buffer, "cross_buffer": args.cross_worker_shuffle_buffer}
         print(
             report(
                 plan,
@@ -209,7 +209,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from raywds.report import local_copy, plot, read_epochs
+    from raywds.runs.report import local_copy, plot, read_epochs
 
     with local_copy(args.run_dir, args.s3_endpoint) as run_dir:
         default = None if run_dir == Path(args.run_dir) else Path(f"{run_dir.name}-report.png")  # a bucket's: here
@@ -219,7 +219,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> None:
-    from raywds.report import local_copy, read_epochs
+    from raywds.runs.report import local_copy, read_epochs
     from raywds.train.doctor import diagnose
 
     with local_copy(args.run_dir, args.s3_endpoint) as run_dir:

@@ -1,7 +1,7 @@
 """One frozen config shared by the CLI, the notebook and the Ray job.
 
 from raywds.config import TrainConfig
-cfg = TrainConfig(data="shards/", num_epochs=3, model="resnet18")
+cfg = TrainConfig(data="shards/", epochs=3, model="resnet18")
 """
 
 from __future__ import annotations
@@ -9,18 +9,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from raywds.errors import ConfigError
-from raywds.fields import flag
 
 # The choices of each setting; the CLI's --help and choices come from these (raywds.flags).
-Mode = Literal["resample", "split"]
+ModeName = Literal["resample", "split"]
 Optimizer = Literal["sgd", "adamw"]
 Precision = Literal["auto", "bf16", "fp32"]
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]
-Decoder = Literal["cpu", "device", "pil"]
+DecodeName = Literal["cpu", "device", "pil"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,13 +47,13 @@ class TrainConfig(S3Endpoint):
     """Where the shards are when not beside the manifest: a folder, a base URL, or a template
     with {} for the shard name, e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`. Several base URLs,
     comma-separated, share the shards between servers of the same folder (a shard always from one)."""
-    num_epochs: int = field(default=3, metadata=flag("--epochs"))
+    epochs: int = 3
     """Passes over the training split."""
-    batch_size_per_rank: int = field(default=64, metadata=flag("--batch-size"))
+    batch_size: int = 64
     """Samples per batch on each rank; the global batch is this times the number of ranks."""
     model: str = "resnet50"
     """Any `torchvision.models` name, or `demo` for the small CPU network."""
-    mode: Mode = "resample"
+    mode: ModeName = "resample"
     """`resample`: equal batch counts on every rank. `split`: every sample exactly once per epoch."""
     optimizer: Optimizer = "sgd"
     """`sgd` (momentum, nesterov) or `adamw`."""
@@ -64,7 +63,7 @@ class TrainConfig(S3Endpoint):
     """Weight decay."""
     warmup_epochs: float = 0.5
     """Linear warm-up length before the cosine decay."""
-    image_size_px: int = field(default=224, metadata=flag("--image-size"))
+    image_size: int = 224
     """Side of the square crop the model sees."""
     crop_scale_min: float = 0.08
     """Smallest area fraction RandomResizedCrop may take for training."""
@@ -77,16 +76,16 @@ class TrainConfig(S3Endpoint):
     `channels_last` or `contiguous`."""
     compile: bool = False
     """Wrap the model in torch.compile."""
-    decode: Decoder = "cpu"
+    decode: DecodeName = "cpu"
     """Where training JPEGs are decoded: `cpu` (loader workers, DCT-scaled when the crop allows),
     `device` (workers send bytes; the training device decodes, with nvJPEG on a GPU) or `pil`
-    (torchvision's reference PIL transform). See raywds.loader.decode."""
-    num_loader_workers_per_rank: int | Literal["auto"] = field(default=2, metadata=flag("--loader-workers"))
+    (torchvision's reference PIL transform). See raywds.loader.crops."""
+    loader_workers: int | Literal["auto"] = 2
     """DataLoader worker processes on each rank, or `auto`: chosen at each epoch's start from the
     last epoch's decode rate and step time, within the rank's cores (raywds.train.autoworkers)."""
-    shuffle_buffer_samples: int = field(default=1000, metadata=flag("--worker-shuffle-buffer"))
+    worker_shuffle_buffer: int = 1000
     """Samples (still encoded) held in each DataLoader worker's shuffle buffer."""
-    cross_worker_shuffle_samples: int = field(default=0, metadata=flag("--shuffle-buffer"))
+    cross_worker_shuffle_buffer: int = 0
     """Decoded samples held in a shuffle buffer in the main process, mixing the workers' batches; 0 is off."""
     canonical_nodes: int = 0
     """split mode: deal the shards once to this many groups for the whole run, each read by one
@@ -96,14 +95,14 @@ class TrainConfig(S3Endpoint):
     """resample mode: batches per epoch on every rank; None means ceil(N / (ranks x batch))."""
     seed: int = 0
     """Seeds shard choice, shuffles and weight init."""
-    out_dir: str = field(default="runs/local", metadata=flag("--out"))
+    out: str = "runs/local"
     """Where checkpoints and metrics go when not running under Ray (runs/demo for --demo)."""
-    pg_timeout_s: int = field(default=300, metadata=flag("--pg-timeout"))
+    pg_timeout: int = 300
     """Process-group timeout: a stalled collective becomes an error after this long."""
-    loader_timeout_s: float = field(default=240.0, metadata=flag("--loader-timeout"))
+    loader_timeout: float = 240.0
     """A loader worker that delivers no batch for this long is an error naming the rank, the worker
     and its shard (keep it under --pg-timeout, so the stuck rank says so before the others time out)."""
-    read_timeout_s: float = field(default=60.0, metadata=flag("--read-timeout"))
+    read_timeout: float = 60.0
     """Longest wait for the next bytes of a shard before a retry; a stalled server becomes an error."""
     read_retries: int = 3
     """Retries of a failed shard read (backoff 1, 2, 4 s, resuming where it stopped)."""
@@ -116,18 +115,18 @@ class TrainConfig(S3Endpoint):
     """resample mode: samples that cannot be decoded are skipped and counted, up to this many distinct
     ones per epoch (below 1: a fraction of the epoch's samples; each draw of a sample is skipped,
     the sample counts once), then the run stops. Split mode never skips."""
-    log_every_s: float = field(default=60.0, metadata=flag("--log-every"))
+    log_every: float = 60.0
     """Rank 0 prints a progress line (loss, lr, images/s, data wait, ETA) this often inside an epoch."""
     tensorboard: bool = False
     """Rank 0 also writes the epoch and progress rows of metrics.jsonl as TensorBoard scalars to
     RUN_DIR/tensorboard/ (needs the tensorboard extra: pip install 'raywds[tensorboard]')."""
-    val_every_epochs: int = field(default=1, metadata=flag("--val-every"))
+    val_every: int = 1
     """Validate every this many epochs (and always after the last)."""
     checkpoint_every_steps: int | None = None
     """Also checkpoint inside an epoch, every this many steps (at steps every rank reaches)."""
     max_steps: int | None = None
-    """Stop, with a checkpoint, after this many steps in all; a later run with resume_from goes on."""
-    resume_from: str | None = field(default=None, metadata=flag("--resume"))
+    """Stop, with a checkpoint, after this many steps in all; a later run with resume goes on."""
+    resume: str | None = None
     """A checkpoint (file, or Ray checkpoint directory) to continue from: weights, optimizer and data position."""
     audit_dir: str | None = None
     """Write the id of every sample trained on, per epoch, rank and segment, here (`raywds audit` checks them)."""
@@ -135,16 +134,16 @@ class TrainConfig(S3Endpoint):
     def __post_init__(self) -> None:
         if not self.data:
             raise ConfigError("data is empty: give a shard directory, manifest.json or http URL (--data)")
-        for name in ("num_epochs", "batch_size_per_rank", "image_size_px", "pg_timeout_s", "val_every_epochs"):
+        for name in ("epochs", "batch_size", "image_size", "pg_timeout", "val_every"):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name}={value} must be at least 1")
         for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        workers = self.num_loader_workers_per_rank
+        workers = self.loader_workers
         if workers != "auto" and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
-            raise ConfigError(f"num_loader_workers_per_rank={workers!r} must be 0 or more, or 'auto'")
+            raise ConfigError(f"loader_workers={workers!r} must be 0 or more, or 'auto'")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be positive (or None for the default)")
         if not 0 <= self.label_smoothing < 1:
@@ -159,11 +158,11 @@ class TrainConfig(S3Endpoint):
             raise ConfigError(
                 f"max_bad_samples={self.max_bad_samples} must be a fraction below 1 or a whole number of samples"
             )
-        if self.loader_timeout_s <= 0:
-            raise ConfigError(f"loader_timeout_s={self.loader_timeout_s} must be positive")
-        if self.read_timeout_s <= 0:
-            raise ConfigError(f"read_timeout_s={self.read_timeout_s} must be positive")
-        for name in ("shuffle_buffer_samples", "cross_worker_shuffle_samples", "read_retries", "canonical_nodes"):
+        if self.loader_timeout <= 0:
+            raise ConfigError(f"loader_timeout={self.loader_timeout} must be positive")
+        if self.read_timeout <= 0:
+            raise ConfigError(f"read_timeout={self.read_timeout} must be positive")
+        for name in ("worker_shuffle_buffer", "cross_worker_shuffle_buffer", "read_retries", "canonical_nodes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be 0 or more")
         for name in ("batches_per_epoch", "checkpoint_every_steps", "max_steps"):
@@ -174,11 +173,11 @@ class TrainConfig(S3Endpoint):
             raise ConfigError("batches_per_epoch applies to resample mode; split mode's epoch is the whole split once")
 
     @property
-    def loader_workers(self) -> int:
+    def loader_worker_count(self) -> int:
         """The loader workers of each rank; `auto` has a count only once an epoch's start chose it."""
-        if self.num_loader_workers_per_rank == "auto":
-            raise ConfigError("num_loader_workers_per_rank='auto' is chosen at each epoch's start: no count yet")
-        return self.num_loader_workers_per_rank
+        if self.loader_workers == "auto":
+            raise ConfigError("loader_workers='auto' is chosen at each epoch's start: no count yet")
+        return self.loader_workers
 
     def bad_samples_allowed(self, epoch_samples: int) -> int:
         """How many distinct undecodable samples an epoch of `epoch_samples` may skip (resample mode)."""
@@ -191,7 +190,7 @@ class TrainConfig(S3Endpoint):
         if self.lr is not None:
             return self.lr
         if self.optimizer == "sgd":
-            return 0.1 * self.batch_size_per_rank * world_size / 256
+            return 0.1 * self.batch_size * world_size / 256
         return 1e-3
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,12 +222,12 @@ IMAGENET: dict[str, Any] = dict(
     lr=None,
     weight_decay=5e-5,
     warmup_epochs=5.0,
-    num_epochs=90,
+    epochs=90,
     label_smoothing=0.1,
-    image_size_px=224,
+    image_size=224,
     crop_scale_min=0.08,
-    batch_size_per_rank=256,
-    num_loader_workers_per_rank=8,
+    batch_size=256,
+    loader_workers=8,
 )
 """Goyal et al. / torchvision's reference, with label smoothing and a cosine schedule."""
 RECIPES: dict[str, dict[str, Any]] = {
@@ -241,13 +240,13 @@ RECIPES: dict[str, dict[str, Any]] = {
         lr=3e-3,
         weight_decay=5e-5,
         warmup_epochs=0.5,
-        num_epochs=6,
-        image_size_px=56,
+        epochs=6,
+        image_size=56,
         crop_scale_min=0.35,
-        batch_size_per_rank=32,
-        num_loader_workers_per_rank=1,
-        shuffle_buffer_samples=500,
-        out_dir="runs/demo",
+        batch_size=32,
+        loader_workers=1,
+        worker_shuffle_buffer=500,
+        out="runs/demo",
     ),
 }
 

@@ -3,7 +3,7 @@ where the flag is not `--` and the field name with dashes, or takes more than it
 raywds.flags makes every command's flags from such dataclasses; the field's docstring is the
 flag's help, its default the flag's default, a Literal type its choices.
 
-    num_epochs: int = field(default=3, metadata=flag("--epochs"))     # then the field's docstring
+    epochs: int = field(default=3, metadata=flag("--epochs"))     # then the field's docstring
     src: str = field(metadata=flag(positional=True))                  # `raywds convert SRC ...`
 """
 

@@ -1,5 +1,5 @@
 """Every command's flags, made from documented dataclasses (TrainConfig, ConvertOptions, the
-options in raywds.options and raywds.launch.options): one flag per field, its help the field's
+options in raywds.options and raywds.launch.rayoptions): one flag per field, its help the field's
 docstring, its default the field's default, its choices the field's Literal type. A flag is `--`
 and the field name with dashes, unless the field says otherwise (raywds.fields.flag). A field
 without a default is a required flag or positional.

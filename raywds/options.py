@@ -1,7 +1,7 @@
 """Each `raywds` command's options as documented dataclasses, and which of them each command
 takes (COMMAND_FLAGS). raywds.cli makes every flag from these (raywds.flags); raywds.commands
 reads the parsed values. The training flags come from TrainConfig, `raywds ray`'s from
-raywds.launch.options.RayOptions, `raywds convert`'s from raywds.data.convert.ConvertOptions.
+raywds.launch.rayoptions.RayOptions, `raywds convert`'s from raywds.data.convert.ConvertOptions.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from raywds.config import RECIPES, S3Endpoint, TrainConfig
-from raywds.data.options import ConvertOptions, IndexOptions
+from raywds.data.shardoptions import ConvertOptions, IndexOptions
 from raywds.fields import flag
-from raywds.launch.options import RayOptions
+from raywds.launch.rayoptions import RayOptions
 from raywds.serve import BACKENDS, NETWORKS
 
 DEMO_DIR = "runs/demo"
@@ -131,12 +131,12 @@ class PlanOptions:
 PLAN_FIELDS = (
     "mode",
     "canonical_nodes",
-    "num_loader_workers_per_rank",
-    "batch_size_per_rank",
+    "loader_workers",
+    "batch_size",
     "batches_per_epoch",
     "seed",
-    "shuffle_buffer_samples",
-    "cross_worker_shuffle_samples",
+    "worker_shuffle_buffer",
+    "cross_worker_shuffle_buffer",
 )
 """The config fields `raywds plan` takes, with the config's defaults."""
 
@@ -211,7 +211,7 @@ COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
         "show what each rank and loader worker reads in an epoch, and whether the setup would hang",
         (
             Flags(PlanOptions),
-            Flags(TrainConfig, only=PLAN_FIELDS, aliases={"num_loader_workers_per_rank": ("--workers",)}),
+            Flags(TrainConfig, only=PLAN_FIELDS, aliases={"loader_workers": ("--workers",)}),
         ),
     ),
     "report": ("plot a run's loss, accuracy, throughput and data wait to a PNG", (Flags(ReportOptions),)),
@@ -223,6 +223,6 @@ COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
     "ray": (
         "train with a Ray Train TorchTrainer on the cluster (one worker per GPU)",
         # A Ray run's folder is under --storage-path.
-        (Flags(Source), Flags(TrainConfig, skip=("out_dir",), with_defaults=False), Flags(RayOptions)),
+        (Flags(Source), Flags(TrainConfig, skip=("out",), with_defaults=False), Flags(RayOptions)),
     ),
 }

@@ -79,3 +79,20 @@ def test_every_flag_has_help(command: str) -> None:
     parser = commands(build_parser())[command]
     missing = [a.dest for a in parser._actions if not (a.help or "").strip()]
     assert missing == [], f"raywds {command}: no help for {missing}"
+
+
+def test_every_flag_is_its_fields_name() -> None:
+    """One name per setting: `--batch-size` sets `batch_size` in a config file, in config.json and
+    in the code, for every command. Aliases (`raywds plan --workers`) may add a spelling, never
+    replace the field's. (Thirteen training flags and three converter ones were named apart
+    from their fields; two of them crossed the shuffle buffers.)"""
+    parser = build_parser()
+    apart = {
+        f"raywds {name} {a.option_strings[0]} -> {a.dest}"
+        for name, sub in commands(parser).items()
+        for a in sub._actions
+        if a.option_strings
+        and not isinstance(a, argparse._HelpAction)
+        and "--" + a.dest.replace("_", "-") not in a.option_strings
+    }
+    assert apart == set()

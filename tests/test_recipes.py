@@ -22,27 +22,27 @@ from raywds.world import World
 
 def test_imagenet_recipe_is_the_reference_one() -> None:
     cfg = resolve("shards/", recipe="imagenet-resnet50")
-    assert (cfg.model, cfg.optimizer, cfg.num_epochs, cfg.warmup_epochs, cfg.label_smoothing) == (
+    assert (cfg.model, cfg.optimizer, cfg.epochs, cfg.warmup_epochs, cfg.label_smoothing) == (
         "resnet50",
         "sgd",
         90,
         5.0,
         0.1,
     )
-    assert (cfg.image_size_px, cfg.crop_scale_min, cfg.batch_size_per_rank) == (224, 0.08, 256)
+    assert (cfg.image_size, cfg.crop_scale_min, cfg.batch_size) == (224, 0.08, 256)
     assert cfg.peak_lr(world_size=8) == pytest.approx(0.1 * 256 * 8 / 256)
     assert 5e-5 <= cfg.weight_decay <= 1e-4
     assert resolve("x", recipe="imagenet-resnet18").model == "resnet18"
 
 
 def test_config_file_overrides_the_recipe_and_flags_override_both(tmp_path: Path) -> None:
-    (tmp_path / "run.json").write_text(json.dumps({"num_epochs": 30, "lr": 0.4, "label_smoothing": 0.0}))
-    (tmp_path / "run.toml").write_text('num_epochs = 12\nmodel = "resnet34"\n')
-    cfg = resolve("d", recipe="imagenet-resnet50", config_file=str(tmp_path / "run.json"), lr=0.2, num_epochs=None)
-    assert (cfg.num_epochs, cfg.lr, cfg.label_smoothing, cfg.model) == (30, 0.2, 0.0, "resnet50")
+    (tmp_path / "run.json").write_text(json.dumps({"epochs": 30, "lr": 0.4, "label_smoothing": 0.0}))
+    (tmp_path / "run.toml").write_text('epochs = 12\nmodel = "resnet34"\n')
+    cfg = resolve("d", recipe="imagenet-resnet50", config_file=str(tmp_path / "run.json"), lr=0.2, epochs=None)
+    assert (cfg.epochs, cfg.lr, cfg.label_smoothing, cfg.model) == (30, 0.2, 0.0, "resnet50")
     assert resolve("d", recipe="demo", config_file=str(tmp_path / "run.toml")).model == "resnet34"
-    (tmp_path / "bad.json").write_text(json.dumps({"epochs": 3}))
-    with pytest.raises(ConfigError, match=r"config file .*bad.json has unknown keys \['epochs'\]"):
+    (tmp_path / "bad.json").write_text(json.dumps({"batch-size": 3}))  # a flag's spelling, not the field's
+    with pytest.raises(ConfigError, match=r"config file .*bad.json has unknown keys \['batch-size'\]"):
         resolve("d", config_file=str(tmp_path / "bad.json"))
     with pytest.raises(
         ConfigError, match="unknown recipe 'resnet'; recipes are imagenet-resnet50, imagenet-resnet18, demo"
@@ -66,10 +66,10 @@ def test_the_cuda_path_bf16_and_channels_last_runs_on_the_cpu(shards: Path) -> N
         model="demo",
         optimizer="adamw",
         lr=3e-3,
-        batch_size_per_rank=16,
-        image_size_px=28,
-        num_epochs=1,
-        num_loader_workers_per_rank=1,
+        batch_size=16,
+        image_size=28,
+        epochs=1,
+        loader_workers=1,
         precision="bf16",
         memory_format="channels_last",
         label_smoothing=0.1,
@@ -120,4 +120,4 @@ def test_torchrun_two_processes_without_ray(shards: Path, tmp_path: Path) -> Non
     assert match and match.group(4) == "120", out.stdout  # 2 ranks, split mode: the whole epoch once
     assert len(SUMMARY.findall(out.stdout)) == 1, "only rank 0 reports"
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert saved["mode"] == "split" and saved["batch_size_per_rank"] == 8
+    assert saved["mode"] == "split" and saved["batch_size"] == 8

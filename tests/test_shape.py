@@ -1,5 +1,6 @@
-"""The package's shape, as docs/modules.md promises it: small modules, short functions, and
-mode names compared only where config text is parsed."""
+"""The package's shape, as docs/modules.md promises it: modules of one noun, short functions,
+no import circle, mode names compared only where config text is parsed, and no parsed
+command line below the CLI."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raywds"
-MAX_MODULE_LINES = 300
+MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 
 
@@ -16,7 +17,7 @@ def modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_no_module_is_over_300_lines() -> None:
+def test_no_module_is_over_500_lines() -> None:
     long = {
         str(p.relative_to(PACKAGE.parent)): n
         for p in modules()
@@ -52,7 +53,7 @@ def test_mode_names_appear_only_where_config_text_is_parsed() -> None:
 
 VARIANTS = {"decode", "data_plane", "network", "backend"}
 """Settings whose value names a variant: each is parsed once into what owns the difference
-(raywds.loader.decoding's DECODINGS, raywds.launch.ray_train's PLACES, raywds.serve's NETWORKS and
+(raywds.loader.decodings's DECODINGS, raywds.launch.ray_train's PLACES, raywds.serve's NETWORKS and
 its backends' start functions). Modes have their own check above."""
 
 
@@ -113,7 +114,7 @@ def test_the_ray_driver_and_the_region_decoder_do_not_import_torchvision() -> No
     script = (
         "import io, sys, PIL.Image\n"
         "import raywds.launch.ray_train, raywds.launch.raydata, raywds.loader.loader\n"
-        "from raywds.loader.decode import train_crop\n"
+        "from raywds.loader.crops import train_crop\n"
         "out = io.BytesIO(); PIL.Image.new('RGB', (320, 240), 'red').save(out, format='JPEG')\n"
         "assert train_crop(out.getvalue(), 64, (0.08, 1.0)).shape == (3, 64, 64)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))\n"
@@ -121,3 +122,72 @@ def test_the_ray_driver_and_the_region_decoder_do_not_import_torchvision() -> No
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def _imports(path: Path) -> set[str]:
+    """The raywds modules `path` imports, anywhere in it: at the top, inside functions and under
+    `if TYPE_CHECKING:` alike (a circle of annotations is still a circle for the reader)."""
+    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("raywds")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("raywds"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").is_file() else node.module)
+    return {m for m in found if m != name}
+
+
+def test_no_import_circle_anywhere_in_the_package() -> None:
+    """No module reaches itself through imports, type-only ones included. import-linter checks
+    the parts' siblings at run time; this is every module, annotations too (lightning's
+    DataModule and its callback imported each other)."""
+    graph = {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): _imports(p)
+        for p in modules()
+    }
+    circles, state = [], dict.fromkeys(graph, 0)
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif state.get(nxt) == 0:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if state[start] == 0:
+            visit(start, [start])
+    assert circles == []
+
+
+def test_exactness_is_read_only_where_epochs_are_planned_and_kept() -> None:
+    """`mode.exact` decides how an epoch is dealt (plan/), read (loader/) and kept
+    (train/epoch.py); everywhere else asks the epoch's keeper (it was read in 17 places)."""
+    allowed = ("raywds/plan/", "raywds/loader/", "raywds/train/epoch.py")
+    found = {
+        f"{where}:{node.lineno}: {ast.unparse(node)}"
+        for p in modules()
+        if not (where := str(p.relative_to(PACKAGE.parent))).startswith(allowed)
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "exact"
+    }
+    assert found == set()
+
+
+def test_nothing_below_the_command_line_sees_its_parsed_flags() -> None:
+    """Each command builds its typed options from the parsed flags once (raywds.cli, with
+    raywds.flags); nothing below takes an `argparse.Namespace` (commands.py read 86 of its
+    attributes by hand, renaming some on the way)."""
+    allowed = {"raywds/cli.py", "raywds/flags.py"}
+    found = {
+        f"{where}:{i}: {line.strip()}"
+        for p in modules()
+        if (where := str(p.relative_to(PACKAGE.parent))) not in allowed
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "Namespace" in line
+    }
+    assert found == set()

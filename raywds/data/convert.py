@@ -34,21 +34,21 @@ from typing import Any
 from tqdm import tqdm
 
 from raywds.data.images import rewrites_jpegs, stored
-from raywds.data.layout import IMAGE_EXTENSIONS, Found, Source, scan
+from raywds.data.layout import IMAGE_EXTENSIONS, Found, ImageFile, scan
 from raywds.data.manifest import FORMAT, TIMM_INFO, ShardInfo, write_json_atomic, write_manifest
-from raywds.data.options import ConvertOptions
 from raywds.data.resume import JOURNAL, STATE, Journal, prepare_output, still_good  # noqa: F401 - the names of the files convert writes, for its callers
+from raywds.data.shardoptions import ConvertOptions
 from raywds.data.tarwriter import TAR_END_BYTES, TarWriter, tar_cost
 from raywds.data.verify import check_members, sha256_file
 from raywds.errors import ConfigError, DataError
 
 
-def plan_shards(sources: list[Source], split: str, options: ConvertOptions) -> list[list[Source]]:
+def plan_shards(sources: list[ImageFile], split: str, options: ConvertOptions) -> list[list[ImageFile]]:
     """Shuffle with the seed, then cut into shards by count and size."""
     order = list(sources)
     random.Random(f"{options.seed}-{split}").shuffle(order)
-    shards: list[list[Source]] = []
-    current: list[Source] = []
+    shards: list[list[ImageFile]] = []
+    current: list[ImageFile] = []
     size = 0
     for source in order:
         cost = tar_cost(source.num_bytes)
@@ -65,7 +65,7 @@ def plan_shards(sources: list[Source], split: str, options: ConvertOptions) -> l
 @dataclass(frozen=True)
 class ShardJob:
     path: Path
-    sources: list[Source]
+    sources: list[ImageFile]
     options: ConvertOptions
     done: dict[str, Any] | None
     """The journal's record of this shard from an earlier run, if any."""
@@ -126,7 +126,7 @@ def fingerprint(found: Found, options: ConvertOptions) -> str:
         options.seed,
         options.maxcount,
         options.maxsize,
-        options.max_side_px,
+        options.max_side,
         *(["restart markers"] if rewrites_jpegs(options) else []),
         found.classes,
         found.layouts,
@@ -187,9 +187,9 @@ DEFAULTS = ConvertOptions()
 def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[str, Any]:
     """Convert the tree at `src` into shards under `out`; returns the manifest it wrote."""
     check_outside(src, out)
-    if options.max_side_px is not None and options.max_side_px < 8:
-        raise DataError(f"--max-side {options.max_side_px} is too small; use at least 8, e.g. 256")
-    if options.maxcount < 1 or options.maxsize < 1 or options.num_workers < 1:
+    if options.max_side is not None and options.max_side < 8:
+        raise DataError(f"--max-side {options.max_side} is too small; use at least 8, e.g. 256")
+    if options.maxcount < 1 or options.maxsize < 1 or options.workers < 1:
         raise DataError(f"maxcount, maxsize and workers must be at least 1, got {options}")
     found = scan(src, val_labels=options.val_labels, val_wnids=options.val_wnids)
     done = prepare_output(out, fingerprint(found, options), prefix=options.prefix, overwrite=options.overwrite)
@@ -206,7 +206,7 @@ def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[st
         tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=None) as bar,
         Journal(out) as journal,
     ):
-        for (_, job), record in zip(jobs, _run([job for _, job in jobs], options.num_workers)):
+        for (_, job), record in zip(jobs, _run([job for _, job in jobs], options.workers)):
             records[job.path.name] = record
             if not record["kept"]:
                 journal.add(record)
@@ -220,7 +220,7 @@ def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[st
         "seed": options.seed,
         "maxcount": options.maxcount,
         "maxsize": options.maxsize,
-        "max_side_px": options.max_side_px,
+        "max_side_px": options.max_side,
         "jpeg_restarts": rewrites_jpegs(options),
         "source": str(src.resolve()),
         "layouts": found.layouts,

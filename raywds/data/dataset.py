@@ -27,8 +27,8 @@ from raywds.data.columns import COLUMNS
 from raywds.data.http import ReadPolicy
 from raywds.data.index import index_shards
 from raywds.data.manifest import MANIFEST, Manifest, read_manifest, shard_url, split_location, write_manifest
-from raywds.data.options import IndexOptions
 from raywds.data.shardlists import split_by_name
+from raywds.data.shardoptions import IndexOptions
 from raywds.data.stores import write_atomic
 from raywds.errors import DataError
 

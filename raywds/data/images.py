@@ -11,7 +11,7 @@ from typing import Any
 
 from PIL import Image
 
-from raywds.data.options import ConvertOptions
+from raywds.data.shardoptions import ConvertOptions
 
 try:
     from raywds.data import _restarts
@@ -61,7 +61,7 @@ def stored(data: bytes, options: ConvertOptions) -> tuple[bytes, dict[str, Any]]
     cannot be read. A JPEG gets restart markers (`with_restarts`): adding them reads every byte
     with libjpeg, which stops at damage, so the draft decode that checks a JPEG is left out then."""
     rewrite = rewrites_jpegs(options)
-    limit = options.max_side_px
+    limit = options.max_side
     meta = inspect_image(data, decode_jpeg=not rewrite or bool(limit))
     if limit and max(meta["width"], meta["height"]) > limit:
         data = downscale(data, meta, limit)

@@ -34,7 +34,7 @@ from raywds.data import shardlists, stores, tars
 from raywds.data.http import ReadPolicy
 from raywds.data.manifest import FORMAT, TIMM_INFO
 from raywds.data.members import IMAGE_KEYS, Rules, Strict, class_names
-from raywds.data.options import IndexOptions
+from raywds.data.shardoptions import IndexOptions
 from raywds.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ def index_shards(
 def _read_all(urls: list[str], rules: Rules, policy: ReadPolicy, progress: Any) -> dict[str, Shard]:
     """Each shard indexed, by URL, in threads (reading is I/O; the local walk seeks)."""
     done: dict[str, Shard] = {}
-    with ThreadPoolExecutor(max(1, min(rules.options.num_workers, len(urls)))) as pool:
+    with ThreadPoolExecutor(max(1, min(rules.options.workers, len(urls)))) as pool:
         for shard in pool.map(lambda u: index_shard(u, rules, policy), urls):
             done[shard.url] = shard
             if progress is not None:

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Source:
+class ImageFile:
     """One image to put in a shard."""
 
     path: Path
@@ -46,7 +46,7 @@ class Found:
     """What a scan found: classes in index order, images per split, and what it ignored."""
 
     classes: list[str]
-    splits: dict[str, list[Source]]
+    splits: dict[str, list[ImageFile]]
     layouts: dict[str, str]
     ignored: list[str] = field(default_factory=list)
     empty: dict[str, list[str]] = field(default_factory=dict)
@@ -201,7 +201,7 @@ def _warn_empty(found: Found, split: str, first: Path) -> None:
     )
 
 
-def _sources(pairs: list[tuple[Path, str]], src: Path, index: dict[str, int]) -> list[Source]:
+def _sources(pairs: list[tuple[Path, str]], src: Path, index: dict[str, int]) -> list[ImageFile]:
     """Sources with keys unique in the split: the file stem, else class_stem, else numbered;
     each made safe as a whole, since a class name may hold a dot too."""
     used: set[str] = set()
@@ -214,5 +214,5 @@ def _sources(pairs: list[tuple[Path, str]], src: Path, index: dict[str, int]) ->
         while key in used:
             key, n = f"{base}_{n}", n + 1
         used.add(key)
-        sources.append(Source(path, str(path.relative_to(src)), name, index[name], path.stat().st_size, key))
+        sources.append(ImageFile(path, str(path.relative_to(src)), name, index[name], path.stat().st_size, key))
     return sources

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raywds.data import stores, tars
-from raywds.data.options import IndexOptions
+from raywds.data.shardoptions import IndexOptions
 from raywds.errors import DataError
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")

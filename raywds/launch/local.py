@@ -17,26 +17,26 @@ import torch.distributed as dist
 
 from raywds.config import TrainConfig
 from raywds.launch import gloo
-from raywds.train.checkpoint import CHECKPOINT_FILE
-from raywds.train.rundir import Metrics, RunDir
-from raywds.train.runlock import RunLock
+from raywds.runs import files
+from raywds.runs.folder import Metrics, RunDir
+from raywds.runs.lock import RunLock
 from raywds.train.trainer import train
 from raywds.world import World
 
 
 def resuming_in_place(cfg: TrainConfig) -> bool:
-    """True when the run continues from the checkpoint in its own out_dir (metrics.jsonl is kept)."""
-    if cfg.resume_from is None:
+    """True when the run continues from the checkpoint in its own out (metrics.jsonl is kept)."""
+    if cfg.resume is None:
         return False
-    out = Path(cfg.out_dir).resolve()
-    return Path(cfg.resume_from).resolve() in (out, out / CHECKPOINT_FILE)
+    out = Path(cfg.out).resolve()
+    return Path(cfg.resume).resolve() in (out, out / files.CHECKPOINT)
 
 
 def run_local(cfg: TrainConfig) -> tuple[Metrics, RunDir | None]:
     """Train in this process, or as one rank of a torchrun job; rank 0 returns its run folder."""
     world = World.from_env()
     # Rank 0 holds the run folder, taken before any rank waits on it: a second run into it is refused.
-    with RunLock(cfg.out_dir) if world.is_main else contextlib.nullcontext():
+    with RunLock(cfg.out) if world.is_main else contextlib.nullcontext():
         return _run(cfg, world)
 
 
@@ -47,8 +47,8 @@ def _run(cfg: TrainConfig, world: World) -> tuple[Metrics, RunDir | None]:
             torch.cuda.set_device(world.local_rank)
         else:  # listen where the other machines' ranks reach this one: the way to torchrun's rendezvous host
             gloo.listen_on(gloo.address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.pg_timeout_s))
-    run_dir = RunDir(cfg.out_dir, append=resuming_in_place(cfg)) if world.is_main else None
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.pg_timeout))
+    run_dir = RunDir(cfg.out, append=resuming_in_place(cfg)) if world.is_main else None
     if run_dir is not None:
         run_dir.write_config(cfg)  # the resolved config
     try:

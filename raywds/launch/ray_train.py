@@ -37,16 +37,17 @@ from raywds.launch.cluster import (
     start_autoscaling_coordinator,
     wait_for_coordinator,
 )
-from raywds.launch.options import DEFAULTS, DataPlane
 from raywds.launch.polls import controller_polls
 from raywds.launch.raydata import Plane, RayData
+from raywds.launch.rayoptions import DEFAULTS, DataPlane
 from raywds.launch.runstore import as_uri, hold_run_folder, load_ray_checkpoint, open_run_dir, ray_storage
-from raywds.loader.decoding import decoding
+from raywds.loader.decodings import decoding
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan
-from raywds.train.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from raywds.train.rows import kind
-from raywds.train.rundir import Metrics, RunDir
+from raywds.runs import files
+from raywds.runs.checkpoint import load_checkpoint, save_checkpoint
+from raywds.runs.folder import Metrics, RunDir
+from raywds.runs.rows import kind
 from raywds.train.state import check_unfinished
 from raywds.train.trainer import train
 from raywds.world import World
@@ -66,7 +67,7 @@ def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDi
         ray.train.report(metrics)  # RAY
         return
     with tempfile.TemporaryDirectory(prefix="raywds-ckpt-") as tmp:
-        save_checkpoint(state, Path(tmp) / CHECKPOINT_FILE, durable=False)  # Ray copies it to the storage
+        save_checkpoint(state, Path(tmp) / files.CHECKPOINT, durable=False)  # Ray copies it to the storage
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))  # RAY
 
 
@@ -162,18 +163,18 @@ def run(
     manifest = manifest_of(cfg)
     for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
         check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)
-    if cfg.resume_from:
-        resume_from = os.path.abspath(cfg.resume_from)
-        cfg = dataclasses.replace(cfg, resume_from=resume_from)
+    if cfg.resume:
+        resume = os.path.abspath(cfg.resume)
+        cfg = dataclasses.replace(cfg, resume=resume)
         # Fail here in one line (no such file, damaged, not ours, nothing left to train), not in every worker.
-        check_unfinished(load_checkpoint(resume_from), cfg)
+        check_unfinished(load_checkpoint(resume), cfg)
     nodes = alive_nodes()
     decoding = f", decoding on Ray Data tasks of {PLANE_TASK_CPUS:g} CPU anywhere in the cluster" if plane else ""
     print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s)){decoding}", flush=True)
     storage, local = split_storage(storage_path)
     name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
     # Rank 0 appends metrics.jsonl to the run folder where it is a path (local, shared or file://).
-    cfg = dataclasses.replace(cfg, out_dir=os.path.join(local or storage, name))
+    cfg = dataclasses.replace(cfg, out=os.path.join(local or storage, name))
     with hold_run_folder(cfg, local):
         trainer = make_trainer(
             cfg, plan, storage, name, num_checkpoints_to_keep, max_failures, resize_check_s, plane, worker_resources
@@ -207,7 +208,7 @@ def _own_loaders(
     cfg: TrainConfig, num_workers: int | tuple[int, int] | None, plane_store_mb: int
 ) -> tuple[TrainConfig, WorkerPlan, None]:
     """`--data-plane loader`: each rank reads and decodes with its own DataLoader workers."""
-    workers = cfg.num_loader_workers_per_rank  # auto: every CPU the cluster has per GPU
+    workers = cfg.loader_workers  # auto: every CPU the cluster has per GPU
     plan = plan_workers(
         ray.cluster_resources(), num_workers, loader_workers=None if workers == "auto" else workers
     )  # RAY
@@ -223,7 +224,7 @@ def _ray_data(
             f"--decode {cfg.decode} needs each rank's own loader: use --data-plane loader or --decode cpu"
         )
     # No DataLoader workers: each rank is one slot of the plan, its shards read by Ray Data tasks.
-    cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=0)
+    cfg = dataclasses.replace(cfg, loader_workers=0)
     plan = plan_workers(ray.cluster_resources(), num_workers, plane_task_cpus=PLANE_TASK_CPUS)  # RAY
     plane = Plane(
         task_cpus=PLANE_TASK_CPUS,
@@ -235,7 +236,7 @@ def _ray_data(
 
 
 PLACES = {"loader": _own_loaders, "ray": _ray_data}
-"""Each --data-plane (raywds.launch.options.DATA_PLANES): where the data is read and decoded."""
+"""Each --data-plane (raywds.launch.rayoptions.DATA_PLANES): where the data is read and decoded."""
 
 
 def make_trainer(
@@ -263,7 +264,7 @@ def make_trainer(
             resources_per_worker={"CPU": plan.cpus_per_worker, **(worker_resources or {})},
             elastic_resize_monitor_interval_s=resize_check_s,  # type: ignore[call-arg]
         ),
-        torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout_s),
+        torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout),
         run_config=ray.train.RunConfig(
             name=name,
             **ray_storage(storage, cfg.s3_endpoint),

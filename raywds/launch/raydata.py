@@ -36,7 +36,7 @@ from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ShardError, one_line, own_cause
 from raywds.loader.labels import Labels
 from raywds.loader.loader import EpochLoader, expected, labels_of, split_slots
-from raywds.loader.plane import Batches, Columns, decode_rows, shard_rows
+from raywds.loader.plane import Columns, Rebatcher, decode_rows, shard_rows
 from raywds.loader.readers import ReadPolicy
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, Decoder, train_decoder, val_decoder
@@ -166,7 +166,7 @@ class RayData:
             fn_kwargs={
                 "decoder": val_decoder(cfg) if epoch is None else train_decoder(cfg, epoch),
                 "policy": source.policy,
-                "size": cfg.image_size_px,
+                "size": cfg.image_size,
             },
             batch_size=None,  # a whole block per call: the read task's
             batch_format="numpy",
@@ -174,10 +174,10 @@ class RayData:
         )
 
     def blocks(self, ds: ray.data.Dataset, cfg: LoaderConfig, shuffle_seed: int | None) -> Iterator[Columns]:
-        buffer = cfg.shuffle_buffer_samples if shuffle_seed is not None else 0
+        buffer = cfg.worker_shuffle_buffer if shuffle_seed is not None else 0
         return iter(
             ds.iter_batches(  # RAY
-                batch_size=cfg.batch_size_per_rank,
+                batch_size=cfg.batch_size,
                 batch_format="numpy",
                 prefetch_batches=2,
                 local_shuffle_buffer_size=buffer or None,
@@ -200,7 +200,7 @@ class RayData:
         draws = plan.mode.shards_for(
             plan, manifest.shards("train"), rank=rank, worker=0, seed=cfg.seed, epoch=epoch, reseed=reseed
         )
-        batches = Batches(cfg.batch_size_per_rank, partial=exact, pin_memory=world.device.startswith("cuda"))
+        batches = Rebatcher(cfg.batch_size, partial=exact, pin_memory=world.device.startswith("cuda"))
         shuffle_seed = seeds.number(seeds.CROSS_SHUFFLE, cfg.seed, epoch, rank)
 
         delivered = [0]
@@ -237,7 +237,7 @@ class RayData:
     def val(self, manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[Batch]:
         cfg = LoaderConfig.of(cfg)
         shards = split_slots(manifest, "val", world.world_size)[world.rank]
-        batches = Batches(cfg.batch_size_per_rank, partial=True, pin_memory=world.device.startswith("cuda"))
+        batches = Rebatcher(cfg.batch_size, partial=True, pin_memory=world.device.startswith("cuda"))
         if not shards:
             return iter(())
         ds = self.dataset(manifest, "val", shards, cfg, epoch=None, exact=True)

@@ -1,6 +1,6 @@
 """Where a Ray run keeps its folder (`--storage-path`): a local or shared path, which the driver
 holds and every node must see, or an s3:// prefix, where Ray keeps its checkpoints through pyarrow
-and rank 0 puts metrics.jsonl, best/ and TensorBoard's files (raywds.train.bucketrun).
+and rank 0 puts metrics.jsonl, best/ and TensorBoard's files (raywds.runs.bucket).
 
     storage, local = split_storage("s3://bucket/runs")      # ("s3://bucket/runs", None)
     RunConfig(name=name, **ray_storage(storage, endpoint))
@@ -17,18 +17,19 @@ from typing import Any
 from raywds.config import TrainConfig
 from raywds.data import s3
 from raywds.launch.cluster import check_every_node_sees, split_storage
-from raywds.train.bucketrun import BucketRunDir
-from raywds.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
-from raywds.train.rundir import RunDir
-from raywds.train.runlock import RunLock
+from raywds.runs import files
+from raywds.runs.bucket import BucketRunDir
+from raywds.runs.checkpoint import load_checkpoint
+from raywds.runs.folder import RunDir
+from raywds.runs.lock import RunLock
 
 
 def open_run_dir(cfg: TrainConfig) -> RunDir | None:
     """Rank 0's run folder: the one the driver made, where this node sees it (local or shared
     storage), or the run's prefix in a bucket; None for storage it cannot write (gs://…)."""
-    if s3.is_s3(cfg.out_dir):
-        return BucketRunDir(cfg.out_dir, cfg.s3_endpoint)
-    return RunDir(cfg.out_dir, append=True) if Path(cfg.out_dir).is_dir() else None
+    if s3.is_s3(cfg.out):
+        return BucketRunDir(cfg.out, cfg.s3_endpoint)
+    return RunDir(cfg.out, append=True) if Path(cfg.out).is_dir() else None
 
 
 @contextlib.contextmanager
@@ -36,15 +37,15 @@ def hold_run_folder(cfg: TrainConfig, local: str | None) -> Iterator[None]:
     """Where the storage is a path (`local`): hold the run's folder while it trains, so a second
     driver with the same --name is refused, and check that every node sees raywds-config.json there."""
     if local is None:  # a bucket: nothing here can lock it
-        if s3.is_s3(cfg.out_dir):  # a wrong key or bucket is one line now, not a failure in every worker
-            s3.check_bucket(cfg.out_dir, cfg.s3_endpoint)
+        if s3.is_s3(cfg.out):  # a wrong key or bucket is one line now, not a failure in every worker
+            s3.check_bucket(cfg.out, cfg.s3_endpoint)
             with tempfile.TemporaryDirectory(prefix="raywds-") as tmp:
-                config_file = RunDir(tmp, append=True).write_config(cfg, "raywds-config.json")
-                s3.put_file(config_file, s3.join(cfg.out_dir, config_file.name), cfg.s3_endpoint)
+                config_file = RunDir(tmp, append=True).write_config(cfg, files.RAY_CONFIG)
+                s3.put_file(config_file, s3.join(cfg.out, config_file.name), cfg.s3_endpoint)
         yield
         return
-    with RunLock(cfg.out_dir):
-        config_file = RunDir(cfg.out_dir, append=True).write_config(cfg, "raywds-config.json")
+    with RunLock(cfg.out):
+        config_file = RunDir(cfg.out, append=True).write_config(cfg, files.RAY_CONFIG)
         check_every_node_sees(str(config_file), f"--storage-path {local}")
         yield
 
@@ -95,7 +96,7 @@ def load_ray_checkpoint(checkpoint: Any) -> dict[str, Any]:
         assert where is not None
         if where == checkpoint.path:  # read where it is stored, by its own name
             return load_checkpoint(where)
-        source = f"{checkpoint.filesystem.type_name}://{checkpoint.path.rstrip('/')}/{CHECKPOINT_FILE}"
+        source = f"{checkpoint.filesystem.type_name}://{checkpoint.path.rstrip('/')}/{files.CHECKPOINT}"
         return load_checkpoint(
             where, named=source, instead="Ray restarted the run from it: run again under a new --name"
         )

@@ -3,7 +3,7 @@
 
     cfg = resolve("runs/demo-data/shards", recipe="demo", config_file="split.toml")
     data = ShardDataModule(cfg)
-    trainer = L.Trainer(max_epochs=cfg.num_epochs, strategy="ddp", ...)
+    trainer = L.Trainer(max_epochs=cfg.epochs, strategy="ddp", ...)
     trainer.fit(model, datamodule=data)                      # or ckpt_path=... to resume mid-epoch
 
 Each epoch's training loader is planned for the epoch Lightning runs and the rank it runs as
@@ -31,7 +31,7 @@ from raywds.data.columns import sample_counts
 from raywds.data.dataset import manifest_of
 from raywds.errors import ConfigError, DataError
 from raywds.lightning.epochs import EpochRun, ExactEpochs
-from raywds.loader.decoding import decoding
+from raywds.loader.decodings import decoding
 from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, bad_sample_id
@@ -64,8 +64,8 @@ class ShardDataModule(pl.LightningDataModule):
         super().__init__()
         if not decoding(cfg.decode).in_workers:
             raise ConfigError("the Lightning DataModule decodes on the CPU: use --decode cpu or pil")
-        if cfg.num_loader_workers_per_rank == "auto":  # no epoch is measured here: start as raywds train does
-            cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=first(len(os.sched_getaffinity(0))).workers)
+        if cfg.loader_workers == "auto":  # no epoch is measured here: start as raywds train does
+            cfg = dataclasses.replace(cfg, loader_workers=first(len(os.sched_getaffinity(0))).workers)
         self.cfg = cfg
         self.loader_cfg = LoaderConfig.of(cfg)
         """The loader's slice of the config, built once (its worker count is fixed here)."""
@@ -167,7 +167,7 @@ class ShardDataModule(pl.LightningDataModule):
         if epoch is None:
             return 0.0
         ran = epoch.steps - epoch.step_before + ahead
-        done = epoch.done_before + ran * self.world().world_size * self.cfg.batch_size_per_rank
+        done = epoch.done_before + ran * self.world().world_size * self.cfg.batch_size
         return epoch.index + min(done / max(self.num_samples, 1), 1.0)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The DataModule's callback: what each rank trains in an epoch, split epochs kept exact under
 DDP (raywds.lightning.joined), checked at the epoch's end, and checkpoints inside an epoch.
 
-Checkpoints inside an epoch (`cfg.checkpoint_every_steps`, to `<out_dir>/last.ckpt`) are taken
+Checkpoints inside an epoch (`cfg.checkpoint_every_steps`, to `<out>/last.ckpt`) are taken
 as `raywds train` takes them: in split mode only while every rank still has batches, since the
 position is counted over all ranks (a collective). A Lightning `ModelCheckpoint` that saves every
 N steps or minutes is refused in split mode on several ranks for the same reason; one that saves
@@ -23,6 +23,7 @@ from raywds.errors import ConfigError, DataError
 from raywds.lightning.joined import JoinUneven
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position
+from raywds.runs import files
 from raywds.train.ledger import Ledger, sum_and_max, tally
 from raywds.train.progress import too_many_bad
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from raywds.lightning.datamodule import ShardDataModule
 
 log = logging.getLogger(__name__)
-CHECKPOINT = "last.ckpt"
 
 
 @dataclass
@@ -96,7 +96,7 @@ class ExactEpochs(pl.Callback):
             raise too_many_bad(epoch.bad, len(epoch.bad), allowed, cfg, "on this rank")
         every = cfg.checkpoint_every_steps
         if every and ran <= epoch.plan.min_batches and ran < epoch.plan.max_batches and epoch.steps % every == 0:
-            trainer.save_checkpoint(Path(cfg.out_dir) / CHECKPOINT)
+            trainer.save_checkpoint(Path(cfg.out) / files.LIGHTNING_CHECKPOINT)
             if data.audit is not None:
                 data.audit.segment(data.step())
             if trainer.is_global_zero:
@@ -175,7 +175,7 @@ class ExactEpochs(pl.Callback):
             mode=epoch.plan.mode,
             epoch=epoch.index,
             step=epoch.steps,
-            samples_done=epoch.done_before + ran * world.world_size * data.cfg.batch_size_per_rank,
+            samples_done=epoch.done_before + ran * world.world_size * data.cfg.batch_size,
             shards_done=None,
             dataset=data.manifest.fingerprint("train"),
         )

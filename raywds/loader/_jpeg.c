@@ -5,7 +5,7 @@
  * colour-converted), rows below it are never read, and columns outside it are not
  * IDCT'd or colour-converted (jpeg_crop_scanline). Needs libjpeg-turbo >= 1.5.1.
  *
- * raywds.loader.decode uses it when it is built and falls back to torchvision.io.decode_jpeg.
+ * raywds.loader.crops uses it when it is built and falls back to torchvision.io.decode_jpeg.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

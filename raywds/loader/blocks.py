@@ -11,7 +11,7 @@ samples for the cross-worker shuffle keeps it alive, sample by sample). So:
 - the worker takes a block whose flag in `busy` (a small array in shared memory, made before
   the workers start) is clear, sets the flag, and hands the batch over with its lease
   (worker, slot); with every block busy it gets none, and stacks the batch into a fresh
-  block (raywds.loader.decode.stack_crops), which is not reused;
+  block (raywds.loader.crops.stack_crops), which is not reused;
 - the training process keeps a weak reference to the storage each leased batch arrived in
   (torch's StorageWeakRef, which outlives every tensor and view of it) and clears the flag
   once the reference has expired, checked at each batch it receives.
@@ -105,7 +105,7 @@ class Slots:
     """Worker side: where each decoded image (`shape`: C, H, W) goes, in the order the batches
     take them: slot after slot of a block `take` gives (a fresh shared one when every block is
     busy), a new block once `batch_size` slots are filled. The `cpu` decoder resizes straight into
-    its slot (raywds.loader.decode.cropped): the batch is then the block, not a stack of copies
+    its slot (raywds.loader.crops.cropped): the batch is then the block, not a stack of copies
     made 64 samples later, when the crops have left the CPU's caches (collating took 73-100 us a
     sample by the loader's clock, 6-7 us now; copying a hot 224 px crop takes 13-30 us)."""
 

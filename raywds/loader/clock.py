@@ -74,7 +74,7 @@ def _rate(spent: Spent) -> float:
 
 class Part:
     """The seconds of one part of a timed stage, added up where the part runs and taken by the
-    stage's clock: the crop's resize inside decoding (raywds.loader.decode)."""
+    stage's clock: the crop's resize inside decoding (raywds.loader.crops)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0

@@ -25,7 +25,7 @@ from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest, ShardInfo, deal, shard_url
 from raywds.loader.blocks import Blocks, HandedOver, Slots
 from raywds.loader.clock import Clock
-from raywds.loader.decoding import decoding
+from raywds.loader.decodings import decoding
 from raywds.loader.labels import Labels
 from raywds.loader.readers import Expected, tar_samples
 from raywds.loader.settings import LoaderConfig
@@ -122,16 +122,16 @@ def _loader(
     keep a short last batch), its batches handed over in reused shared-memory blocks
     (raywds.loader.blocks; a `cpu` crop is resized straight into its slot), each carrying what
     `skips` skipped before it and what its worker spent (`clock`); a worker silent for
-    cfg.loader_timeout_s is an error naming the rank, the worker and the shard it reads (`where`)."""
+    cfg.loader_timeout is an error naming the rank, the worker and the shard it reads (`where`)."""
     workers = cfg.loader_workers
     context = start_method(workers, world)
     blocks = Blocks(workers)
-    size = cfg.image_size_px
-    slots = Slots(cfg.batch_size_per_rank, (3, size, size), blocks.take) if decoding(cfg.decode).fills else None
+    size = cfg.image_size
+    slots = Slots(cfg.batch_size, (3, size, size), blocks.take) if decoding(cfg.decode).fills else None
     collation: Callable[[list[Any]], Batch] = bind(collate, out_of=blocks.take)
     if clock is not None:
         decode, collation = bind(clock.decoding, decode), bind(clock.collating, collation)
-    batched = wds.batched(cfg.batch_size_per_rank, collation_fn=collation, partial=partial)
+    batched = wds.batched(cfg.batch_size, collation_fn=collation, partial=partial)
     after = [skips.attach, *([clock.attach] if clock is not None else [])]
     loader = DataLoader(
         wds.DataPipeline(
@@ -145,9 +145,9 @@ def _loader(
         num_workers=workers,
         multiprocessing_context=context,
         pin_memory=world.device.startswith("cuda"),
-        timeout=cfg.loader_timeout_s if workers else 0,
+        timeout=cfg.loader_timeout if workers else 0,
     )
-    return HandedOver(loader, blocks, on_timeout=bind(where.stalled, world.rank, timeout_s=cfg.loader_timeout_s))
+    return HandedOver(loader, blocks, on_timeout=bind(where.stalled, world.rank, timeout_s=cfg.loader_timeout))
 
 
 class EpochLoader:
@@ -179,7 +179,7 @@ def drawn(
     cross-worker one), three times over for samples skipped, in shards of the fewest samples any
     has. The same draws, in the same order, as the worker would make itself."""
     per_worker = (math.ceil(plan.max_batches / plan.num_workers) + PREFETCH + 1) * plan.batch_size
-    samples = per_worker + cfg.shuffle_buffer_samples + cfg.cross_worker_shuffle_samples
+    samples = per_worker + cfg.worker_shuffle_buffer + cfg.cross_worker_shuffle_buffer
     count = 3 * math.ceil(samples / max(1, int(sample_counts(shards).min()))) + 8
     draws = bind(plan.mode.shards_for, plan, shards, rank=rank, seed=cfg.seed, epoch=epoch, reseed=reseed)
     return [list(itertools.islice(draws(worker=w), count)) for w in range(plan.num_workers)]
@@ -214,7 +214,7 @@ def train_stages(
     stages = [
         *_read_stages(source, manifest, "train", cfg, skips, where, names, clock),
         bind(unconsumed, left_out=left_out),
-        bind(worker_shuffled, buffer=cfg.shuffle_buffer_samples, seed=cfg.seed, epoch=epoch, rank=rank),
+        bind(worker_shuffled, buffer=cfg.worker_shuffle_buffer, seed=cfg.seed, epoch=epoch, rank=rank),
     ]
     return stages, skips, where
 
@@ -238,13 +238,13 @@ def train_loader(
     loader = _loader(
         stages, decode, cfg, world, where, partial=exact, skips=skips, clock=clock, labels=labels_of(manifest)
     )
-    if not exact and cfg.cross_worker_shuffle_samples == 0:
+    if not exact and cfg.cross_worker_shuffle_buffer == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
 
     def batches() -> Iterator[Batch]:
         rng = seeds.rng(seeds.CROSS_SHUFFLE, cfg.seed, epoch, rank)
         return rebatched(
-            loader, batch_size=cfg.batch_size_per_rank, buffer=cfg.cross_worker_shuffle_samples, rng=rng, partial=exact
+            loader, batch_size=cfg.batch_size, buffer=cfg.cross_worker_shuffle_buffer, rng=rng, partial=exact
         )
 
     return EpochLoader(batches, plan, rank)

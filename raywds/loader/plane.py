@@ -7,7 +7,7 @@ rank):
   (raywds.loader.readers), the samples an interrupted epoch already trained on left out;
 - `decode_rows`: a block of such rows -> uint8 crops (N, H, W, 3), labels and ids, by the
   loader's own decoders (raywds.loader.stages), each crop seeded by (seed, epoch, sample id);
-- `Batches`: on the rank, the decoded blocks -> the loop's `Batch`es, whole batches of the
+- `Rebatcher`: on the rank, the decoded blocks -> the loop's `Batch`es, whole batches of the
   rank's batch size (an exact epoch ends with its partial rest, a rest of one sample folded).
 
 Exact passes raise on a bad sample or unreadable shard (the run stops, naming it); resample
@@ -152,7 +152,7 @@ def decode_rows(columns: Columns, decoder: Decoder, policy: ReadPolicy, *, size:
     }
 
 
-class Batches:
+class Rebatcher:
     """A rank's side of the plane: decoded blocks (numpy columns, any sizes) -> Batches of
     `batch_size`, the decoded samples only; what was skipped rides on the next batch out.
     `partial` (exact epochs): the rest ends the epoch as a short batch, a rest of one folded

@@ -1,7 +1,7 @@
 """The loader's own config: the slice of the run's TrainConfig that the per-rank loader and the
 Ray Data plane read (14 of its fields), built once per epoch by whoever trains (the trainer, the
 Lightning DataModule), as torchtitan hands each component its own config. The fields keep
-TrainConfig's names, so `--batch-size` is `batch_size_per_rank` in both.
+TrainConfig's names, so `--batch-size` is `batch_size` in both.
 
     loader_cfg = LoaderConfig.of(cfg)      # cfg: TrainConfig, its loader workers already a number
     train_loader(manifest, loader_cfg, world, plan, epoch=0)
@@ -19,18 +19,18 @@ from raywds.plan.modes import loader_slots
 
 @dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
-    batch_size_per_rank: int
+    batch_size: int
     loader_workers: int
     """DataLoader worker processes (0: the training process reads); `auto` is resolved before."""
-    image_size_px: int
+    image_size: int
     crop_scale_min: float
     decode: str
-    """The --decode name (raywds.loader.decoding parses it where a worker decodes)."""
+    """The --decode name (raywds.loader.decodings parses it where a worker decodes)."""
     seed: int
-    shuffle_buffer_samples: int
-    cross_worker_shuffle_samples: int
-    loader_timeout_s: float
-    read_timeout_s: float
+    worker_shuffle_buffer: int
+    cross_worker_shuffle_buffer: int
+    loader_timeout: float
+    read_timeout: float
     read_retries: int
     cache_dir: str | None
     s3_endpoint: str | None
@@ -42,7 +42,7 @@ class LoaderConfig:
         if isinstance(cfg, LoaderConfig):
             return cfg
         names = [f.name for f in dataclasses.fields(cls) if f.name != "loader_workers"]
-        return cls(loader_workers=cfg.loader_workers, **{name: getattr(cfg, name) for name in names})
+        return cls(loader_workers=cfg.loader_worker_count, **{name: getattr(cfg, name) for name in names})
 
     @property
     def slots(self) -> int:
@@ -52,7 +52,7 @@ class LoaderConfig:
     def read_policy(self, *, skip_unreadable: bool) -> ReadPolicy:
         """Exact passes (split, validation) raise on a shard that stays unreadable; resample skips it."""
         return ReadPolicy(
-            read_timeout_s=self.read_timeout_s,
+            read_timeout_s=self.read_timeout,
             retries=self.read_retries,
             skip_unreadable=skip_unreadable,
             cache_dir=self.cache_dir,

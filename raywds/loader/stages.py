@@ -3,7 +3,7 @@ plain list: shard URLs for a (rank, worker), samples not yet consumed, the worke
 decoding (bad samples to `Skips`), batches, and the main process's rebatching.
 
 Workers batch their own samples; the main process can unbatch, shuffle across workers and
-rebatch (`cross_worker_shuffle_samples`), as WebLoader's unbatched().shuffle(n).batched(b).
+rebatch (`cross_worker_shuffle_buffer`), as WebLoader's unbatched().shuffle(n).batched(b).
 Every batch carries its samples' ids and keys, so the loop knows what it trained on.
 """
 
@@ -25,10 +25,10 @@ from torch.utils.data import get_worker_info
 
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError, DataError
-from raywds.loader import crops, decode, encoded
+from raywds.loader import crops, decodings
 from raywds.loader.blocks import Slots
 from raywds.loader.clock import Spent
-from raywds.loader.decoding import decoding
+from raywds.loader.decodings import decoding
 from raywds.loader.labels import Labels, MemberError
 from raywds.loader.readers import Failures, ReadPolicy
 from raywds.loader.settings import LoaderConfig
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 class Batch(NamedTuple):
-    images: torch.Tensor | encoded.Encoded
+    images: torch.Tensor | decodings.Encoded
     """uint8 NCHW, or (`--decode device`) the JPEG bytes and crops the device decodes."""
     labels: torch.Tensor
     ids: torch.Tensor
@@ -59,7 +59,7 @@ Sample = tuple[Any, int, int, str]
 
 Decoder = Callable[..., Any]
 """A sample's image bytes and id (and `out=`, a batch's slot, where the decoding fills one) ->
-what its batch carries (raywds.loader.decode)."""
+what its batch carries (raywds.loader.crops)."""
 
 
 SLOW_DECODE = "RAYWDS_TEST_SLOW_DECODE"
@@ -69,7 +69,7 @@ a decoder whose pace is set by how many run at once, not by how many cores other
 
 def train_decoder(cfg: TrainConfig | LoaderConfig, epoch: int) -> Decoder:
     """`--decode`'s training crop, each sample's drawn from its own generator (crops.crop_rng)."""
-    crop = decoding(cfg.decode).train_crop(cfg.image_size_px, (cfg.crop_scale_min, 1.0))
+    crop = decoding(cfg.decode).train_crop(cfg.image_size, (cfg.crop_scale_min, 1.0))
     planted = float(os.environ.get(SLOW_DECODE) or 0)
     return bind(_seeded, bind(_waiting, planted, crop) if planted else crop, cfg.seed, epoch)
 
@@ -87,7 +87,7 @@ def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample
 
 def val_decoder(cfg: TrainConfig | LoaderConfig) -> Decoder:
     """The validation centre crop (no randomness: the sample id is not needed)."""
-    return bind(_unseeded, decoding(cfg.decode).val_crop(cfg.image_size_px))
+    return bind(_unseeded, decoding(cfg.decode).val_crop(cfg.image_size))
 
 
 def _unseeded(fn: Callable[..., Any], data: bytes, sample_id: int, **out: Any) -> Any:
@@ -157,7 +157,7 @@ def decoded(
     slots: Slots | None = None,
     labels: Labels | None = None,
 ) -> Iterator[Sample]:
-    """Sample dicts -> (image, class index, id, key), the image as `decode` (raywds.loader.decode) makes
+    """Sample dicts -> (image, class index, id, key), the image as `decode` (raywds.loader.crops) makes
     it, in the next of `slots` when given; a sample without an image or class, or whose image or
     class cannot be read, goes to `skips`. `labels` says which members hold them (default: .cls)."""
     labels = labels or Labels()
@@ -221,7 +221,7 @@ def worker_shuffled(src: Iterable[Any], *, buffer: int, seed: int, epoch: int, r
 
 def collate(
     samples: list[Sample],
-    out_of: decode.OutOf | None = None,
+    out_of: crops.OutOf | None = None,
     *,
     bad_samples: tuple[str, ...] = (),
     bad_shards: tuple[str, ...] = (),
@@ -229,7 +229,7 @@ def collate(
     """Samples -> a Batch; in a worker, the images go into shared memory (`out_of`: raywds.loader.blocks)."""
     images, labels, ids, keys = zip(*samples)
     return Batch(
-        encoded.stack(list(images), out_of),
+        decodings.stack(list(images), out_of),
         torch.as_tensor(labels, dtype=torch.long),
         torch.as_tensor(ids, dtype=torch.long),
         list(keys),

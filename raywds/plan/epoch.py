@@ -41,14 +41,14 @@ class EpochPlan:
     mode: Mode
     num_ranks: int
     num_workers: int
-    """Slots per rank: DataLoader workers, or 1 when the main process reads."""
+    """WorkerShards per rank: DataLoader workers, or 1 when the main process reads."""
     batch_size: int
     num_samples: int
     """Samples in the split (the manifest's count)."""
     samples_per_rank: list[int]
     """Samples each rank trains on this epoch (what is left of it, when resuming)."""
     batches_per_rank: list[int]
-    slots: Slots
+    slots: WorkerShards
     """The shards of slot rank x num_workers + worker, when the mode deals shards (split); none in resample."""
     resumed: bool = False
 
@@ -65,7 +65,7 @@ class EpochPlan:
         return max(self.batches_per_rank)
 
 
-class Slots(Sequence[list[ShardInfo]]):
+class WorkerShards(Sequence[list[ShardInfo]]):
     """Each (rank, worker) slot's shards: a rank's shards are dealt to its workers only when one
     of them is asked for, so each rank builds only the slots it reads (a 400,000-shard plan on
     4,096 x 8 slots deals 0.4 s less)."""
@@ -106,7 +106,7 @@ class Slots(Sequence[list[ShardInfo]]):
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"Slots({len(self.by_rank)} ranks x {self.num_workers} workers)"
+        return f"WorkerShards({len(self.by_rank)} ranks x {self.num_workers} workers)"
 
 
 @dataclass(frozen=True)

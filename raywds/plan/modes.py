@@ -59,8 +59,8 @@ def epoch_plan(
     return parse(cfg.mode).plan(
         manifest.shards("train"),
         num_ranks=num_ranks,
-        num_workers=loader_slots(cfg.loader_workers),
-        batch_size=cfg.batch_size_per_rank,
+        num_workers=loader_slots(cfg.loader_worker_count),
+        batch_size=cfg.batch_size,
         seed=cfg.seed,
         epoch=epoch,
         batches_per_epoch=cfg.batches_per_epoch,

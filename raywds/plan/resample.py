@@ -15,7 +15,7 @@ from raywds.data.columns import sample_counts
 from raywds.data.manifest import ShardInfo
 from raywds.errors import DataError
 from raywds.plan import seeds
-from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, Nodes, Slots
+from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, Nodes, WorkerShards
 
 T = TypeVar("T")
 
@@ -53,7 +53,7 @@ class Resample(Mode):
             num_samples=num_samples,
             samples_per_rank=[batches * batch_size] * num_ranks,
             batches_per_rank=[batches] * num_ranks,
-            slots=Slots([], num_workers),
+            slots=WorkerShards([], num_workers),
             resumed=already > 0,
         )
 

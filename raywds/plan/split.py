@@ -12,7 +12,7 @@ from typing import ClassVar, TypeVar
 from raywds.data.manifest import NUM_SAMPLES, ShardInfo, deal, shardsum
 from raywds.errors import ConfigError
 from raywds.plan import seeds
-from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, Nodes, Slots, remaining, split_batches
+from raywds.plan.epoch import Done, EpochPlan, Finding, Mode, Nodes, WorkerShards, remaining, split_batches
 
 T = TypeVar("T")
 SHARDS_PER_RANK = 20
@@ -90,8 +90,8 @@ class Split(Mode):
             by_rank = deal(order, num_ranks)
         # Ranks first, then each rank's shards to its workers: ranks wait on each other at every
         # step, so their balance matters most; workers of one rank only share its queue. A rank
-        # deals only its own shards to its workers (Slots).
-        slots = Slots(by_rank, num_workers)
+        # deals only its own shards to its workers (WorkerShards).
+        slots = WorkerShards(by_rank, num_workers)
         per_rank = [sum(map(NUM_SAMPLES, rank_shards)) for rank_shards in by_rank]
         return EpochPlan(
             mode=self,

@@ -21,7 +21,7 @@ from typing import Any
 from raywds.config import TrainConfig
 from raywds.train.doctor import MARGIN
 from raywds.train.ledger import per_rank
-from raywds.train.stagetimes import ranks
+from raywds.train.timing import ranks
 from raywds.world import World
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Workers:
     def __init__(self, asked: TrainConfig, world: World):
         self.asked, self.world, self.cores = asked, world, world.cores
         self.choice = None
-        if asked.num_loader_workers_per_rank == "auto":  # every rank's plan needs the same count:
+        if asked.loader_workers == "auto":  # every rank's plan needs the same count:
             self.cores = int(min(row[0] for row in per_rank(world, [world.cores])))  # the fewest cores any has
             self.choice = first(self.cores)
 
@@ -81,7 +81,7 @@ class Workers:
             return self.asked
         if self.world.is_main:  # rank 0 says what it chose and why
             log.info(f"epoch {index + 1}: {self.choice.workers} loader worker(s) a rank (auto: {self.choice.why})")
-        return dataclasses.replace(self.asked, num_loader_workers_per_rank=self.choice.workers)
+        return dataclasses.replace(self.asked, loader_workers=self.choice.workers)
 
     def measured(self, metrics: dict[str, Any]) -> None:
         """The epoch's row keeps why its count was chosen; its stages choose the next epoch's."""

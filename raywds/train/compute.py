@@ -1,7 +1,7 @@
 """How a rank computes: device, precision and memory format, chosen once and passed down.
 
 Batches arrive as uint8 images (workers do only the crop and flip), or as JPEG bytes that the
-device decodes (`--decode device`, raywds.loader.decode); they are copied to the device (non-blocking,
+device decodes (`--decode device`, raywds.loader.crops); they are copied to the device (non-blocking,
 from pinned memory on CUDA), turned into floats and normalised there.
 On CUDA the defaults are bf16 autocast, channels_last and cudnn.benchmark; on the CPU, float32
 and the default layout. Every choice can be forced, so the CUDA path's plumbing runs on a CPU.
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from raywds.config import TrainConfig
-from raywds.loader.encoded import Encoded
+from raywds.loader.decodings import Encoded
 
 MEAN_255 = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD_255 = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -46,7 +46,7 @@ class Compute:
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
         layout = cfg.memory_format
         if layout == "auto":
-            small_compiled = cfg.compile and cfg.image_size_px < COMPILED_CHANNELS_LAST_MIN_PX
+            small_compiled = cfg.compile and cfg.image_size < COMPILED_CHANNELS_LAST_MIN_PX
             layout = "channels_last" if cuda and not small_compiled else "contiguous"
         if cuda:
             torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels

@@ -1,4 +1,4 @@
-"""Why is the GPU waiting? The verdict on an epoch's `stages` (raywds.train.stagetimes): the
+"""Why is the GPU waiting? The verdict on an epoch's `stages` (raywds.train.timing): the
 bottleneck named in one sentence with its numbers, the rank and node it is on, and what to
 change, ranked by expected gain.
 
@@ -11,8 +11,8 @@ import math
 import statistics
 from typing import Any
 
-from raywds.loader.decoding import decoding
-from raywds.train.stagetimes import Rank, ranks
+from raywds.loader.decodings import decoding
+from raywds.train.timing import Rank, ranks
 
 WAITS = 0.10
 """A rank that waits this share of its steps or less for data is not held back by it."""

@@ -18,7 +18,7 @@ from raywds.loader.clock import Spent
 from raywds.loader.stages import Batch, bad_sample_id
 from raywds.train.compute import Compute
 from raywds.train.optim import set_lr
-from raywds.train.steptime import StepTimer, slowed_rank, spin
+from raywds.train.timing import StepTimer, slowed_rank, spin
 from raywds.world import World
 
 
@@ -58,7 +58,7 @@ class EpochResult:
     there for a slower one spends more here than that rank does (raywds.train.doctor)."""
     own_s: float = 0.0
     """The forward and backward passes' own compute, waits for other ranks left out (CPU seconds
-    on a CPU, device time on a GPU: raywds.train.steptime): compared across ranks only."""
+    on a CPU, device time on a GPU: raywds.train.timing): compared across ranks only."""
     loader: Spent = Spent()
     """What the rank's loader workers spent making the batches it trained on (raywds.loader.clock)."""
 
@@ -122,7 +122,7 @@ def train_epoch(
     label_smoothing: float = 0.0,
     after_step: Callable[[int, Batch, EpochResult], bool] | None = None,
     where: str = "",
-    pg_timeout_s: float | None = None,
+    pg_timeout: float | None = None,
 ) -> EpochResult:
     """One pass; `lr(steps done)` sets the rate before each step, and `after_step(steps done,
     batch, counts so far)` runs after it and may stop the epoch by returning True. With `uneven` (split mode)
@@ -164,7 +164,7 @@ def train_epoch(
         if world.distributed and _is_collective_failure(e):
             raise CollectiveError(
                 f"rank {world.rank} of {world.world_size}: a collective failed {where} step {r.num_steps + 1} "
-                f"after {time.perf_counter() - start:.0f} s (process-group timeout {pg_timeout_s} s): another rank "
+                f"after {time.perf_counter() - start:.0f} s (process-group timeout {pg_timeout} s): another rank "
                 f"stalled or died, see its log. {str(e).splitlines()[0][:300]}"
             ) from e
         raise

@@ -32,7 +32,7 @@ def lr_at(cfg: TrainConfig, world: World, progress_epochs: float) -> float:
     peak = cfg.peak_lr(world.world_size)
     if progress_epochs < cfg.warmup_epochs:
         return peak * progress_epochs / cfg.warmup_epochs
-    span = max(cfg.num_epochs - cfg.warmup_epochs, 1e-9)
+    span = max(cfg.epochs - cfg.warmup_epochs, 1e-9)
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress_epochs - cfg.warmup_epochs) / span)))
 
 

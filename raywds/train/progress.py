@@ -1,5 +1,5 @@
 """What rank 0 tells as a run goes: a progress bar with ETA on a terminal, a progress line
-(and a `"kind": "progress"` row in the run's metrics.jsonl) every `log_every_s`, the line
+(and a `"kind": "progress"` row in the run's metrics.jsonl) every `log_every`, the line
 after each epoch and the summary line at the end. Lines are logged (INFO); the console
 (raywds.console) prints them.
 """
@@ -16,11 +16,11 @@ from tqdm import tqdm
 
 from raywds.config import TrainConfig
 from raywds.errors import DataError
+from raywds.runs.folder import Metrics, RunDir
+from raywds.runs.rows import ProgressRow, kind
 from raywds.train.doctor import diagnose
 from raywds.train.loop import EpochResult
-from raywds.train.rows import ProgressRow, kind
-from raywds.train.rundir import Metrics, RunDir
-from raywds.train.stagetimes import stage_times
+from raywds.train.timing import stage_times
 from raywds.world import World
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,14 @@ class ProgressLog:
         # Only a bar that is drawn is made: even a disabled tqdm starts tqdm's monitor thread, and
         # every thread alive when the DataLoader forks its workers is a lock a worker may inherit held.
         on = world.is_main and sys.stderr.isatty()
-        desc = f"epoch {epoch + 1}/{cfg.num_epochs}"
+        desc = f"epoch {epoch + 1}/{cfg.epochs}"
         self.bar = tqdm(total=num_steps, desc=desc, unit="step", leave=False) if on else None
 
     def update(self, step: int, so_far: EpochResult, lr: float, data_from: str) -> None:
         """After in-epoch `step`, with the rank's counts `so_far` (rank 0 logs and keeps a row)."""
         if self.bar is not None:
             self.bar.update(1)
-        if not self.world.is_main or time.monotonic() - self.last < self.cfg.log_every_s:
+        if not self.world.is_main or time.monotonic() - self.last < self.cfg.log_every:
             return
         self.last = time.monotonic()
         seconds, num_samples, loss_sum, data_wait_s = (
@@ -118,10 +118,10 @@ def _skipped(m: Metrics) -> str:
     return (f"  skipped {' and '.join(parts)}" if parts else "") + retried
 
 
-def epoch_line(m: Metrics, num_epochs: int) -> str:
+def epoch_line(m: Metrics, epochs: int) -> str:
     val = f"  val top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}" if "val_top1" in m else ""
     return (
-        f"epoch {m['epoch']}/{num_epochs}  loss {m['train_loss']:.3f}{val}  images/s {m['images_per_s']:.1f}"
+        f"epoch {m['epoch']}/{epochs}  loss {m['train_loss']:.3f}{val}  images/s {m['images_per_s']:.1f}"
         f"  data wait {100 * m['data_wait_max']:.0f}%{_skipped(m)}"
     )
 

@@ -80,13 +80,13 @@ def checkpoint_state(
 
 
 def check_unfinished(state: dict[str, Any], cfg: TrainConfig) -> None:
-    """Refuse to resume a run that has already trained all of `cfg.num_epochs`: there is nothing
+    """Refuse to resume a run that has already trained all of `cfg.epochs`: there is nothing
     left to do, and nothing to report."""
     done = state["epoch"]
-    if done >= cfg.num_epochs and not state.get("position"):
+    if done >= cfg.epochs and not state.get("position"):
         raise ConfigError(
-            f"the checkpoint at {cfg.resume_from} has already trained {done} epochs, and --epochs is "
-            f"{cfg.num_epochs}: nothing is left to train; to train more, resume with a larger --epochs "
+            f"the checkpoint at {cfg.resume} has already trained {done} epochs, and --epochs is "
+            f"{cfg.epochs}: nothing is left to train; to train more, resume with a larger --epochs "
             f"(e.g. --epochs {done + 1})"
         )
 

@@ -23,9 +23,11 @@ from raywds.loader.stages import Batch
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import epoch_plan, parse
 from raywds.plan.position import Position, done_in
+from raywds.runs.checkpoint import load_checkpoint
+from raywds.runs.folder import Metrics, RunDir
+from raywds.runs.rows import EpochRow, checkpoint_row
 from raywds.train.audit import Audit
 from raywds.train.autoworkers import Workers
-from raywds.train.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
 from raywds.train.doctor import diagnose
 from raywds.train.ledger import Ledger, gathered, per_rank, sum_and_max, tally
@@ -33,10 +35,8 @@ from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import build_model
 from raywds.train.optim import lr_at, make_optimizer
 from raywds.train.progress import ProgressLog, epoch_line, too_many_bad
-from raywds.train.rows import EpochRow, checkpoint_row
-from raywds.train.rundir import Metrics, RunDir
-from raywds.train.stagetimes import stage_times
 from raywds.train.state import Epoch, Progress, check_unfinished, checkpoint_state, restore
+from raywds.train.timing import stage_times
 from raywds.world import World
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,8 @@ class Trainer:
         self.progress = restore(state, self.model, self.optimizer, self.manifest, parse(self.cfg.mode))
 
     def fit(self) -> Metrics:
-        """Train until cfg.num_epochs or cfg.max_steps; returns the last metrics (the same on every rank)."""
-        while self.progress.epoch < self.cfg.num_epochs:
+        """Train until cfg.epochs or cfg.max_steps; returns the last metrics (the same on every rank)."""
+        while self.progress.epoch < self.cfg.epochs:
             if self.run_epoch(self.progress.epoch):
                 break
         return self.metrics
@@ -101,7 +101,7 @@ class Trainer:
             self.manifest, cfg, world.world_size, epoch=index, done=done, ranks_per_node=world.ranks_per_node
         )
         check_plan(plan, self.manifest)
-        global_batch = world.world_size * cfg.batch_size_per_rank
+        global_batch = world.world_size * cfg.batch_size
         size = cfg.batches_per_epoch * global_batch if cfg.batches_per_epoch else self.num_samples
         bad_allowed = cfg.bad_samples_allowed(sum(plan.samples_per_rank))  # an exact epoch never skips
         return Epoch(index, plan, position, self.progress, Ledger(self.shard_sizes), global_batch, size, bad_allowed)
@@ -143,7 +143,7 @@ class Trainer:
                 label_smoothing=cfg.label_smoothing,
                 after_step=after_step,
                 where=f"in epoch {index + 1}",
-                pg_timeout_s=cfg.pg_timeout_s,
+                pg_timeout=cfg.pg_timeout,
             )
         finally:
             progress.close()
@@ -213,7 +213,7 @@ class Trainer:
                 f"the manifest has {self.num_samples}; "
                 f"{metrics['epoch_duplicates']} repeated, {metrics['epoch_missing']} missing"
             )
-        validate = (epoch.index + 1) % cfg.val_every_epochs == 0 or epoch.index + 1 == cfg.num_epochs
+        validate = (epoch.index + 1) % cfg.val_every == 0 or epoch.index + 1 == cfg.epochs
         if validate and "val" in self.manifest.splits:  # a train-only manifest trains without validation
             batches = self.loaders.val(self.manifest, self.loader_cfg, world)
             metrics.update(evaluate(self.model, batches, world, self.compute))
@@ -226,7 +226,7 @@ class Trainer:
         )
         self.audit.segment(self.progress.steps)
         if world.is_main:
-            log.info(epoch_line(metrics, cfg.num_epochs) + "\n  doctor: " + diagnose(metrics)[0])
+            log.info(epoch_line(metrics, cfg.epochs) + "\n  doctor: " + diagnose(metrics)[0])
         self.emit(metrics)
 
     def epoch_metrics(self, epoch: Epoch, result: EpochResult) -> Metrics:
@@ -291,10 +291,10 @@ def train(
     loaders: Loaders | None = None,
     manifest: Manifest | None = None,
 ) -> Metrics:
-    """Train for cfg.num_epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or cfg.resume_from;
+    """Train for cfg.epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or cfg.resume;
     returns the last metrics, the same on every rank. Rank 0's `run_dir` gets progress rows and is the report
     unless `report` is given; `loaders`: where batches come from; `manifest`: cfg.data's, where known."""
-    if resume is None and cfg.resume_from:
-        resume = load_checkpoint(cfg.resume_from)
+    if resume is None and cfg.resume:
+        resume = load_checkpoint(cfg.resume)
         check_unfinished(resume, cfg)
     return Trainer(cfg, world, report, resume, run_dir, loaders, manifest).fit()

@@ -91,7 +91,7 @@ def test_tar_lists_three_members_per_sample(shards: Path) -> None:
 
 def test_shuffle_is_seeded_and_mixes_classes(tree: Path, tmp_path: Path) -> None:
     a = convert(tree, tmp_path / "a", ConvertOptions(maxcount=16, seed=3))
-    b = convert(tree, tmp_path / "b", ConvertOptions(maxcount=16, seed=3, num_workers=2))
+    b = convert(tree, tmp_path / "b", ConvertOptions(maxcount=16, seed=3, workers=2))
     c = convert(tree, tmp_path / "c", ConvertOptions(maxcount=16, seed=4))
     assert a["splits"] == b["splits"], "same seed must give byte-identical shards, with 1 or 2 workers"
     assert a["splits"]["train"]["shards"] != c["splits"]["train"]["shards"]

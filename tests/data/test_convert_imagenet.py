@@ -153,7 +153,7 @@ def test_odd_images_are_kept_and_broken_ones_skipped_and_listed(odd_tree: Path, 
     m = json.loads((tmp_path / "as_val" / "manifest.json").read_text())
     m["splits"]["val"] = m["splits"]["train"]
     (tmp_path / "as_val" / "manifest.json").write_text(json.dumps(m))
-    cfg = TrainConfig(data=str(tmp_path / "as_val"), image_size_px=16, num_loader_workers_per_rank=0)
+    cfg = TrainConfig(data=str(tmp_path / "as_val"), image_size=16, loader_workers=0)
     images = [batch.images for batch in val_loader(read_manifest(cfg.data), cfg, World())]
     assert sum(len(x) for x in images) == 6 and all(x.shape[1] == 3 for x in images)
 
@@ -173,7 +173,7 @@ def test_rerun_keeps_finished_shards_and_rewrites_the_rest(tree: Path, tmp_path:
     data = (out / names[1]).read_bytes()
     (out / names[1]).write_bytes(data[: len(data) // 2])
     before = {n: (out / n).stat().st_mtime_ns for n in names[2:]}
-    again = convert(tree, out, ConvertOptions(maxcount=16, num_workers=2))
+    again = convert(tree, out, ConvertOptions(maxcount=16, workers=2))
     assert again["splits"] == first["splits"], "the resumed shards are byte-identical"
     assert again["kept_from_earlier_run"] == len(names) + 4 - 2  # every val shard and all but two train shards
     assert {n: (out / n).stat().st_mtime_ns for n in names[2:]} == before, "finished shards were rewritten"
@@ -261,7 +261,7 @@ def test_convert_checks_its_shards_and_names_a_broken_one(
             r"imagenet-train-0000\d\d\.tar as written does not match its manifest entry: .*sample broken has no image"
         ),
     ):
-        convert(tree, tmp_path / "out", ConvertOptions(maxcount=16, num_workers=2))
+        convert(tree, tmp_path / "out", ConvertOptions(maxcount=16, workers=2))
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -365,7 +365,7 @@ def test_hugging_face_datasets_reads_the_same_shards(
 
 
 def test_max_side_downscales_large_images_only(odd_tree: Path, tmp_path: Path) -> None:
-    manifest = convert(odd_tree, tmp_path / "out", ConvertOptions(max_side_px=100))
+    manifest = convert(odd_tree, tmp_path / "out", ConvertOptions(max_side=100))
     assert manifest["max_side_px"] == 100
     shard = tmp_path / "out" / manifest["splits"]["train"]["shards"][0]["name"]
     for sample in wds.WebDataset(str(shard), shardshuffle=False):

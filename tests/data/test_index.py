@@ -28,8 +28,8 @@ from raywds.data.http import ReadPolicy
 from raywds.data.index import index_shards
 from raywds.data.manifest import read_manifest, split_location
 from raywds.data.members import IMAGE_KEYS, LABEL_KEYS
-from raywds.data.options import IndexOptions
 from raywds.data.shardlists import common_base, split_by_name
+from raywds.data.shardoptions import IndexOptions
 from raywds.errors import DataError
 
 RAYWDS = str(Path(sys.executable).with_name("raywds"))

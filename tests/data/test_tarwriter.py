@@ -109,7 +109,7 @@ def test_mixed_formats_and_downscaled_images_are_what_webdataset_writes(tmp_path
         buf = io.BytesIO()
         image.save(buf, format=fmt)
         (src / fmt.lower() / name).write_bytes(buf.getvalue())
-    manifest = convert(src, tmp_path / "out", ConvertOptions(maxcount=3, max_side_px=100))
+    manifest = convert(src, tmp_path / "out", ConvertOptions(maxcount=3, max_side=100))
     shards = manifest["splits"]["train"]["shards"]
     assert sum(s["num_samples"] for s in shards) == 4 and len(shards) == 2
     for shard in shards:

@@ -144,7 +144,7 @@ def test_each_command_line_in_the_manifests_is_one_raywds_accepts(command: Any, 
     if expect[-1] == "serve":
         assert (parsed.shards, parsed.port, parsed.advertise) == ("/shards", 8080, "raywds-shards")
     else:
-        assert (parsed.data, parsed.mode, parsed.num_epochs) == (values()["DATA"], "split", int(values()["EPOCHS"]))
+        assert (parsed.data, parsed.mode, parsed.epochs) == (values()["DATA"], "split", int(values()["EPOCHS"]))
 
 
 def test_the_image_tests_run_the_manifests_own_command_lines() -> None:

@@ -34,7 +34,7 @@ from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo, read_manifest
 from raywds.errors import DataError
 from raywds.loader.loader import expected
-from raywds.loader.plane import Batches, decode_rows, shard_rows
+from raywds.loader.plane import Rebatcher, decode_rows, shard_rows
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import bad_sample_id, train_decoder
 from raywds.plan.modes import Resample
@@ -580,7 +580,7 @@ def _resample_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
 
 def _two_ranks(data: Path, tmp_path: Path) -> list[dict]:
     """A one-epoch resample run on two gloo ranks, 4 batches each, bound 1; what each rank ended with."""
-    cfg = small_config(data, mode="resample", num_epochs=1, shuffle_buffer_samples=0, max_bad_samples=1)
+    cfg = small_config(data, mode="resample", epochs=1, worker_shuffle_buffer=0, max_bad_samples=1)
     mp.start_processes(
         _resample_rank, args=(cfg, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="forkserver"
     )
@@ -628,14 +628,14 @@ def test_the_ray_data_planes_steps_count_a_bad_sample_the_same_way(shards: Path,
     data = edit.copy(shards, tmp_path / "shards")
     broken = bad_member("jpg", NOT_AN_IMAGE)(data, 1)
     manifest = read_manifest(str(data))
-    cfg = small_config(data, mode="resample", num_epochs=1, max_bad_samples=1)
+    cfg = small_config(data, mode="resample", epochs=1, max_bad_samples=1)
     url = manifest.url(manifest.shards("train")[1])
     policy = LoaderConfig.of(cfg).read_policy(skip_unreadable=True)
     draw = [
         decode_rows(c, train_decoder(cfg, 0), policy, size=28)
         for c in shard_rows(url, expected(manifest, "train")[url], policy)
     ]
-    batches = list(Batches(8, partial=False)(draw + draw))
+    batches = list(Rebatcher(8, partial=False)(draw + draw))
     assert [len(b.bad_samples) for b in batches] == [1, 1, 0], "each draw's reason rides on the next batch out"
     model = build_model("demo", len(manifest.classes))
     result = train_epoch(

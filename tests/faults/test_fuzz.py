@@ -73,9 +73,9 @@ def read_epoch(shards: Path) -> int:
     cfg = TrainConfig(
         data=str(shards),
         mode="split",
-        batch_size_per_rank=8,
-        image_size_px=16,
-        num_loader_workers_per_rank=0,
+        batch_size=8,
+        image_size=16,
+        loader_workers=0,
         verify_hashes=True,
     )
     manifest = read_manifest(str(shards))

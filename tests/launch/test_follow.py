@@ -1,4 +1,4 @@
-"""raywds.launch.follow draws a run's progress bar from the rows a test appends to metrics.jsonl, as
+"""raywds.runs.follow draws a run's progress bar from the rows a test appends to metrics.jsonl, as
 rank 0 of a run would: no Ray, no training."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raywds.launch.follow import Follower, follow
+from raywds.runs.follow import Follower, follow
 
 
 def append(run_dir: Path, *rows: dict[str, Any], end: str = "\n") -> None:
@@ -44,7 +44,7 @@ def read_twice(follower: Follower) -> None:
 
 def test_the_bar_follows_progress_and_epoch_rows_to_the_end(tmp_path: Path) -> None:
     run_dir, out = tmp_path / "run", io.StringIO()
-    with follow(run_dir, num_epochs=2, poll_s=0.01, file=out) as follower:
+    with follow(run_dir, epochs=2, poll_s=0.01, file=out) as follower:
         bar = follower.bar
         read_twice(follower)  # no folder yet: the bar waits
         assert (bar.n, bar.total) == (0, None)
@@ -68,7 +68,7 @@ def test_the_bar_follows_progress_and_epoch_rows_to_the_end(tmp_path: Path) -> N
 def test_rows_written_before_the_bar_and_after_its_thread_stopped_are_counted(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     append(run_dir, progress_row(1, 3, 8))
-    with follow(run_dir, num_epochs=3, poll_s=60, file=io.StringIO()) as follower:
+    with follow(run_dir, epochs=3, poll_s=60, file=io.StringIO()) as follower:
         append(run_dir, epoch_row(1, 8), epoch_row(2, 16))  # the thread sleeps: read when the block ends
     assert (follower.bar.n, follower.bar.total) == (16, 24)
 
@@ -76,7 +76,7 @@ def test_rows_written_before_the_bar_and_after_its_thread_stopped_are_counted(tm
 def test_the_total_comes_from_the_run_folders_config_and_max_steps(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "raywds-config.json").write_text(json.dumps({"num_epochs": 6, "max_steps": 15}))
+    (run_dir / "raywds-config.json").write_text(json.dumps({"epochs": 6, "max_steps": 15}))
     with follow(run_dir, poll_s=0.01, file=io.StringIO()) as follower:
         append(run_dir, epoch_row(1, 10))
         wait_until(lambda: follower.bar.total == 15, follower)  # 6 epochs of 10 steps, cut at max_steps
@@ -86,7 +86,7 @@ def test_the_total_comes_from_the_run_folders_config_and_max_steps(tmp_path: Pat
 
 def test_a_rewritten_file_starts_the_count_over_and_odd_rows_are_skipped(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    with follow(run_dir, num_epochs=1, poll_s=0.01, file=io.StringIO()) as follower:
+    with follow(run_dir, epochs=1, poll_s=0.01, file=io.StringIO()) as follower:
         append(run_dir, progress_row(1, 7, 10), progress_row(1, 8, 10))
         wait_until(lambda: follower.bar.n == 8, follower)
         (run_dir / "metrics.jsonl").write_text("")  # a new local run in the same folder truncates it

@@ -40,8 +40,8 @@ def test_a_killed_worker_resumes_inside_the_epoch_and_every_epoch_stays_exact(
     cloudpickle.register_pickle_by_value(example)  # the workers cannot import the example by name
     audit_dir = tmp_path / "audit"
     cfg = small_config(
-        shards, mode="split", batch_size_per_rank=4, num_epochs=2, checkpoint_every_steps=3,
-        audit_dir=str(audit_dir), out_dir=str(tmp_path / "run"),
+        shards, mode="split", batch_size=4, epochs=2, checkpoint_every_steps=3,
+        audit_dir=str(audit_dir), out=str(tmp_path / "run"),
     )  # fmt: skip
     killed: list[int] = []
 

@@ -21,7 +21,7 @@ from support.netnodes import HEAD_IP, RANK, RAYWDS, SUMMARY, WORKER_IP, TwoNodes
 from support.raycluster import RAY, HeadNode
 
 from raywds.train.audit import NAME, kept
-from raywds.train.steptime import SLOW_RANK
+from raywds.train.timing import SLOW_RANK
 
 SLOW_S = 0.1
 

@@ -17,7 +17,8 @@ from support.runs import assert_charts_hold, small_config
 
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
-from raywds.launch.options import worker_count
+from raywds.launch.rayoptions import worker_count
+from raywds.runs import files
 
 
 @pytest.fixture
@@ -98,7 +99,7 @@ def test_an_elastic_worker_plan_needs_only_its_minimum_now(ray_train: ModuleType
 def test_each_data_plane_has_its_placement_and_run_takes_the_commands_defaults(ray_train: ModuleType) -> None:
     import inspect
 
-    from raywds.launch.options import DATA_PLANES, DEFAULTS
+    from raywds.launch.rayoptions import DATA_PLANES, DEFAULTS
 
     assert tuple(ray_train.PLACES) == DATA_PLANES
     run = inspect.signature(ray_train.run).parameters
@@ -144,11 +145,11 @@ def split_config(data: Path, audit: Path, **overrides: object) -> TrainConfig:
     return small_config(
         data,
         **{
-            "batch_size_per_rank": 8,
-            "num_epochs": 1,
+            "batch_size": 8,
+            "epochs": 1,
             "mode": "split",
             "audit_dir": str(audit),
-            "pg_timeout_s": 60,
+            "pg_timeout": 60,
             **overrides,
         },
     )
@@ -208,9 +209,9 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
         audit,
         val_data=f"{uneven}/imagenet-val-*.tar",
         index_cache=str(tmp_path / "index"),
-        num_epochs=3,
+        epochs=3,
         max_steps=3,
-        log_every_s=0.0,
+        log_every=0.0,
         tensorboard=True,
     )
     first = ray_train.run(cfg, storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}")
@@ -219,7 +220,7 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
     assert sum(epoch_keys(audit, 0, uneven).values()) == 2 * 3 * 8
 
     second = ray_train.run(
-        dataclasses.replace(cfg, max_steps=None, resume_from=first.checkpoint),
+        dataclasses.replace(cfg, max_steps=None, resume=first.checkpoint),
         storage_path=str(tmp_path),
         name=f"resume-{uuid.uuid4().hex[:8]}",
         num_checkpoints_to_keep=None,
@@ -242,11 +243,11 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
     assert 0 <= second.metrics["stages"]["idle_cpus"] <= 4 - 2, "the doctor knows the CPUs the run left idle"
 
     # The resumed run's folder: Ray's checkpoints, the best one beside them, a progress row a step
-    assert second.checkpoint is not None and (Path(second.checkpoint) / ray_train.CHECKPOINT_FILE).is_file()
+    assert second.checkpoint is not None and (Path(second.checkpoint) / files.CHECKPOINT).is_file()
     assert Path(second.path).is_relative_to(tmp_path)
     best = json.loads((Path(second.path) / "best" / "metrics.json").read_text())
     assert best["val_top1"] == max(m["val_top1"] for m in second.history), "best/ holds the best top-1"
-    assert (Path(second.path) / "best" / ray_train.CHECKPOINT_FILE).is_file()
+    assert (Path(second.path) / "best" / files.CHECKPOINT).is_file()
     rows = [json.loads(line) for line in (Path(second.path) / "metrics.jsonl").read_text().splitlines()]
     progress = [r for r in rows if r.get("kind") == "progress"]
     # rank 0's 8 steps an epoch: the 5 of epoch 1 after the stop's 3, then epochs 2 and 3 whole

@@ -34,9 +34,9 @@ def ray_env(ray_temp: Path) -> dict[str, str]:
 
 
 def config_file(tmp_path: Path, data: str, audit: Path, **overrides: object) -> Path:
-    cfg = small_config(data, mode="split", audit_dir=str(audit), batch_size_per_rank=4, pg_timeout_s=60, **overrides)
+    cfg = small_config(data, mode="split", audit_dir=str(audit), batch_size=4, pg_timeout=60, **overrides)
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in ("data", "out_dir")}))
+    path.write_text(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in ("data", "out")}))
     return path
 
 
@@ -67,7 +67,7 @@ def test_a_ray_run_in_a_bucket_survives_a_killed_worker_exactly_and_keeps_its_re
 ) -> None:
     upload(shards, json.loads((shards / "manifest.json").read_text()), s3.url("data"))
     audit = tmp_path / "audit"
-    config = config_file(tmp_path, s3.url("data"), audit, num_epochs=3, num_loader_workers_per_rank=1)
+    config = config_file(tmp_path, s3.url("data"), audit, epochs=3, loader_workers=1)
     killed: list[int] = []
     killer = threading.Thread(target=kill_rank1_in, args=(audit, 2, killed), daemon=True)
     killer.start()
@@ -138,7 +138,7 @@ def test_three_ranks_on_the_ray_data_plane_read_split_epochs_from_a_bucket_exact
         tmp_path,
         shards,
         audit,
-        num_epochs=2,
+        epochs=2,
         val_data=s3.url("data") + "/imagenet-val-*.tar",
         index_cache=str(tmp_path / "index"),
     )

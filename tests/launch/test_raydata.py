@@ -33,7 +33,7 @@ pytestmark = pytest.mark.ray
 
 def plane_config(data: Path, **overrides: object) -> TrainConfig:
     # No DataLoader workers under the plane: one slot per rank.
-    return small_config(data, **{"batch_size_per_rank": 8, "num_loader_workers_per_rank": 0, **overrides})
+    return small_config(data, **{"batch_size": 8, "loader_workers": 0, **overrides})
 
 
 def run_epoch(
@@ -75,9 +75,9 @@ def test_split_epochs_are_exact_on_uneven_shards(uneven: Path, local_ray: None, 
 
 
 def test_a_samples_crop_is_the_per_rank_loaders(uneven: Path, local_ray: None) -> None:
-    cfg = plane_config(uneven, mode="split", shuffle_buffer_samples=50)
+    cfg = plane_config(uneven, mode="split", worker_shuffle_buffer=50)
     plane = run_epoch(uneven, cfg, 2, epoch=1)
-    loader = run_epoch(uneven, dataclasses.replace(cfg, num_loader_workers_per_rank=2), 2, epoch=1, loaders=PerRank())
+    loader = run_epoch(uneven, dataclasses.replace(cfg, loader_workers=2), 2, epoch=1, loaders=PerRank())
     by_id = {int(i): b.images[j] for r in loader for b in r for j, i in enumerate(b.ids)}
     seen = 0
     for r in plane:
@@ -159,7 +159,7 @@ def test_an_epoch_stays_within_the_object_store_bound(ten_thousand: Path, local_
     the epoch's 1.5 GB of decoded crops (1.2 GB measured without a budget), and never spills."""
     from raywds.launch import raydata
 
-    cfg = plane_config(ten_thousand, mode="split", batch_size_per_rank=64, image_size_px=224)
+    cfg = plane_config(ten_thousand, mode="split", batch_size=64, image_size=224)
     plane = raydata.Plane()
     budget_mb = plane.object_store_bytes_per_rank / 2**20
     before, spilled_before = raydata.store_use()
@@ -243,6 +243,6 @@ def test_resample_mode_stops_when_no_drawn_shard_can_be_read(shards: Path, tmp_p
     from raywds.serve import free_port
 
     down = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
-    cfg = plane_config(shards, mode="resample", shards_at=down, read_retries=0, read_timeout_s=2)
+    cfg = plane_config(shards, mode="resample", shards_at=down, read_retries=0, read_timeout=2)
     with pytest.raises(ShardError, match=r"rank 0: none of the \d+ shards drawn could be read, the last: shard http"):
         run_epoch(shards, cfg, 1)

@@ -29,8 +29,8 @@ def test_auto_loader_workers_start_at_the_cores_less_one(shards: Path) -> None:
 
     from raywds.lightning import ShardDataModule
 
-    data = ShardDataModule(small_config(shards, num_loader_workers_per_rank="auto"))
-    assert data.cfg.num_loader_workers_per_rank == max(1, len(os.sched_getaffinity(0)) - 1)
+    data = ShardDataModule(small_config(shards, loader_workers="auto"))
+    assert data.cfg.loader_workers == max(1, len(os.sched_getaffinity(0)) - 1)
     assert (data.num_classes, data.num_samples) == (10, 120)
 
 
@@ -58,7 +58,7 @@ def test_a_fit_in_one_process_counts_the_epochs_and_hands_the_model_normalised_b
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    data = ShardDataModule(small_config(shards, num_epochs=2, out_dir=str(tmp_path)))
+    data = ShardDataModule(small_config(shards, epochs=2, out=str(tmp_path)))
     trainer = L.Trainer(
         max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

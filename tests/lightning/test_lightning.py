@@ -100,7 +100,7 @@ def killed(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     Its split epochs deal the ranks 64 and 56 samples, 16 and 14 batches of 4 (checked from the
     plan): the rank that runs out first must join the other, or both hang."""
-    cfg = small_config(shards, mode="split", batch_size_per_rank=4)
+    cfg = small_config(shards, mode="split", batch_size=4)
     counts = [epoch_plan(read_manifest(str(shards)), cfg, 2, epoch=e).batches_per_rank for e in range(2)]
     assert all(a != b for a, b in counts), counts
     folder = tmp_path_factory.mktemp("killed")

@@ -41,9 +41,9 @@ def loader(count: int, decode: str = "cpu"):  # type: ignore[no-untyped-def]
         TrainConfig(
             data="unused",
             model="demo",
-            batch_size_per_rank=BATCH,
-            num_loader_workers_per_rank=1,
-            image_size_px=6,
+            batch_size=BATCH,
+            loader_workers=1,
+            image_size=6,
             decode=decode,
         )
     )
@@ -95,10 +95,10 @@ def test_cross_worker_shuffle_keeps_its_samples_intact(shards: Path) -> None:
     cfg = TrainConfig(
         data=str(shards),
         model="demo",
-        batch_size_per_rank=8,
-        image_size_px=24,
-        num_loader_workers_per_rank=2,
-        cross_worker_shuffle_samples=24,
+        batch_size=8,
+        image_size=24,
+        loader_workers=2,
+        cross_worker_shuffle_buffer=24,
         batches_per_epoch=12,
     )
     manifest = read_manifest(str(shards))

@@ -13,11 +13,10 @@ from PIL import Image, ImageFilter, JpegImagePlugin
 from support.runs import need_jpeg_extension
 from torchvision import transforms
 
-from raywds.loader import crops, decode
-from raywds.loader import encoded as device_decoder
-from raywds.loader.crops import reduction
-from raywds.loader.decode import reference_train, reference_val, train_crop, val_crop
-from raywds.loader.encoded import Encoded, encoded_crop
+from raywds.loader import crops
+from raywds.loader import decodings as device_decoder
+from raywds.loader.crops import reduction, reference_train, reference_val, train_crop, val_crop
+from raywds.loader.decodings import Encoded, encoded_crop
 from raywds.train.compute import Compute
 
 SCALE = (0.08, 1.0)
@@ -28,7 +27,7 @@ def jpeg_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Both ways the `cpu` decoder reads JPEGs: the region decoder (the raywds.loader._jpeg
     extension) and, as where the extension could not be built, whole-image decoding."""
     if request.param == "whole":
-        monkeypatch.setattr(decode, "_jpeg", None)
+        monkeypatch.setattr(crops, "_jpeg", None)
     else:
         need_jpeg_extension()
     return request.param
@@ -89,7 +88,7 @@ def test_the_region_decoders_crop_is_the_whole_images_crop(monkeypatch: pytest.M
     need_jpeg_extension()
     data = encoded(photo(500, 375))  # crops of it at 224 px are never DCT-scaled
     cut = [seeded(lambda d: train_crop(d, 224, SCALE), data, seed) for seed in range(30)]
-    monkeypatch.setattr(decode, "_jpeg", None)
+    monkeypatch.setattr(crops, "_jpeg", None)
     whole = [seeded(lambda d: train_crop(d, 224, SCALE), data, seed) for seed in range(30)]
     assert all(torch.equal(a, b) for a, b in zip(cut, whole))
 
@@ -123,13 +122,13 @@ def test_draw_crop_is_torchvisions_draw(height: int, width: int, scale: tuple[fl
 def test_large_crops_decode_at_reduced_scale(monkeypatch: pytest.MonkeyPatch, jpeg_path: str) -> None:
     scales: list[int] = []
     if jpeg_path == "region":
-        real_region = decode._jpeg.decode_region
+        real_region = crops._jpeg.decode_region
 
         def spy_region(data: bytes, top: int, left: int, height: int, width: int, scale: int):  # type: ignore[no-untyped-def]
             scales.append(scale)
             return real_region(data, top, left, height, width, scale)
 
-        monkeypatch.setattr(decode._jpeg, "decode_region", spy_region)
+        monkeypatch.setattr(crops._jpeg, "decode_region", spy_region)
     else:
         real_draft = JpegImagePlugin.JpegImageFile.draft
 
@@ -222,7 +221,7 @@ def test_val_crop_is_torchvisions_resize_and_centre_crop_on_the_decoded_image(sh
 
     for fmt, mode in (("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB")):
         data = encoded(photo(*shape), fmt, mode)
-        image = decode.jpeg_tensor(data) if fmt == "JPEG" else F.pil_to_tensor(Image.open(io.BytesIO(data)))
+        image = crops.jpeg_tensor(data) if fmt == "JPEG" else F.pil_to_tensor(Image.open(io.BytesIO(data)))
         want = F.center_crop(F.resize(image, [256], antialias=True), [224, 224])
         got = val_crop(data, 224)
         assert got.shape == want.shape == (3, 224, 224)
@@ -296,11 +295,11 @@ def test_a_crop_decoded_into_its_slot_is_the_same_crop(
 def test_crops_decoded_into_their_slots_are_the_batch_without_a_copy() -> None:
     block = torch.zeros((4, 6, 6, 3), dtype=torch.uint8).share_memory_()
     images = [block[i].permute(2, 0, 1).fill_(i + 1) for i in range(3)]
-    batch = decode.stack_crops(images)
+    batch = crops.stack_crops(images)
     assert batch.data_ptr() == block.data_ptr() and batch.shape == (3, 3, 6, 6)
     assert torch.equal(batch.amax(dim=(1, 2, 3)), torch.tensor([1, 2, 3], dtype=torch.uint8))
     for other in ([images[1], images[0]], images[1:], [images[0], images[2]], [images[0].clone(), images[1]]):
-        stacked = decode.stack_crops(other)  # out of order, not from the start, a gap, not in the block
+        stacked = crops.stack_crops(other)  # out of order, not from the start, a gap, not in the block
         assert stacked.data_ptr() != block.data_ptr()
         assert torch.equal(stacked, torch.stack(other))
 
@@ -318,7 +317,7 @@ def test_a_gpu_batch_is_resized_together_as_each_crop_alone() -> None:
     drawn = [crops.draw_crop(im.shape[1], im.shape[2], SCALE, g) for im in images]
     flips = torch.tensor([True, False, True, False])
     together = device_decoder.resized_together(images, [list(box) for box, _ in drawn], flips, 64)
-    alone = torch.stack([decode.cropped(im, box, bool(flip), 64) for im, (box, _), flip in zip(images, drawn, flips)])
+    alone = torch.stack([crops.cropped(im, box, bool(flip), 64) for im, (box, _), flip in zip(images, drawn, flips)])
     assert together.shape == (4, 3, 64, 64) and together.dtype == torch.uint8
     assert together.is_contiguous(memory_format=torch.channels_last)
     assert (together.int() - alone.int()).abs().max() <= 1
@@ -328,11 +327,11 @@ def test_a_gpu_batch_is_resized_together_as_each_crop_alone() -> None:
 def test_each_decode_choice_has_its_object() -> None:
     import typing
 
-    from raywds.config import Decoder
+    from raywds.config import DecodeName
     from raywds.errors import ConfigError
-    from raywds.loader.decoding import DECODINGS, decoding
+    from raywds.loader.decodings import DECODINGS, decoding
 
-    assert tuple(DECODINGS) == typing.get_args(Decoder)
+    assert tuple(DECODINGS) == typing.get_args(DecodeName)
     assert [d.name for d in DECODINGS.values() if not d.in_workers] == ["device"]
     assert [d.name for d in DECODINGS.values() if d.region] == ["cpu"]
     with pytest.raises(ConfigError, match="not one of cpu, device, pil"):

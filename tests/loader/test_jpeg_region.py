@@ -14,7 +14,7 @@ from PIL import Image
 from support.data import noise_jpeg
 from support.runs import need_jpeg_extension
 
-from raywds.loader import decode
+from raywds.loader import crops
 
 need_jpeg_extension()
 
@@ -109,9 +109,9 @@ def test_box_pixels_are_exactly_the_box(layout: str) -> None:
 def test_region_crop_equals_decode_jpeg() -> None:
     """At full scale the region is the same pixels torchvision's decode_jpeg gives (both libjpeg-turbo)."""
     data = jpeg(500, 375)
-    full = decode.jpeg_tensor(data)
+    full = crops.jpeg_tensor(data)
     for box in boxes(500, 375, 20, seed=9):
-        image, y0, x0 = decode.region(data, box)
+        image, y0, x0 = crops.region(data, box)
         top, left, h, w = box
         assert torch.equal(
             image[:, top - y0 : top - y0 + h, left - x0 : left - x0 + w], full[:, top : top + h, left : left + w]

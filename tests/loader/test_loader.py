@@ -18,7 +18,7 @@ from support.runs import small_config
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError
-from raywds.loader.encoded import Encoded
+from raywds.loader.decodings import Encoded
 from raywds.loader.loader import expected, train_loader, val_loader
 from raywds.loader.readers import ReadPolicy, tar_samples
 from raywds.loader.stages import Batch, fold_single_tail, rebatched
@@ -29,9 +29,7 @@ from raywds.world import World
 
 
 def config(shards: Path, **overrides: object) -> TrainConfig:
-    return small_config(
-        shards, **{"batch_size_per_rank": 8, "image_size_px": 24, "num_loader_workers_per_rank": 2, **overrides}
-    )
+    return small_config(shards, **{"batch_size": 8, "image_size": 24, "loader_workers": 2, **overrides})
 
 
 def epoch(
@@ -69,20 +67,20 @@ def test_resample_gives_every_rank_the_same_batch_count(shards: Path, world_size
 
 def test_resample_workers_of_one_rank_draw_different_streams(shards: Path) -> None:
     # A DataLoader hands over its workers' batches in turn: even batches from worker 0, odd from worker 1.
-    (batches,) = epoch(shards, config(shards, batches_per_epoch=8, shuffle_buffer_samples=0), 1)
+    (batches,) = epoch(shards, config(shards, batches_per_epoch=8, worker_shuffle_buffer=0), 1)
     worker0 = [k for b in batches[0::2] for k in b.keys]
     worker1 = [k for b in batches[1::2] for k in b.keys]
     assert len(worker0) == len(worker1) == 32 and worker0 != worker1
 
 
 def test_resample_batches_per_epoch_and_cross_worker_shuffle_keep_counts(shards: Path) -> None:
-    ranks = epoch(shards, config(shards, batches_per_epoch=5, cross_worker_shuffle_samples=20), 3)
+    ranks = epoch(shards, config(shards, batches_per_epoch=5, cross_worker_shuffle_buffer=20), 3)
     assert [len(r) for r in ranks] == [5, 5, 5]
     assert all(len(b.keys) == 8 for r in ranks for b in r)
 
 
 def test_resample_is_seeded_per_epoch_and_reseeded_on_resume(shards: Path) -> None:
-    cfg = config(shards, num_loader_workers_per_rank=0)
+    cfg = config(shards, loader_workers=0)
 
     def stream(n: int, position: Position | None = None) -> list[str]:
         return [k for b in epoch(shards, cfg, 2, n, position)[0] for k in b.keys]
@@ -101,7 +99,7 @@ def test_resample_is_seeded_per_epoch_and_reseeded_on_resume(shards: Path) -> No
 @pytest.mark.parametrize("world_size,workers", [(1, 0), (2, 2), (3, 1)])
 def test_validation_sees_every_sample_once_across_ranks(shards: Path, world_size: int, workers: int) -> None:
     manifest = read_manifest(str(shards))
-    cfg = config(shards, num_loader_workers_per_rank=workers)
+    cfg = config(shards, loader_workers=workers)
     seen = Counter(
         k
         for rank in range(world_size)
@@ -128,9 +126,9 @@ def test_split_sees_every_key_once_on_uneven_shards(
     cfg = config(
         uneven,
         mode="split",
-        num_loader_workers_per_rank=workers,
-        batch_size_per_rank=batch,
-        cross_worker_shuffle_samples=cross,
+        loader_workers=workers,
+        batch_size=batch,
+        cross_worker_shuffle_buffer=cross,
         decode=decode,
     )
     ranks = epoch(uneven, cfg, world_size)
@@ -149,7 +147,7 @@ def test_split_sees_every_key_once_on_uneven_shards(
 
 
 def test_split_reshuffles_each_epoch(uneven: Path) -> None:
-    cfg = config(uneven, mode="split", num_loader_workers_per_rank=1)
+    cfg = config(uneven, mode="split", loader_workers=1)
     first = [[k for b in r for k in b.keys] for r in epoch(uneven, cfg, 2, 0)]
     second = [[k for b in r for k in b.keys] for r in epoch(uneven, cfg, 2, 1)]
     assert first != second and sorted(sum(first, [])) == sorted(sum(second, []))
@@ -157,7 +155,7 @@ def test_split_reshuffles_each_epoch(uneven: Path) -> None:
 
 def test_batch_ids_name_the_sample(uneven: Path) -> None:
     """An id is the shard's offset in manifest order plus the place in the shard, so ids map back to keys."""
-    cfg = config(uneven, mode="split", num_loader_workers_per_rank=2)
+    cfg = config(uneven, mode="split", loader_workers=2)
     by_id = {int(i): k for r in epoch(uneven, cfg, 2) for b in r for i, k in zip(b.ids, b.keys)}
     assert sorted(by_id) == list(range(120))
     assert [by_id[i] for i in range(120)] == tar_keys(uneven)
@@ -166,7 +164,7 @@ def test_batch_ids_name_the_sample(uneven: Path) -> None:
 @pytest.mark.parametrize("new_world_size", [2, 3])
 def test_split_resume_trains_on_exactly_the_rest(uneven: Path, new_world_size: int) -> None:
     manifest = read_manifest(str(uneven))
-    cfg = config(uneven, mode="split", num_loader_workers_per_rank=2)
+    cfg = config(uneven, mode="split", loader_workers=2)
     done = np.zeros(120, dtype=bool)
     done[random.Random(1).sample(range(120), 47)] = True  # what an interrupted epoch delivered
     position = Position.of_flags(
@@ -184,7 +182,7 @@ def test_split_resume_trains_on_exactly_the_rest(uneven: Path, new_world_size: i
 
 
 def test_split_refuses_fewer_shards_than_slots(shards: Path) -> None:
-    cfg = config(shards, mode="split", num_loader_workers_per_rank=4)
+    cfg = config(shards, mode="split", loader_workers=4)
     manifest = read_manifest(str(shards))
     with pytest.raises(
         ConfigError,
@@ -239,7 +237,7 @@ def test_the_shuffle_replay_draws_what_the_loader_draws(shards: Path, mode: str,
     loader workers, each with its own shard draws and shuffle, sample for sample."""
     from raywds.loader.mixing import replay, sorted_labels
 
-    cfg = config(shards, mode=mode, shuffle_buffer_samples=10, cross_worker_shuffle_samples=cross, seed=5)
+    cfg = config(shards, mode=mode, worker_shuffle_buffer=10, cross_worker_shuffle_buffer=cross, seed=5)
     manifest = read_manifest(str(shards))
     plan = epoch_plan(manifest, cfg, 2, epoch=1)
     loaded = list(train_loader(manifest, cfg, World(rank=1, world_size=2), plan, epoch=1))
@@ -265,15 +263,15 @@ def crops_by_id(ranks: list[list[Batch]]) -> dict[int, torch.Tensor]:
 def test_a_samples_crop_depends_on_seed_epoch_and_id_only(uneven: Path, decode: str) -> None:
     """The crop comes from the sample's own generator: neither the worker count nor the rank
     count nor the order samples arrive in changes it; the epoch and the seed do."""
-    base = {"mode": "split", "decode": decode, "shuffle_buffer_samples": 0}
-    one = crops_by_id(epoch(uneven, config(uneven, num_loader_workers_per_rank=0, **base), 1))
-    shuffled = {**base, "shuffle_buffer_samples": 30}
-    many = crops_by_id(epoch(uneven, config(uneven, num_loader_workers_per_rank=2, **shuffled), 2))
+    base = {"mode": "split", "decode": decode, "worker_shuffle_buffer": 0}
+    one = crops_by_id(epoch(uneven, config(uneven, loader_workers=0, **base), 1))
+    shuffled = {**base, "worker_shuffle_buffer": 30}
+    many = crops_by_id(epoch(uneven, config(uneven, loader_workers=2, **shuffled), 2))
     assert one.keys() == many.keys() and len(one) == 120
     assert all(torch.equal(one[i], many[i]) for i in one), "1 rank x 0 workers and 2 ranks x 2 workers must agree"
-    later = crops_by_id(epoch(uneven, config(uneven, num_loader_workers_per_rank=0, **base), 1, n=1))
+    later = crops_by_id(epoch(uneven, config(uneven, loader_workers=0, **base), 1, n=1))
     assert sum(not torch.equal(one[i], later[i]) for i in one) > 100, "the next epoch draws new crops"
-    reseeded = crops_by_id(epoch(uneven, config(uneven, num_loader_workers_per_rank=0, seed=1, **base), 1))
+    reseeded = crops_by_id(epoch(uneven, config(uneven, loader_workers=0, seed=1, **base), 1))
     assert sum(not torch.equal(one[i], reseeded[i]) for i in one) > 100, "another seed draws new crops"
 
 
@@ -281,11 +279,11 @@ def test_the_loader_config_is_the_run_configs_slice() -> None:
     from raywds.errors import ConfigError
     from raywds.loader.settings import LoaderConfig
 
-    cfg = small_config("shards/", num_loader_workers_per_rank=3, cache_dir="/tmp/c", verify_hashes=True, seed=5)
+    cfg = small_config("shards/", loader_workers=3, cache_dir="/tmp/c", verify_hashes=True, seed=5)
     sliced = LoaderConfig.of(cfg)
     assert LoaderConfig.of(sliced) is sliced
-    assert (sliced.loader_workers, sliced.slots, sliced.batch_size_per_rank, sliced.seed) == (3, 3, 16, 5)
+    assert (sliced.loader_workers, sliced.slots, sliced.batch_size, sliced.seed) == (3, 3, 16, 5)
     assert sliced.read_policy(skip_unreadable=True).cache_dir == "/tmp/c" and sliced.verify_hashes
-    assert LoaderConfig.of(small_config("shards/", num_loader_workers_per_rank=0)).slots == 1
+    assert LoaderConfig.of(small_config("shards/", loader_workers=0)).slots == 1
     with pytest.raises(ConfigError, match="chosen at each epoch's start"):
-        LoaderConfig.of(small_config("shards/", num_loader_workers_per_rank="auto"))
+        LoaderConfig.of(small_config("shards/", loader_workers="auto"))

@@ -39,7 +39,7 @@ FAST = ReadPolicy(read_timeout_s=2.0, retries=2, backoff_s=0.1)
 
 
 def cfg(data: str, **overrides: object) -> TrainConfig:
-    return small_config(data, **{"batch_size_per_rank": 8, "image_size_px": 16, "read_retries": 1, **overrides})
+    return small_config(data, **{"batch_size": 8, "image_size": 16, "read_retries": 1, **overrides})
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_loaders_read_the_same_samples_over_http(shards: Path) -> None:
 def test_a_missing_shard_in_split_mode_is_an_error_naming_it(holed: Path) -> None:
     missing = read_manifest(str(holed)).shards("train")[2].name
     with ShardServer(holed, backend="embedded") as server:
-        c = cfg(server.url, mode="split", num_loader_workers_per_rank=0)
+        c = cfg(server.url, mode="split", loader_workers=0)
         manifest = read_manifest(server.url)
         loader = train_loader(manifest, c, World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0)
         with pytest.raises(ShardError, match=rf"shard {server.url}/{missing} is missing on the server \(HTTP 404\)"):
@@ -71,7 +71,7 @@ def test_a_missing_shard_in_split_mode_is_an_error_naming_it(holed: Path) -> Non
 def test_a_missing_shard_in_resample_mode_is_skipped_and_counted(holed: Path, caplog: pytest.LogCaptureFixture) -> None:
     missing = read_manifest(str(holed)).shards("train")[2].name
     with ShardServer(holed, backend="embedded") as server:
-        c = cfg(server.url, num_loader_workers_per_rank=0, batches_per_epoch=40)
+        c = cfg(server.url, loader_workers=0, batches_per_epoch=40)
         manifest = read_manifest(server.url)
         batches = list(train_loader(manifest, c, World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0))
     assert len(batches) == 40 and all(len(b.keys) == 8 for b in batches), "batch counts stay exact"
@@ -87,7 +87,7 @@ def test_a_missing_shard_in_resample_mode_is_skipped_and_counted(holed: Path, ca
 def test_resample_gives_up_when_the_server_is_gone(shards: Path, short_backoff: None) -> None:
     with ShardServer(shards, backend="embedded") as server:
         manifest = read_manifest(server.url)
-    c = cfg(server.url, num_loader_workers_per_rank=0, read_retries=1)
+    c = cfg(server.url, loader_workers=0, read_retries=1)
     start = time.monotonic()
     with pytest.raises(
         ShardError,
@@ -342,6 +342,6 @@ def test_shards_at_two_servers_share_the_shards_and_read_every_sample(shards: Pa
             trained = Counter(k for b in train_loader(manifest, c, World(), plan, epoch=0) for k in b.keys)
             assert trained == Counter(tar_keys(shards))
         gone = next(u for u in urls if u.startswith(two.url))
-        quick = dataclasses.replace(c, read_retries=0, read_timeout_s=2)
+        quick = dataclasses.replace(c, read_retries=0, read_timeout=2)
         with pytest.raises(ShardError, match=re.escape(gone)):
             list(train_loader(manifest, quick, World(), plan, epoch=0))

@@ -18,7 +18,7 @@ from raywds.data.stores import open_shard
 from raywds.data.upload import upload
 from raywds.errors import ShardError
 from raywds.loader.readers import Expected, tar_samples
-from raywds.train.rundir import RunDir
+from raywds.runs.folder import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -89,8 +89,8 @@ def test_training_from_a_bucket_matches_training_from_the_folder(
 ) -> None:
     """The same run from s3:// and from the folder: the same samples (split mode's exactness
     check passes), the same loss."""
-    here = train(small_config(shards, mode=mode, num_epochs=1), World())
-    there = train(small_config(bucket_shards, mode=mode, num_epochs=1), World())
+    here = train(small_config(shards, mode=mode, epochs=1), World())
+    there = train(small_config(bucket_shards, mode=mode, epochs=1), World())
     assert there["samples_seen"] == here["samples_seen"] and there["val_samples"] == here["val_samples"] == 50
     assert there["train_loss"] == pytest.approx(here["train_loss"], rel=1e-5)
 
@@ -126,7 +126,7 @@ def test_a_split_epoch_through_a_throttling_store_is_exact_and_counts_its_retrie
     trains each sample once, and metrics.jsonl counts one retry per fault."""
     with S3Proxy(s3, path=r"-train-\d+\.tar$") as proxy:
         proxy.slowdown_every, proxy.reset_every, proxy.reset_after_bytes = 3, 4, 2000
-        cfg = small_config(bucket_shards, mode="split", num_epochs=1, s3_endpoint=proxy.endpoint)
+        cfg = small_config(bucket_shards, mode="split", epochs=1, s3_endpoint=proxy.endpoint)
         report = RunDir(tmp_path)
         train(cfg, World(), run_dir=report)
     row = json.loads(report.metrics_path.read_text().splitlines()[-1])
@@ -146,7 +146,7 @@ def test_loader_workers_do_not_share_the_parents_connection(s3: S3Server, bucket
     bucket, key = store.split(manifest.url(first))
     store.client(None, 60.0).get_object(Bucket=bucket, Key=key)["Body"].read()  # the loader's client, warm
     report = RunDir(tmp_path)
-    cfg = small_config(bucket_shards, mode="split", num_epochs=4, num_loader_workers_per_rank=2, read_retries=0)
+    cfg = small_config(bucket_shards, mode="split", epochs=4, loader_workers=2, read_retries=0)
     train(cfg, World(), run_dir=report)
     rows = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
     assert [(r["epoch_samples"], r["epoch_duplicates"], r["read_retries"]) for r in rows] == [(120, 0, 0)] * 4, rows

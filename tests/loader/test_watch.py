@@ -30,9 +30,7 @@ def test_a_silent_loader_worker_is_an_error_naming_rank_worker_and_shard(shards:
     manifest = read_manifest(str(shards))
     stalled = manifest.shards("train")[5].name
     data = stalling(shards, tmp_path, stalled)
-    cfg = small_config(
-        data, mode="split", shards_at=f"pipe:{data}/fetch {{}}", num_loader_workers_per_rank=2, loader_timeout_s=1.0
-    )
+    cfg = small_config(data, mode="split", shards_at=f"pipe:{data}/fetch {{}}", loader_workers=2, loader_timeout=1.0)
     manifest = read_manifest(str(data), shards_at=cfg.shards_at)
     world = World(rank=1, world_size=2)
     plan = epoch_plan(manifest, cfg, 2, epoch=0)
@@ -48,7 +46,7 @@ def test_a_silent_loader_worker_is_an_error_naming_rank_worker_and_shard(shards:
 
 def test_a_healthy_loader_is_not_cut_by_the_timeout(shards: Path) -> None:
     """Each batch well within the timeout: no error, every sample (the timeout is per batch, not per epoch)."""
-    cfg = small_config(shards, mode="split", num_loader_workers_per_rank=2, loader_timeout_s=5.0)
+    cfg = small_config(shards, mode="split", loader_workers=2, loader_timeout=5.0)
     manifest = read_manifest(str(shards))
     seen = sum(len(b.keys) for b in val_loader(manifest, cfg, World()))
     assert seen == manifest.num_samples("val")

@@ -105,7 +105,7 @@ def test_a_run_plans_by_its_nodes_from_the_flag_and_the_world(shards: Path, monk
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert World.from_env().ranks_per_node == 2
     manifest = read_manifest(str(shards))
-    cfg = TrainConfig(data=str(shards), mode="split", canonical_nodes=2, num_loader_workers_per_rank=1, seed=5)
+    cfg = TrainConfig(data=str(shards), mode="split", canonical_nodes=2, loader_workers=1, seed=5)
     home = canonical(manifest.shards("train"), 2, seed=5)
     for epoch in (0, 1):
         p = epoch_plan(manifest, cfg, 4, epoch=epoch, ranks_per_node=2)

@@ -83,7 +83,7 @@ def measure(count: int, ranks: int, *, traced: bool = True) -> dict[str, float]:
     shards = manifest.shards("train")
     sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
     index = {s.name: i for i, s in enumerate(shards)}
-    cfg = TrainConfig(data=manifest.base, mode="split", num_loader_workers_per_rank=WORKERS, batch_size_per_rank=256)
+    cfg = TrainConfig(data=manifest.base, mode="split", loader_workers=WORKERS, batch_size=256)
     position = stopped(Split().plan(shards, num_ranks=ranks, num_workers=WORKERS, batch_size=256).slots, sizes, index)
     resume = {"num_ranks": ranks, "num_workers": WORKERS, "batch_size": 256, "done": position.done()}
     gc.collect()
@@ -124,7 +124,7 @@ def measure(count: int, ranks: int, *, traced: bool = True) -> dict[str, float]:
 def test_a_resample_worker_is_sent_its_own_draws_only() -> None:
     """At 400,000 shards a resample worker gets the draws it can read this epoch, not the list."""
     manifest = synthetic(400_000)
-    cfg = TrainConfig(data=manifest.base, num_loader_workers_per_rank=WORKERS, batch_size_per_rank=256)
+    cfg = TrainConfig(data=manifest.base, loader_workers=WORKERS, batch_size=256)
     plan = Resample().plan(manifest.shards("train"), num_ranks=4096, num_workers=WORKERS, batch_size=256)
     stages, *_ = train_stages(manifest, cfg, 4095, plan, epoch=0)
     assert len(pickle.dumps(stages)) <= 1e6
@@ -144,7 +144,7 @@ def test_a_ranks_stages_from_the_manifests_columns_make_only_its_own_shards_reco
     records (about a second each time)."""
     listed = synthetic(400_000)
     manifest = Manifest(base=listed.base, classes=listed.classes, splits={"train": table(listed.shards("train"))})
-    cfg = TrainConfig(data=manifest.base, num_loader_workers_per_rank=WORKERS, batch_size_per_rank=256)
+    cfg = TrainConfig(data=manifest.base, loader_workers=WORKERS, batch_size=256)
     plan = mode.plan(manifest.shards("train"), num_ranks=4096, num_workers=WORKERS, batch_size=256)
     shards = manifest.shards("train")
     flags = {i: np.ones(shards[i].num_samples, dtype=bool) for i in range(0, 400_000, 97)}  # shards in flight

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from raywds.config import TrainConfig
-from raywds.train.rows import kind
+from raywds.runs.rows import kind
 
 SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
 """The summary line a run prints at its end (raywds.train.progress.summary_line): epochs, top-1,
@@ -36,11 +36,11 @@ def small_config(data: str | Path, **overrides: object) -> TrainConfig:
         model="demo",
         optimizer="adamw",
         lr=3e-3,
-        batch_size_per_rank=16,
-        image_size_px=28,
+        batch_size=16,
+        image_size=28,
         crop_scale_min=0.5,
-        num_loader_workers_per_rank=1,
-        num_epochs=4,
+        loader_workers=1,
+        epochs=4,
         warmup_epochs=0.0,
     )
     values.update(overrides)
@@ -51,9 +51,9 @@ def need_jpeg_extension() -> None:
     """Skip where raywds.loader._jpeg or raywds.data._restarts was not built, except under
     RAYWDS_REQUIRE_JPEG_EXT (set by .ci/run): there their absence is a failure."""
     from raywds.data import images
-    from raywds.loader import decode
+    from raywds.loader import crops
 
-    for name, module in (("raywds.loader._jpeg", decode._jpeg), ("raywds.data._restarts", images._restarts)):
+    for name, module in (("raywds.loader._jpeg", crops._jpeg), ("raywds.data._restarts", images._restarts)):
         if module is None:
             if os.environ.get("RAYWDS_REQUIRE_JPEG_EXT"):
                 pytest.fail(f"{name} was not built (a C compiler and libjpeg's headers are needed)")
@@ -70,7 +70,7 @@ def made_stages(*ranks: tuple[float, float, float], workers: int = 1, handover: 
     batches already made."""
     out: dict = {key: [] for key in ("seconds", "samples", "wait_s", "handover_s", "startup_s", "copy_s")}
     out.update({key: [] for key in ("forward_s", "backward_s", "own_s", "read_s", "decode_s", "collate_s")})
-    out.update(read_bytes=[], decoded=[], host=[], slow_shard=[])
+    out.update(read_bytes=[], decoded=[], resize_s=[], shards=[], host=[], slow_shard=[])
     for each, model, samples in ranks:
         compute = samples / model
         for key, value in dict(
@@ -83,6 +83,8 @@ def made_stages(*ranks: tuple[float, float, float], workers: int = 1, handover: 
             out[key].append(value)
         out["read_bytes"].append(1e6)
         out["decoded"].append(samples)
+        out["resize_s"].append(0.0)
+        out["shards"].append(1)
         out["host"].append("node")
         out["slow_shard"].append(["", 0.0, 0])
     settings = {"loader_workers": workers, "batch_size": 8, "cores_per_rank": 8, "decode": "cpu", "device": "cpu"}
@@ -103,7 +105,7 @@ def assert_charts_hold(folder: Path, rows: list[dict], num_ranks: int) -> None:
     """The event files in `folder` hold the numbers of these metrics.jsonl rows, and no others:
     each epoch row's at its epoch (validation only where it ran), its per-rank lists one chart
     per rank (where each rank's epoch went too), each progress row's at its global step."""
-    from raywds.train.stagetimes import shares  # imports torch: not at collection in the controller
+    from raywds.runs.stagetimes import shares
 
     epochs = [r for r in rows if kind(r) == "epoch"]
     progress = [r for r in rows if kind(r) == "progress"]

@@ -13,8 +13,8 @@ import pytest
 from support.runs import small_config
 
 from raywds.cli import main
+from raywds.runs.folder import RunDir
 from raywds.train.audit import kept
-from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -23,11 +23,9 @@ from raywds.world import World
 def audited_run(uneven: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A split run of 2 epochs, stopped inside epoch 1 and resumed: its audit folder."""
     out = tmp_path_factory.mktemp("audited")
-    cfg = small_config(
-        uneven, mode="split", batch_size_per_rank=8, num_epochs=2, max_steps=5, audit_dir=str(out / "audit")
-    )
+    cfg = small_config(uneven, mode="split", batch_size=8, epochs=2, max_steps=5, audit_dir=str(out / "audit"))
     train(cfg, World(), run_dir=RunDir(out / "run"))
-    train(dataclasses.replace(cfg, max_steps=None, resume_from=str(out / "run")), World())
+    train(dataclasses.replace(cfg, max_steps=None, resume=str(out / "run")), World())
     return out / "audit"
 
 

@@ -19,8 +19,8 @@ from support.runs import FORKSERVER_PRELOAD, made_stages, small_config
 from raywds.cli import main
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
+from raywds.runs.folder import RunDir
 from raywds.train.autoworkers import MARGIN, Workers, after, first
-from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -56,12 +56,12 @@ def test_an_untimed_loader_keeps_its_count() -> None:
 
 
 def test_auto_is_a_flag_value_and_nothing_else_is(shards: Path) -> None:
-    assert TrainConfig(data="x", num_loader_workers_per_rank="auto").num_loader_workers_per_rank == "auto"
+    assert TrainConfig(data="x", loader_workers="auto").loader_workers == "auto"
     for wrong in ("many", -1, True):
-        with pytest.raises(ConfigError, match="num_loader_workers_per_rank"):
-            TrainConfig(data="x", num_loader_workers_per_rank=wrong)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="loader_workers"):
+            TrainConfig(data="x", loader_workers=wrong)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="chosen at each epoch's start"):
-        assert TrainConfig(data="x", num_loader_workers_per_rank="auto").loader_workers
+        assert TrainConfig(data="x", loader_workers="auto").loader_worker_count
     assert main(["plan", "--data", str(shards), "--workers", "auto"]) == 1
 
 
@@ -69,10 +69,10 @@ def _rank_with_cores(rank: int, cores: list[int], store: str, out: str) -> None:
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: cores[rank]]))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        workers = Workers(TrainConfig(data="x", num_loader_workers_per_rank="auto"), World(rank=rank, world_size=2))
-        start = workers.config(0).loader_workers
+        workers = Workers(TrainConfig(data="x", loader_workers="auto"), World(rank=rank, world_size=2))
+        start = workers.config(0).loader_worker_count
         workers.measured({"stages": made_stages((50, 350, 800), (50, 350, 800))})  # decoding: all the cores it may
-        Path(out, f"rank{rank}").write_text(f"{start} {workers.config(1).loader_workers}")
+        Path(out, f"rank{rank}").write_text(f"{start} {workers.config(1).loader_worker_count}")
     finally:
         dist.destroy_process_group()
 
@@ -96,7 +96,7 @@ def chosen(run: Path) -> list[tuple[int, str]]:
 
 
 def auto(cfg: TrainConfig, **overrides: object) -> TrainConfig:
-    return TrainConfig(**{**cfg.to_dict(), "num_loader_workers_per_rank": "auto", "mode": "split", **overrides})
+    return TrainConfig(**{**cfg.to_dict(), "loader_workers": "auto", "mode": "split", **overrides})
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_auto_chooses_more_workers_where_decoding_is_the_limit_and_split_stays_e
     cores = World().cores
     if cores < 2:
         pytest.skip("one core a rank: auto has one worker to choose")
-    decoding = small_config(str(large), decode="pil", image_size_px=32, batch_size_per_rank=8, num_epochs=2)
+    decoding = small_config(str(large), decode="pil", image_size=32, batch_size=8, epochs=2)
     with caplog.at_level(logging.INFO, logger="raywds.train.autoworkers"):
         train(auto(decoding, audit_dir=str(tmp_path / "audit")), World(), run_dir=RunDir(tmp_path / "decoding"))
     (start, _), (decode_bound, why) = chosen(tmp_path / "decoding")
@@ -115,7 +115,7 @@ def test_auto_chooses_more_workers_where_decoding_is_the_limit_and_split_stays_e
     assert f"epoch 2: {decode_bound} loader worker(s) a rank (auto: {why})" in caplog.text, caplog.text
     for epoch in range(2):  # the plan was made for each epoch's count: every sample once
         assert epoch_keys(tmp_path / "audit", epoch, large) == Counter(tar_keys(large)), f"epoch {epoch + 1}"
-    model = small_config(str(shards), model="resnet18", image_size_px=64, num_epochs=2, batches_per_epoch=4)
+    model = small_config(str(shards), model="resnet18", image_size=64, epochs=2, batches_per_epoch=4)
     train(auto(model, mode="resample"), World(), run_dir=RunDir(tmp_path / "model"))
     (_, _), (compute_bound, why_model) = chosen(tmp_path / "model")
     assert compute_bound == 1 < decode_bound, (why_model, why)

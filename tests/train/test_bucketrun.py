@@ -1,4 +1,4 @@
-"""A run's folder in a bucket of a real S3 server (raywds.train.bucketrun): what rank 0 writes is in
+"""A run's folder in a bucket of a real S3 server (raywds.runs.bucket): what rank 0 writes is in
 the bucket as soon as it is written, and a restarted rank 0 adds to the run's record."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from support.s3server import S3Server
 
 from raywds.errors import StorageError
 from raywds.launch.runstore import load_ray_checkpoint, ray_storage
-from raywds.train.bucketrun import BucketRunDir
+from raywds.runs.bucket import BucketRunDir
 
 
 def rows(s3: S3Server, key: str) -> list[dict]:

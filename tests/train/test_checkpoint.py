@@ -22,9 +22,10 @@ from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError, StorageError
 from raywds.launch.local import run_local
 from raywds.plan.position import Position
-from raywds.train.checkpoint import load_checkpoint, save_checkpoint
-from raywds.train.rundir import RunDir
-from raywds.train.runlock import LOCK_FILE, RunLock
+from raywds.runs.checkpoint import load_checkpoint, save_checkpoint
+from raywds.runs.files import LOCK as LOCK_FILE
+from raywds.runs.folder import RunDir
+from raywds.runs.lock import RunLock
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -54,7 +55,7 @@ def test_a_resumed_split_run_loads_its_checkpoint_as_weights_only(shards: Path, 
     """A checkpoint inside a split epoch holds the most: the data position's per-shard counts and
     the flags of the shards in flight (bytes). One written before per-shard positions (a flag per
     sample of the split) resumes the same way."""
-    cfg = small_config(shards, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=3, out_dir=str(tmp_path))
+    cfg = small_config(shards, mode="split", batch_size=8, epochs=1, max_steps=3, out=str(tmp_path))
     train(cfg, World(), run_dir=RunDir(tmp_path))
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     position = state["position"]
@@ -69,21 +70,19 @@ def test_a_resumed_split_run_loads_its_checkpoint_as_weights_only(shards: Path, 
     state["position"].update(consumed=np.packbits(consumed).tobytes(), num_samples=120)
     torch.save(state, tmp_path / "older.pt")
     for source in (str(tmp_path), str(tmp_path / "older.pt")):
-        final = train(
-            dataclasses.replace(cfg, max_steps=None, resume_from=source, out_dir=str(tmp_path / "r")), World()
-        )
+        final = train(dataclasses.replace(cfg, max_steps=None, resume=source, out=str(tmp_path / "r")), World())
         assert final["epoch"] == 1 and (final["epoch_samples"], final["train_samples"]) == (120, 96), source
 
 
 def test_resuming_a_finished_run_says_how_to_train_more(shards: Path, tmp_path: Path) -> None:
-    cfg = small_config(shards, num_epochs=1, batches_per_epoch=2, out_dir=str(tmp_path))
+    cfg = small_config(shards, epochs=1, batches_per_epoch=2, out=str(tmp_path))
     train(cfg, World(), run_dir=RunDir(tmp_path))
     with pytest.raises(
         ConfigError,
         match=r"has already trained 1 epochs, and --epochs is 1: nothing is left to train; "
         r".* larger --epochs \(e\.g\. --epochs 2\)",
     ):
-        train(dataclasses.replace(cfg, resume_from=str(tmp_path)), World())
+        train(dataclasses.replace(cfg, resume=str(tmp_path)), World())
 
 
 def test_a_truncated_checkpoint_is_one_line_naming_an_earlier_one(tmp_path: Path) -> None:
@@ -162,7 +161,7 @@ def test_a_checkpoint_and_its_folder_reach_the_disk_before_the_name_counts(
 
 def hold(folder: Path, then: str) -> list[str]:
     """A Python command line that takes the lock on `folder`, prints its PID, then runs `then`."""
-    take = f"import os, sys; from raywds.train.runlock import RunLock; lock = RunLock({str(folder)!r}).acquire()"
+    take = f"import os, sys; from raywds.runs.lock import RunLock; lock = RunLock({str(folder)!r}).acquire()"
     return [sys.executable, "-c", f"{take}; print(os.getpid(), flush=True); {then}"]
 
 
@@ -185,7 +184,7 @@ def test_a_lock_whose_process_is_gone_is_taken_over_with_a_warning(
     killed = subprocess.run(hold(tmp_path, "os._exit(9)"), capture_output=True, text=True, check=False)
     pid = killed.stdout.strip()
     assert killed.returncode == 9 and pid, killed.stderr
-    with caplog.at_level(logging.WARNING, logger="raywds.train.runlock"), RunLock(tmp_path):
+    with caplog.at_level(logging.WARNING, logger="raywds.runs.lock"), RunLock(tmp_path):
         assert f"process {os.getpid()} on" in (tmp_path / LOCK_FILE).read_text()
     assert f"run folder {tmp_path}: taking over the lock of process {pid} on" in caplog.text
 
@@ -197,9 +196,9 @@ def test_a_second_local_run_into_a_held_folder_is_refused_before_it_writes(shard
     try:
         assert holder.stdout is not None and holder.stdout.readline() == f"{holder.pid}\n"
         with pytest.raises(StorageError, match=rf"^run folder {tmp_path} is in use by process {holder.pid} on "):
-            run_local(small_config(shards, num_epochs=1, out_dir=str(tmp_path)))
+            run_local(small_config(shards, epochs=1, out=str(tmp_path)))
         assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE], "the second run wrote nothing"
     finally:
         holder.communicate("")
-    metrics, _ = run_local(small_config(shards, num_epochs=1, batches_per_epoch=1, out_dir=str(tmp_path)))
+    metrics, _ = run_local(small_config(shards, epochs=1, batches_per_epoch=1, out=str(tmp_path)))
     assert metrics["epoch"] == 1, "once the first run is over, the folder is free"

@@ -28,9 +28,7 @@ def test_a_short_last_batch_does_not_recompile(shards: Path, tmp_path: Path, mon
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    cfg = small_config(
-        shards, mode="split", compile=True, num_epochs=1, batch_size_per_rank=32, num_loader_workers_per_rank=0
-    )
+    cfg = small_config(shards, mode="split", compile=True, epochs=1, batch_size=32, loader_workers=0)
     final = train(cfg, World(), run_dir=None)
     torch._dynamo.reset()
     assert final["train_samples"] == 120 and final["step"] == 4, "the epoch ends on a batch of 24"
@@ -46,8 +44,8 @@ def test_auto_layout_compiles_small_crops_contiguous(monkeypatch: pytest.MonkeyP
     def layout(**overrides: object) -> bool:
         return Compute.for_run(small_config("unused", **overrides), "cuda").channels_last
 
-    assert not layout(compile=True, image_size_px=32)
-    assert layout(compile=True, image_size_px=64)
-    assert layout(image_size_px=32)
-    assert layout(compile=True, image_size_px=32, memory_format="channels_last")
-    assert not Compute.for_run(small_config("unused", compile=True, image_size_px=224), "cpu").channels_last
+    assert not layout(compile=True, image_size=32)
+    assert layout(compile=True, image_size=64)
+    assert layout(image_size=32)
+    assert layout(compile=True, image_size=32, memory_format="channels_last")
+    assert not Compute.for_run(small_config("unused", compile=True, image_size=224), "cpu").channels_last

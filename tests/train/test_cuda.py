@@ -24,7 +24,7 @@ from support.runs import small_config
 
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
-from raywds.loader.encoded import Encoded
+from raywds.loader.decodings import Encoded
 from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
@@ -65,7 +65,7 @@ def test_bf16_channels_last_step_matches_fp32(exact_fp32: None) -> None:
     precision: the same loss, and the parameters moved the same way by about as much. bf16's
     rounding through 18 layers leaves the update of a freshly initialised ResNet-18 on noise at
     a cosine of 0.94 to float32's on the CPU's bf16 path; unrelated updates are near 0."""
-    cfg = small_config("unused", model="resnet18", image_size_px=64)
+    cfg = small_config("unused", model="resnet18", image_size=64)
     fast = Compute.for_run(cfg, DEVICE)
     exact = Compute.for_run(dataclasses.replace(cfg, precision="fp32", memory_format="contiguous"), DEVICE)
     assert fast.autocast_dtype == torch.bfloat16 and fast.channels_last, "bf16 and channels_last by default on CUDA"
@@ -117,7 +117,7 @@ def test_device_decode_crops_the_boxes_the_cpu_decoder_crops(photo_shards: Path)
     pixels are the crop of the box and flip the device batch carries (decoded by libjpeg on
     the CPU: within 0.5 grey levels; another box differs by 35 to 55), and nvJPEG's decode of
     that batch on the GPU is within 2 grey levels of them on average."""
-    cfg = small_config(photo_shards, mode="split", image_size_px=224, crop_scale_min=0.08, batch_size_per_rank=16)
+    cfg = small_config(photo_shards, mode="split", image_size=224, crop_scale_min=0.08, batch_size=16)
     world = World(device=DEVICE)
     manifest = read_manifest(str(photo_shards))
     by_id: dict[str, dict[int, torch.Tensor]] = {"cpu": {}, "boxes": {}, "device on cpu": {}, "device": {}}
@@ -148,7 +148,7 @@ def test_two_compiled_steps_of_two_sizes_compile_once(shards: Path) -> None:
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    cfg = small_config(shards, model="resnet18", mode="split", compile=True, num_epochs=1, batch_size_per_rank=64)
+    cfg = small_config(shards, model="resnet18", mode="split", compile=True, epochs=1, batch_size=64)
     final = train(cfg, World(device=DEVICE))
     torch._dynamo.reset()
     assert final["step"] == 2 and final["train_samples"] == 120

@@ -24,10 +24,9 @@ import torch.multiprocessing as mp
 from support.runs import FORKSERVER_PRELOAD, OthersCpu, made_stages, small_config
 
 from raywds.loader.stages import SLOW_DECODE
+from raywds.runs.folder import RunDir
 from raywds.train.doctor import diagnose
-from raywds.train.rundir import RunDir
-from raywds.train.stagetimes import ranks
-from raywds.train.steptime import SLOW_RANK
+from raywds.train.timing import SLOW_RANK, ranks
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -83,14 +82,14 @@ def throttled(root: Path) -> Iterator[str]:
 @pytest.mark.slow
 def test_a_throttled_server_is_named_and_the_cache_takes_it_away(shards: Path, tmp_path: Path) -> None:
     with throttled(shards) as url:
-        cfg = small_config(url, num_epochs=1, mode="split")
+        cfg = small_config(url, epochs=1, mode="split")
         train(cfg, World(), run_dir=RunDir(tmp_path / "slow"))
         (verdict, *fixes) = verdict_of(rows(tmp_path / "slow")[-1])
         assert verdict.startswith(f"rank 0 on {HOST} waits ") and "of its time reading shards" in verdict, verdict
         assert f"in all from {url}" in verdict, verdict
         assert fixes[0].startswith("1. --cache-dir"), fixes
         assert fixes[2].startswith("3. larger shards") and "this rank's 8 shards averaged 0.1 MB" in fixes[2], fixes
-        cached = small_config(url, num_epochs=2, mode="split", cache_dir=str(tmp_path / "cache"))
+        cached = small_config(url, epochs=2, mode="split", cache_dir=str(tmp_path / "cache"))
         train(cached, World(), run_dir=RunDir(tmp_path / "cached"))
     first, second = rows(tmp_path / "cached")
     assert second["stages"]["read_s"][0] < first["stages"]["read_s"][0] / 3, (first["stages"], second["stages"])
@@ -108,7 +107,7 @@ def test_one_slow_shard_is_named(shards: Path, tmp_path: Path) -> None:
     slow = "imagenet-train-000003.tar"
     assert (shards / slow).is_file()
     command = f"pipe:sh -c 'case {{}} in {slow}) sleep 1.5;; esac; exec cat {shards}/{{}}'"
-    cfg = small_config(str(shards), shards_at=command, num_epochs=1, mode="split")
+    cfg = small_config(str(shards), shards_at=command, epochs=1, mode="split")
     train(cfg, World(), run_dir=RunDir(tmp_path))
     verdict, fix = verdict_of(rows(tmp_path)[-1])[:2]
     assert verdict.startswith(f"rank 0 on {HOST} waits "), verdict
@@ -124,7 +123,7 @@ def test_decoding_with_one_worker_is_named_and_more_workers_help(
     so that the loader's pace is set by how many workers decode at once, not by the cores other
     tests or a load left free (with 30 ms, beside the Ray tests in CI, 2 workers ran only 1.17x)."""
     monkeypatch.setenv(SLOW_DECODE, str(PLANTED_DECODE_S))
-    one = small_config(str(large), decode="pil", image_size_px=32, num_epochs=1, batch_size_per_rank=8)
+    one = small_config(str(large), decode="pil", image_size=32, epochs=1, batch_size=8)
     train(one, World(), run_dir=RunDir(tmp_path / "one"))
     row = rows(tmp_path / "one")[-1]
     verdict, fix = verdict_of(row)[:2]
@@ -133,7 +132,7 @@ def test_decoding_with_one_worker_is_named_and_more_workers_help(
     if cores < 2:
         pytest.skip("one core: more loader workers cannot help")
     assert fix.startswith(f"1. --loader-workers {cores}"), fix
-    more = dataclasses.replace(one, num_loader_workers_per_rank=cores)
+    more = dataclasses.replace(one, loader_workers=cores)
     train(more, World(), run_dir=RunDir(tmp_path / "more"))
     again = rows(tmp_path / "more")[-1]
     assert again["images_per_s"] > 1.3 * row["images_per_s"], (row["images_per_s"], again["images_per_s"])
@@ -152,7 +151,7 @@ def test_a_model_that_is_the_limit_is_not_blamed_on_the_data(shards: Path, tmp_p
     steps (the bound is 10%). Where other processes held the cores meanwhile (the Ray tests beside
     it in CI: its loader worker, busy 0.14 s of a 7.9 s epoch, still kept the rank waiting 26%),
     the data was the limit after all, and the doctor must say why: its workers did not get the CPU."""
-    cfg = small_config(str(shards), model="resnet18", image_size_px=64, num_epochs=1)
+    cfg = small_config(str(shards), model="resnet18", image_size=64, epochs=1)
     with OthersCpu() as others:
         train(cfg, World(), run_dir=RunDir(tmp_path))
     lines = verdict_of(rows(tmp_path)[-1])
@@ -171,7 +170,7 @@ def _rank(rank: int, data: str, store: str, out: str) -> None:
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
     try:
-        cfg = small_config(data, num_epochs=1, mode="split", batch_size_per_rank=8)
+        cfg = small_config(data, epochs=1, mode="split", batch_size=8)
         train(cfg, World(rank=rank, world_size=2), run_dir=RunDir(Path(out)) if rank == 0 else None)
     finally:
         dist.destroy_process_group()
@@ -197,7 +196,7 @@ def test_the_doctor_command_reads_a_runs_folder(
 ) -> None:
     from raywds.cli import main
 
-    train(small_config(str(shards), num_epochs=2), World(), run_dir=RunDir(tmp_path))
+    train(small_config(str(shards), epochs=2), World(), run_dir=RunDir(tmp_path))
     stages = rows(tmp_path)[0]["stages"]
     assert 0 < stages["resize_s"][0] < stages["decode_s"][0], stages  # the cpu decoder's resize, timed apart
     capsys.readouterr()

@@ -17,10 +17,10 @@ from raywds.cli import main
 from raywds.data import shardlists
 from raywds.data.dataset import manifest_for, write_index
 from raywds.data.index import index_shards
-from raywds.data.options import IndexOptions
 from raywds.data.shardlists import split_by_name
+from raywds.data.shardoptions import IndexOptions
+from raywds.runs.folder import RunDir
 from raywds.train.audit import audit, kept, trained
-from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -45,9 +45,7 @@ def test_split_epochs_on_foreign_shards_train_every_sample_once(
     foreign_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     audit_dir, cache = tmp_path / "audit", tmp_path / "cache"
-    cfg = small_config(
-        brace(foreign_shards), mode="split", num_epochs=2, audit_dir=str(audit_dir), index_cache=str(cache)
-    )
+    cfg = small_config(brace(foreign_shards), mode="split", epochs=2, audit_dir=str(audit_dir), index_cache=str(cache))
     final = train(cfg, World(), run_dir=RunDir(tmp_path / "run"))
     assert final["samples_seen"] == 2 * NUM_SAMPLES and final["epoch_duplicates"] == 0
     checks = audit(audit_dir, manifest_for(cfg.data, index_cache=str(cache)))
@@ -66,11 +64,11 @@ def test_a_mid_epoch_resume_on_foreign_shards_trains_exactly_the_rest(foreign_sh
     cfg = small_config(
         brace(foreign_shards),
         mode="split",
-        batch_size_per_rank=8,
-        num_epochs=1,
+        batch_size=8,
+        epochs=1,
         max_steps=2,
         audit_dir=str(audit_dir),
-        out_dir=str(out),
+        out=str(out),
         index_cache=str(tmp_path / "cache"),
     )
     stopped = train(cfg, World(), run_dir=RunDir(out))
@@ -79,9 +77,7 @@ def test_a_mid_epoch_resume_on_foreign_shards_trains_exactly_the_rest(foreign_sh
     assert len(first) == 16
     before = set(audit_dir.iterdir())
 
-    final = train(
-        dataclasses.replace(cfg, max_steps=None, resume_from=str(out)), World(), run_dir=RunDir(out, append=True)
-    )
+    final = train(dataclasses.replace(cfg, max_steps=None, resume=str(out)), World(), run_dir=RunDir(out, append=True))
     later = trained(sorted(f for f in audit_dir.iterdir() if f not in before))
     assert len(later) == NUM_SAMPLES - 16 and not first & set(later.tolist()), "only what the first run had not seen"
     assert sorted(first | set(later.tolist())) == list(range(NUM_SAMPLES))
@@ -162,7 +158,7 @@ def test_png_shards_with_folder_keys_and_json_class_names_train(tmp_path: Path) 
     foreign.png_shards(shards, label="name")
     write_index(index_shards({"train": shardlists.expand([str(shards)])}, IndexOptions(label_field="class")), None)
     audit_dir = tmp_path / "audit"
-    cfg = small_config(shards, mode="split", num_epochs=2, audit_dir=str(audit_dir))
+    cfg = small_config(shards, mode="split", epochs=2, audit_dir=str(audit_dir))
     final = train(cfg, World(), run_dir=RunDir(tmp_path / "run"))
     assert final["samples_seen"] == 2 * 27 and final["epoch_duplicates"] == 0
     assert np.isfinite(final["train_loss"])

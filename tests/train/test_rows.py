@@ -1,5 +1,5 @@
 """metrics.jsonl's rows: every row a real run writes says its kind and holds exactly the keys of
-that kind's definition (raywds.train.rows), and the readers (report, the notebook's progress
+that kind's definition (raywds.runs.rows), and the readers (report, the notebook's progress
 bar, TensorBoard) read a file written before rows carried a kind as they read a new one."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 from support.runs import small_config
 
-from raywds.launch.follow import RunProgress
-from raywds.report import read_epochs
-from raywds.train.rows import CheckpointRow, EpochRow, ProgressRow, epochs, kind, read_rows
-from raywds.train.rundir import RunDir
-from raywds.train.tensorboard import scalars
+from raywds.runs.folder import RunDir
+from raywds.runs.follow import RunProgress
+from raywds.runs.report import read_epochs
+from raywds.runs.rows import CheckpointRow, EpochRow, ProgressRow, epochs, kind, read_rows
+from raywds.runs.tensorboard import scalars
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -22,9 +22,7 @@ DEFINITIONS: dict[str, Any] = {"epoch": EpochRow, "checkpoint": CheckpointRow, "
 
 
 def test_a_runs_rows_each_say_their_kind_and_hold_its_keys(shards: Path, tmp_path: Path) -> None:
-    cfg = small_config(
-        shards, num_epochs=2, batches_per_epoch=3, log_every_s=0.0, checkpoint_every_steps=2, max_steps=4
-    )
+    cfg = small_config(shards, epochs=2, batches_per_epoch=3, log_every=0.0, checkpoint_every_steps=2, max_steps=4)
     train(cfg, World(), run_dir=RunDir(tmp_path))
     rows = read_rows(tmp_path / "metrics.jsonl")
     assert {row["kind"] for row in rows} == {"epoch", "checkpoint", "progress"}

@@ -27,12 +27,12 @@ from raywds.loader.loader import val_loader
 from raywds.loader.stages import Batch
 from raywds.plan.modes import Split
 from raywds.plan.position import Position
+from raywds.runs.folder import RunDir
 from raywds.train.compute import Compute
 from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import DemoNet, build_model
 from raywds.train.optim import lr_at
 from raywds.train.progress import summary_line
-from raywds.train.rundir import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -75,7 +75,7 @@ def test_a_manifest_without_a_val_split_trains_and_reports_without_validation(sh
         shutil.copy(shards / shard["name"], data / shard["name"])
     (data / "manifest.json").write_text(json.dumps(manifest))
     report = RunDir(tmp_path / "run")
-    final = train(tiny(data, num_epochs=2), World(), run_dir=report)
+    final = train(tiny(data, epochs=2), World(), run_dir=report)
     rows = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2] and not any("val_top1" in r for r in rows), rows
     assert final["samples_seen"] == 2 * 128 and report.checkpoint_path.is_file()
@@ -85,7 +85,7 @@ def test_a_manifest_without_a_val_split_trains_and_reports_without_validation(sh
 
 def test_device_decoding_trains_on_the_cpu(shards: Path, tmp_path: Path) -> None:
     """`--decode device` on a CPU: the main process decodes the workers' JPEG bytes, and it learns."""
-    final = train(tiny(shards, decode="device", num_epochs=3), World(), run_dir=RunDir(tmp_path))
+    final = train(tiny(shards, decode="device", epochs=3), World(), run_dir=RunDir(tmp_path))
     assert final["samples_seen"] == 3 * 128 and final["val_samples"] == 50
     assert final["val_top1"] > 0.3, final
 
@@ -106,7 +106,7 @@ def _split_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> None:
 def test_split_mode_with_uneven_ranks_finishes_under_join(shards: Path, tmp_path: Path) -> None:
     # 2 ranks x 1 worker: 64 and 56 samples, so 8 and 7 batches of 8; without Join rank 0 would
     # wait in its 8th all-reduce until the 60 s timeout and fail.
-    cfg = tiny(shards, mode="split", batch_size_per_rank=8, num_epochs=2, num_loader_workers_per_rank=1)
+    cfg = tiny(shards, mode="split", batch_size=8, epochs=2, loader_workers=1)
     mp.start_processes(
         _split_rank, args=(cfg, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method=RANKS_START
     )
@@ -118,7 +118,7 @@ def test_split_mode_with_uneven_ranks_finishes_under_join(shards: Path, tmp_path
 
 
 def test_learning_rate_warms_up_then_decays_to_zero() -> None:
-    cfg = TrainConfig(data="x", lr=0.4, warmup_epochs=1.0, num_epochs=5)
+    cfg = TrainConfig(data="x", lr=0.4, warmup_epochs=1.0, epochs=5)
     rates = [lr_at(cfg, World(), e) for e in (0.0, 0.5, 1.0, 3.0, 5.0)]
     assert rates == pytest.approx([0.0, 0.2, 0.4, 0.2, 0.0])
 
@@ -131,11 +131,11 @@ def test_models_by_name() -> None:
 
 
 def test_config_errors_name_the_value_and_fix() -> None:
-    with pytest.raises(ConfigError, match="batch_size_per_rank=0 must be at least 1"):
-        TrainConfig(data="x", batch_size_per_rank=0)
+    with pytest.raises(ConfigError, match="batch_size=0 must be at least 1"):
+        TrainConfig(data="x", batch_size=0)
     with pytest.raises(ConfigError, match="mode='exact' is not one of resample, split"):
         TrainConfig(data="x", mode="exact")  # type: ignore[arg-type]
-    assert TrainConfig(data="x", batch_size_per_rank=64).peak_lr(world_size=8) == pytest.approx(0.2)
+    assert TrainConfig(data="x", batch_size=64).peak_lr(world_size=8) == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("canonical_nodes", [0, 2])
@@ -144,8 +144,8 @@ def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(
 ) -> None:
     """Also with --canonical-nodes 2 (the run's one node reads both canonical nodes' shards)."""
     audit, out = tmp_path / "audit", tmp_path / "run"
-    cfg = tiny(uneven, mode="split", batch_size_per_rank=8, num_epochs=2, max_steps=5, audit_dir=str(audit))
-    cfg = dataclasses.replace(cfg, out_dir=str(out), canonical_nodes=canonical_nodes)
+    cfg = tiny(uneven, mode="split", batch_size=8, epochs=2, max_steps=5, audit_dir=str(audit))
+    cfg = dataclasses.replace(cfg, out=str(out), canonical_nodes=canonical_nodes)
     report = RunDir(out)
     stopped = train(cfg, World(), run_dir=report)
     assert stopped["inside_epoch"] and stopped["step"] == 5 and stopped["epoch_samples_done"] == 40
@@ -153,7 +153,7 @@ def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(
     state = torch.load(out / "checkpoint.pt", weights_only=False)
     assert state["position"]["step"] == 5 and state["epoch"] == 0
 
-    resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
+    resumed = dataclasses.replace(cfg, max_steps=None, resume=str(out))
     final = train(resumed, World(), run_dir=RunDir(out, append=True))
     everything = Counter(tar_keys(uneven))
     assert epoch_keys(audit, 0, uneven) == everything, "the two runs together saw epoch 1 exactly once"
@@ -165,9 +165,9 @@ def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(
 
 
 def test_resample_resume_continues_the_counters(shards: Path, tmp_path: Path) -> None:
-    cfg = tiny(shards, num_epochs=2, max_steps=3, out_dir=str(tmp_path))
+    cfg = tiny(shards, epochs=2, max_steps=3, out=str(tmp_path))
     train(cfg, World(), run_dir=RunDir(tmp_path))
-    final = train(dataclasses.replace(cfg, max_steps=None, resume_from=str(tmp_path / "checkpoint.pt")), World())
+    final = train(dataclasses.replace(cfg, max_steps=None, resume=str(tmp_path / "checkpoint.pt")), World())
     whole = train(dataclasses.replace(cfg, max_steps=None), World())
     assert (
         (final["epoch"], final["step"], final["samples_seen"])
@@ -177,18 +177,18 @@ def test_resample_resume_continues_the_counters(shards: Path, tmp_path: Path) ->
 
 
 def test_resume_refuses_other_data(shards: Path, uneven: Path, tmp_path: Path) -> None:
-    train(tiny(shards, num_epochs=1, max_steps=2), World(), run_dir=RunDir(tmp_path))
+    train(tiny(shards, epochs=1, max_steps=2), World(), run_dir=RunDir(tmp_path))
     with pytest.raises(
         ConfigError, match="the train shards changed since the checkpoint: .* resume with the data the run started on"
     ):
-        train(tiny(uneven, num_epochs=1, resume_from=str(tmp_path)), World())
+        train(tiny(uneven, epochs=1, resume=str(tmp_path)), World())
 
 
 def test_resume_names_the_shard_whose_manifest_entry_changed(shards: Path, tmp_path: Path) -> None:
     """Resample mode at an epoch boundary carries no data position, yet an edited manifest is still caught."""
     data = tmp_path / "data"
     shutil.copytree(shards, data)
-    train(tiny(data, num_epochs=1), World(), run_dir=RunDir(tmp_path / "run"))
+    train(tiny(data, epochs=1), World(), run_dir=RunDir(tmp_path / "run"))
     manifest = json.loads((data / "manifest.json").read_text())
     edited = manifest["splits"]["train"]["shards"][3]
     edited["sha256"] = "0" * 64
@@ -197,12 +197,12 @@ def test_resume_names_the_shard_whose_manifest_entry_changed(shards: Path, tmp_p
         ConfigError,
         match=rf"the train shards changed since the checkpoint: {edited['name']} had sha256 \w+…, now 000000000000…",
     ):
-        train(tiny(data, num_epochs=2, resume_from=str(tmp_path / "run")), World())
+        train(tiny(data, epochs=2, resume=str(tmp_path / "run")), World())
 
 
 def test_the_first_warmup_step_already_learns(shards: Path, tmp_path: Path) -> None:
     """A one-step epoch at the start of a warm-up used to run at learning rate 0 and change nothing."""
-    cfg = tiny(shards, num_epochs=1, batches_per_epoch=1, warmup_epochs=1.0, weight_decay=0.0)
+    cfg = tiny(shards, epochs=1, batches_per_epoch=1, warmup_epochs=1.0, weight_decay=0.0)
     train(cfg, World(), run_dir=RunDir(tmp_path))
     torch.manual_seed(cfg.seed)
     initial = DemoNet(10).state_dict()
@@ -216,7 +216,7 @@ def _checkpointing_rank(rank: int, cfg: TrainConfig, store: str, out: str) -> No
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
     try:
-        report = RunDir(Path(out), append=cfg.resume_from is not None) if rank == 0 else None
+        report = RunDir(Path(out), append=cfg.resume is not None) if rank == 0 else None
         Path(out, f"rank{rank}.json").write_text(json.dumps(train(cfg, World(rank=rank, world_size=2), run_dir=report)))
     finally:
         dist.destroy_process_group()
@@ -235,18 +235,18 @@ def test_checkpoints_every_few_steps_on_two_ranks_count_each_sample_once(
     cfg = tiny(
         uneven,
         mode=mode,
-        batch_size_per_rank=8,
-        num_epochs=2,
+        batch_size=8,
+        epochs=2,
         checkpoint_every_steps=2,
         max_steps=5,
         audit_dir=str(audit),
-        out_dir=str(out),
+        out=str(out),
     )
     mp.start_processes(
         _checkpointing_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method=RANKS_START
     )
     stopped = json.loads((out / "rank0.json").read_text())
-    resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
+    resumed = dataclasses.replace(cfg, max_steps=None, resume=str(out))
     mp.start_processes(
         _checkpointing_rank, args=(resumed, str(tmp_path / "store2"), str(out)), nprocs=2, start_method=RANKS_START
     )
@@ -285,13 +285,11 @@ def _stop_rank(rank: int, cfg: TrainConfig, store: str, out: str, world_size: in
 def test_split_resume_on_another_world_size_redeals_the_rest(uneven: Path, tmp_path: Path) -> None:
     """Two gloo ranks stop inside epoch 1; one process finishes it: every key once, none repeated."""
     audit, out = tmp_path / "audit", tmp_path / "run"
-    cfg = tiny(
-        uneven, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=3, audit_dir=str(audit), out_dir=str(out)
-    )
+    cfg = tiny(uneven, mode="split", batch_size=8, epochs=1, max_steps=3, audit_dir=str(audit), out=str(out))
     mp.start_processes(_stop_rank, args=(cfg, str(tmp_path / "store"), str(out)), nprocs=2, start_method=RANKS_START)
     first = epoch_keys(audit, 0, uneven)
     assert sum(first.values()) == 2 * 3 * 8 and max(first.values()) == 1
-    final = train(dataclasses.replace(cfg, max_steps=None, resume_from=str(out)), World())
+    final = train(dataclasses.replace(cfg, max_steps=None, resume=str(out)), World())
     assert epoch_keys(audit, 0, uneven) == Counter(tar_keys(uneven))
     assert final["epoch_samples"] == 120 and final["epoch_missing"] == 0 and final["train_samples"] == 120 - 48
 
@@ -302,14 +300,12 @@ def test_three_ranks_resuming_an_epoch_with_two_shards_left_finish_it_exactly(un
     into the epoch: 117 of 120 samples, the shards of 2 and 1 samples left. Three gloo ranks finish it:
     one gets nothing and waits in Join, one trains on a batch of one sample. No hang, no repeat."""
     audit, out = tmp_path / "audit", tmp_path / "run"
-    cfg = tiny(
-        uneven, mode="split", batch_size_per_rank=9, num_epochs=1, max_steps=13, audit_dir=str(audit), out_dir=str(out)
-    )
-    cfg = dataclasses.replace(cfg, num_loader_workers_per_rank=1, shuffle_buffer_samples=1)
+    cfg = tiny(uneven, mode="split", batch_size=9, epochs=1, max_steps=13, audit_dir=str(audit), out=str(out))
+    cfg = dataclasses.replace(cfg, loader_workers=1, worker_shuffle_buffer=1)
     train(cfg, World(), run_dir=RunDir(out))
     first, before = epoch_keys(audit, 0, uneven), set(audit.iterdir())
     assert sum(first.values()) == 117 and max(first.values()) == 1
-    resumed = dataclasses.replace(cfg, max_steps=None, resume_from=str(out))
+    resumed = dataclasses.replace(cfg, max_steps=None, resume=str(out))
     args = (resumed, str(tmp_path / "store"), str(out), 3)
     mp.start_processes(_stop_rank, args=args, nprocs=3, start_method=RANKS_START)
     assert epoch_keys(audit, 0, uneven) == Counter(tar_keys(uneven)), "every sample once over the stop and the resume"
@@ -346,7 +342,7 @@ def _stall_rank(rank: int, store: str, out: str) -> None:
             Compute("cpu", None, False),
             uneven=False,
             where="in epoch 1",
-            pg_timeout_s=STALL_TIMEOUT_S,
+            pg_timeout=STALL_TIMEOUT_S,
         )
         if rank == 1:  # stalled, not dead: rank 0 must give up on its own (within 30 s at most)
             deadline = time.monotonic() + 30
@@ -372,7 +368,7 @@ def test_a_stalled_collective_is_an_error_naming_rank_and_step(tmp_path: Path) -
 @pytest.mark.slow
 def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: Path, tmp_path: Path) -> None:
     """Near the end of an epoch the rest may fit in one shard: the idle rank joins at once."""
-    cfg = tiny(uneven, mode="split", batch_size_per_rank=8, num_epochs=1, max_steps=1, out_dir=str(tmp_path / "run"))
+    cfg = tiny(uneven, mode="split", batch_size=8, epochs=1, max_steps=1, out=str(tmp_path / "run"))
     train(cfg, World(), run_dir=RunDir(tmp_path / "run"))
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     left = range(sum(UNEVEN_SIZES[:3]), sum(UNEVEN_SIZES[:4]))  # only the 16 samples of shard 3 are left
@@ -388,9 +384,7 @@ def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: P
         dataset=state["position"]["dataset"],
     ).to_state()
     torch.save(state, tmp_path / "nearly.pt")
-    resumed = dataclasses.replace(
-        cfg, max_steps=None, resume_from=str(tmp_path / "nearly.pt"), out_dir=str(tmp_path / "two")
-    )
+    resumed = dataclasses.replace(cfg, max_steps=None, resume=str(tmp_path / "nearly.pt"), out=str(tmp_path / "two"))
     mp.start_processes(
         _split_rank, args=(resumed, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method=RANKS_START
     )
@@ -399,7 +393,7 @@ def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: P
 
 
 def test_progress_rows_and_per_rank_metrics(shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = tiny(shards, num_epochs=1, log_every_s=0.0, val_every_epochs=1)
+    cfg = tiny(shards, epochs=1, log_every=0.0, val_every=1)
     report = RunDir(tmp_path)
     final = train(cfg, World(), run_dir=report)
     rows = [json.loads(line) for line in report.metrics_path.read_text().splitlines()]
@@ -421,7 +415,7 @@ def test_progress_rows_and_per_rank_metrics(shards: Path, tmp_path: Path, capsys
 def test_validation_every_n_epochs_and_always_the_last(shards: Path) -> None:
     rows: list = []
     # Two steps an epoch: the schedule is about epochs, not their length.
-    train(tiny(shards, num_epochs=3, val_every_epochs=2, batches_per_epoch=2), World(), lambda m, s: rows.append(m))
+    train(tiny(shards, epochs=3, val_every=2, batches_per_epoch=2), World(), lambda m, s: rows.append(m))
     assert ["val_top1" in r for r in rows] == [False, True, True]
 
 
@@ -441,10 +435,10 @@ def test_best_checkpoint_is_kept_only_when_top1_improves(tmp_path: Path) -> None
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(shards: Path, tmp_path: Path) -> None:
     """Same seed, split mode: the resumed run sees the same samples per epoch in another order,
     so its weights differ; its results must agree within a stated tolerance (0.1 top-1, 30% loss)."""
-    cfg = tiny(shards, mode="split", num_epochs=5, batch_size_per_rank=8, out_dir=str(tmp_path / "a"))
+    cfg = tiny(shards, mode="split", epochs=5, batch_size=8, out=str(tmp_path / "a"))
     whole = train(cfg, World())
     train(dataclasses.replace(cfg, max_steps=20), World(), run_dir=RunDir(tmp_path / "b"))
-    resumed = train(dataclasses.replace(cfg, resume_from=str(tmp_path / "b")), World())
+    resumed = train(dataclasses.replace(cfg, resume=str(tmp_path / "b")), World())
     assert (resumed["epoch"], resumed["step"], resumed["samples_seen"]) == (
         whole["epoch"],
         whole["step"],
@@ -467,7 +461,7 @@ def test_progress_without_a_terminal_starts_no_thread() -> None:
         tqdm.monitor.exit()
         tqdm.monitor = None
     before = {t.ident for t in threading.enumerate()}
-    progress = ProgressLog(TrainConfig(data="x", log_every_s=0.0), World(), 0, 10, None)
+    progress = ProgressLog(TrainConfig(data="x", log_every=0.0), World(), 0, 10, None)
     progress.update(1, EpochResult(num_samples=8, loss_sum=1.0, seconds=1.0, data_wait_s=0.1), 0.1, "x")
     progress.close()
     assert [t.name for t in threading.enumerate() if t.ident not in before] == []

@@ -1,0 +1,23 @@
+"""The files of a run folder, each name spelled here once (local and bucket runs alike):
+
+RUN_DIR/metrics.jsonl          one row per epoch, checkpoint and progress line (raywds.runs.rows)
+RUN_DIR/config.json            the resolved config (RAY_CONFIG beside a Ray run's own files)
+RUN_DIR/checkpoint.pt          the latest checkpoint (a Ray run: in each checkpoint_* folder)
+RUN_DIR/best/checkpoint.pt     the best epoch's, with best/metrics.json, its row, written last
+RUN_DIR/tensorboard/           --tensorboard's event files
+RUN_DIR/.raywds-lock           held while a run trains into the folder (raywds.runs.lock)
+RUN_DIR/last.ckpt              the Lightning DataModule's checkpoints inside an epoch
+"""
+
+from __future__ import annotations
+
+METRICS = "metrics.jsonl"
+CONFIG = "config.json"
+RAY_CONFIG = "raywds-config.json"
+"""The config in a Ray run's folder, beside the files Ray Train writes there."""
+CHECKPOINT = "checkpoint.pt"
+BEST = "best"
+BEST_ROW = f"{BEST}/metrics.json"
+TENSORBOARD = "tensorboard"
+LOCK = ".raywds-lock"
+LIGHTNING_CHECKPOINT = "last.ckpt"

@@ -1,0 +1,90 @@
+"""A run's folder, written by rank 0 of local, torchrun and Ray runs alike:
+
+RUN_DIR/metrics.jsonl   a row per finished epoch, per in-epoch checkpoint, and progress rows, each with its
+                        "kind" (raywds.runs.rows)
+RUN_DIR/config.json     the resolved config (raywds-config.json beside a Ray run's own files)
+RUN_DIR/checkpoint.pt   the latest checkpoint (local runs; Ray keeps its own checkpoint folders)
+RUN_DIR/best/           the checkpoint with the best validation top-1, and its metrics.json
+RUN_DIR/tensorboard/    with --tensorboard: the rows' numbers as TensorBoard scalars (raywds.runs.tensorboard)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from raywds.config import TrainConfig
+from raywds.runs import files
+from raywds.runs.checkpoint import save_checkpoint
+from raywds.runs.tensorboard import EventWriter
+
+Metrics = dict[str, Any]
+
+
+class RunDir:
+    """`append` keeps the metrics (and TensorBoard event files) of the run being resumed;
+    otherwise metrics.jsonl starts empty."""
+
+    def __init__(self, path: str | Path, *, append: bool = False):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.path / files.METRICS
+        self.checkpoint_path = self.path / files.CHECKPOINT
+        self.events: EventWriter | None = None
+        self.keep_events = append
+        if not append:
+            self.metrics_path.write_text("")
+
+    def open_tensorboard(self) -> Path:
+        """From now on also write each row's numbers as TensorBoard scalars; returns their folder."""
+        if self.events is None:
+            self.events = EventWriter(self.path / files.TENSORBOARD, append=self.keep_events)
+            self.keep_events = True  # opened again, it adds to this run's event files
+        return self.events.folder
+
+    def close(self) -> None:
+        """Close the TensorBoard writer, if open (every row is on disk already)."""
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+
+    def write_config(self, cfg: TrainConfig, name: str = files.CONFIG) -> Path:
+        path = self.path / name
+        path.write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+        return path
+
+    def append(self, row: Mapping[str, Any]) -> None:
+        """One row of metrics.jsonl (and its numbers in TensorBoard, when open)."""
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.events is not None:
+            self.events.write(row)
+
+    def record(self, metrics: Metrics, state: dict[str, Any]) -> None:
+        """An epoch's (or an in-epoch checkpoint's) metrics, and best/ when top-1 improved."""
+        self.append(metrics)
+        self.keep_best(metrics, state)
+
+    def save(self, metrics: Metrics, state: dict[str, Any] | None) -> None:
+        """A local run's report: the metrics, the latest checkpoint and best/ (rank 0 passes `state`)."""
+        if state is None:
+            return
+        self.append(metrics)
+        save_checkpoint(state, self.checkpoint_path)
+        self.keep_best(metrics, state)
+
+    def keep_best(self, metrics: Metrics, state: dict[str, Any]) -> bool:
+        """Copy the checkpoint to best/ when its validation top-1 beats the one there (read from
+        best/metrics.json, so it holds across restarts); True when it did."""
+        if "val_top1" not in metrics:
+            return False
+        best = self.path / files.BEST
+        record = self.path / files.BEST_ROW
+        if record.is_file() and json.loads(record.read_text()).get("val_top1", -1.0) >= metrics["val_top1"]:
+            return False
+        best.mkdir(exist_ok=True)
+        save_checkpoint(state, best / files.CHECKPOINT)
+        record.write_text(json.dumps(metrics) + "\n")
+        return True

@@ -1,0 +1,111 @@
+"""The rows of a run's metrics.jsonl (raywds.runs.folder): one typed definition per kind, and
+each row says its kind. Writers build their rows from these (mypy checks every key); readers ask
+`kind(row)`, which also tells apart the rows of files written before rows carried a kind.
+
+    epoch       a finished epoch: loss, counts, rates, each rank's stage times, validation
+    checkpoint  a checkpoint inside an epoch (or a run stopped there by --max-steps)
+    progress    rank 0's view inside an epoch, every --log-every seconds
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal, NotRequired, TypedDict
+
+Kind = Literal["epoch", "checkpoint", "progress"]
+
+
+class EpochRow(TypedDict):
+    kind: Literal["epoch"]
+    epoch: int
+    """From 1: the epochs done."""
+    step: int
+    """Steps done in the run, this epoch's included."""
+    train_loss: float
+    train_samples: int
+    samples_seen: int
+    bad_samples: int
+    bad_samples_total: int
+    bad_samples_distinct: int
+    bad_samples_distinct_total: int
+    bad_shards: int
+    read_retries: int
+    epoch_samples: int
+    """Samples the ledger counted for the whole epoch (a resumed epoch's first segment included)."""
+    epoch_distinct: int
+    epoch_duplicates: int
+    epoch_missing: int
+    images_per_s: float
+    images_per_s_per_rank: list[float]
+    data_wait_per_rank: list[float]
+    data_wait_max: float
+    lr: float
+    stages: dict[str, Any]
+    """Each rank's stage times (raywds.runs.stagetimes), what the doctor reads."""
+    val_loss: NotRequired[float]
+    val_top1: NotRequired[float]
+    val_top5: NotRequired[float]
+    val_samples: NotRequired[int]
+
+
+class CheckpointRow(TypedDict):
+    kind: Literal["checkpoint"]
+    epoch: int
+    """From 0: the epoch the checkpoint is inside."""
+    step: int
+    """Steps done in the run."""
+    samples_seen: int
+    inside_epoch: Literal[True]
+    """Kept for readers of files written before rows had a kind."""
+    epoch_samples_done: NotRequired[int]
+    """Samples of the epoch trained, on every rank (raywds train; the Lightning example leaves it out)."""
+
+
+class ProgressRow(TypedDict):
+    kind: Literal["progress"]
+    time: float
+    epoch: int
+    """From 1: the epoch under way."""
+    step: int
+    step_in_epoch: int
+    steps_in_epoch: int
+    loss: float
+    lr: float
+    images_per_s_rank0: float
+    data_wait_rank0: float
+    eta_epoch_s: float
+    doctor_rank0: str
+
+
+def checkpoint_row(epoch: int, step: int, samples_seen: int, epoch_samples_done: int) -> dict[str, Any]:
+    """raywds train's row for a checkpoint inside epoch `epoch` (from 0)."""
+    row = CheckpointRow(
+        kind="checkpoint",
+        epoch=epoch,
+        step=step,
+        samples_seen=samples_seen,
+        inside_epoch=True,
+        epoch_samples_done=epoch_samples_done,
+    )
+    return {**row}
+
+
+def kind(row: Mapping[str, Any]) -> Kind:
+    """The row's kind: its `kind`, or for a row written before rows had one, what its keys say."""
+    said = row.get("kind")
+    if said in ("epoch", "checkpoint", "progress"):
+        return said  # type: ignore[return-value]  # checked against Kind's values just above
+    return "checkpoint" if row.get("inside_epoch") else "epoch"
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Every row of a metrics.jsonl, in the order written."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def epochs(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The finished epochs' rows, in epoch order; a resumed run may repeat an epoch: the last counts."""
+    last = {row["epoch"]: dict(row) for row in rows if kind(row) == "epoch"}
+    return [last[e] for e in sorted(last)]
