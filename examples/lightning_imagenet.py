@@ -30,15 +30,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from raywds.config import TrainConfig, resolve
-from raywds.flags import add_flags, given
-from raywds.launch.rayoptions import worker_count
-from raywds.lightning import ShardDataModule
-from raywds.train.compute import Compute
-from raywds.train.model import build_model
-from raywds.train.optim import lr_at, make_optimizer, set_lr
-from raywds.train.progress import summary_line
-from raywds.world import World
+import raywds
+from raywds import ShardDataModule, TrainConfig
 
 # val_top1 and the rest are summed over ranks already (torchmetrics, one reduce): Lightning's advice
 # to average them again with sync_dist would make them wrong where ranks validate different counts.
@@ -52,9 +45,9 @@ class Classifier(L.LightningModule):
     def __init__(self, cfg: TrainConfig, data: ShardDataModule):
         super().__init__()
         self.cfg, self.data = cfg, data
-        self.net = build_model(cfg.model, data.num_classes)
-        if Compute.for_run(cfg, "cuda" if torch.cuda.is_available() else "cpu").channels_last:
-            self.net = self.net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # as the batches
+        self.net = raywds.build_model(cfg.model, data.num_classes).to(
+            memory_format=data.memory_format
+        )  # as the batches
         if cfg.compile:
             self.net = torch.compile(self.net)  # type: ignore[assignment]
         self.loss = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -71,7 +64,8 @@ class Classifier(L.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """The rate where this step ends, a function of epochs done, as `raywds train` sets it."""
-        set_lr(self.optimizers(), lr_at(self.cfg, self._world(), self.data.progress(ahead=1)))  # type: ignore[arg-type]
+        for group in self.optimizers().param_groups:  # type: ignore[union-attr]
+            group["lr"] = self.data.lr()
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         images, labels = batch
@@ -112,10 +106,7 @@ class Classifier(L.LightningModule):
             )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.net, self.cfg, self._world())
-
-    def _world(self) -> World:
-        return World(rank=self.global_rank, world_size=self.trainer.world_size)
+        return raywds.make_optimizer(self.net, self.cfg, raywds.World(world_size=self.trainer.world_size))
 
 
 QUIET: dict[str, Any] = dict(
@@ -128,7 +119,7 @@ QUIET: dict[str, Any] = dict(
 
 def summary(data: ShardDataModule, model: Classifier) -> str:
     """`raywds train`'s closing line, from the DataModule's counts and the model's last validation."""
-    return summary_line({**data.metrics, **model.val})
+    return raywds.summary_line({**data.metrics, **model.val})
 
 
 def precision(cfg: TrainConfig) -> str:
@@ -163,30 +154,18 @@ def fit(cfg: TrainConfig, devices: int | str = "auto", accelerator: str = "auto"
     return line
 
 
-def fit_on_ray(
-    cfg: TrainConfig, workers: int | tuple[int, int], storage: str | None = None, address: str | None = None
-) -> Any:
+def fit_on_ray(cfg: TrainConfig, workers: int | tuple[int, int], storage: str | None = None) -> Any:
     """The same fit in `workers` Ray Train workers (MIN..MAX: elastic, as `raywds ray
     --num-workers`), through Ray's Lightning integration (its DDP strategy, environment and
-    checkpoint reports) on the cluster at `address` (or RAY_ADDRESS, or a new local one); Ray's
-    Result. A restarted or resized worker group resumes from the newest checkpoint: Ray's, reported
-    at each epoch's end, or raywds's own inside an epoch (`<out>/last.ckpt`), dealt afresh to the
-    workers it has."""
-    import ray.train
+    checkpoint reports); Ray's Result. A restarted or resized worker group resumes from the newest
+    checkpoint: Ray's, reported at each epoch's end, or raywds's own inside an epoch
+    (`<out>/last.ckpt`), dealt afresh to the workers it has."""
     from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
-    from ray.train.torch import TorchTrainer
 
-    from raywds.launch.cluster import connect, start_autoscaling_coordinator, wait_for_coordinator
-    from raywds.launch.runstore import checkpoint_folder
-
-    def per_worker(config: dict[str, Any]) -> None:
-        with checkpoint_folder(ray.train.get_checkpoint()) as ray_folder:  # a folder of this rank's own
-            fit_in_worker(TrainConfig.from_dict(config), ray_folder)
-
-    def fit_in_worker(run: TrainConfig, ray_folder: str | None) -> None:
+    def fit_in_worker(run: TrainConfig, restored: str | None) -> None:
         newest = [p for p in (Path(run.out) / "last.ckpt",) if p.is_file()]
-        if ray_folder is not None:
-            newest.append(Path(ray_folder) / RayTrainReportCallback.CHECKPOINT_NAME)
+        if restored is not None:
+            newest.append(Path(restored) / RayTrainReportCallback.CHECKPOINT_NAME)
         if newest:
             run = dataclasses.replace(run, resume=str(max(newest, key=_global_step)))
         data = ShardDataModule(run)
@@ -208,20 +187,13 @@ def fit_on_ray(
         if trainer.is_global_zero:
             print(summary(data, model), flush=True)
 
-    connect(address)
-    coordinator = start_autoscaling_coordinator()  # Ray Train asks it for resources as it starts
-    out = Path(cfg.out).resolve()
-    trainer = TorchTrainer(
-        per_worker,
-        train_loop_config=dataclasses.replace(cfg, out=str(out)).to_dict(),
-        scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=torch.cuda.is_available()),
-        run_config=ray.train.RunConfig(
-            name=out.name, storage_path=storage or str(out.parent / "ray"),
-            failure_config=ray.train.FailureConfig(max_failures=3),
-        ),
-    )  # fmt: skip
-    wait_for_coordinator(coordinator)
-    return trainer.fit()
+    return raywds.run_on_ray(fit_in_worker, cfg, workers, storage=storage)
+
+
+def workers(text: str) -> int | tuple[int, int]:
+    """`--ray`: N workers, or MIN..MAX (elastic)."""
+    low, _, high = text.partition("..")
+    return (int(low), int(high)) if high else int(low)
 
 
 def _global_step(path: Path) -> int:
@@ -238,19 +210,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", default="auto", help="Lightning's devices: processes (CPU) or GPUs per node")
     parser.add_argument("--accelerator", default="auto", help="Lightning's accelerator: auto, cpu, gpu")
     parser.add_argument(
-        "--ray", type=worker_count, metavar="N|MIN..MAX", help="train in Ray Train workers: N, or MIN..MAX (elastic)"
+        "--ray", type=workers, metavar="N|MIN..MAX", help="train in Ray Train workers: N, or MIN..MAX (elastic)"
     )
-    add_flags(parser, TrainConfig, with_defaults=False)  # every training flag, None unless given
+    raywds.add_flags(parser, TrainConfig, with_defaults=False)  # every training flag, None unless given
     args = parser.parse_args(argv)
     if not args.data and not args.demo:
         parser.error("give --data SHARDS, or --demo")
     data = args.data
     if args.demo:
-        from raywds.data.demo import prepare
-
-        data = str(prepare(Path(args.demo_dir)))
+        data = str(raywds.prepare_demo(Path(args.demo_dir)))
     recipe = args.recipe or ("demo" if args.demo else None)
-    cfg = resolve(data, recipe=recipe, config_file=args.config, **given(args))
+    cfg = raywds.resolve(data, recipe=recipe, config_file=args.config, **raywds.given(args))
     if args.ray:
         fit_on_ray(cfg, args.ray)
     else:

@@ -1,3 +1,74 @@
-"""raywds: train image classifiers from WebDataset tar shards, on one machine or a Ray cluster."""
+"""raywds: train image classifiers from WebDataset tar shards, on one machine or a Ray cluster.
+
+    import raywds
+    cfg = raywds.resolve("runs/demo/shards", recipe="demo", epochs=2)
+    metrics = raywds.train(cfg)                                   # this process, or a torchrun rank
+    run = raywds.train_on_ray(cfg, raywds.RayOptions(num_workers=2))
+
+The names below are the public ones; each is imported when first used, so `import raywds`
+loads neither torch nor Ray nor Lightning (`raywds convert` imports no torch at all).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "TrainConfig": "raywds.config",
+    "resolve": "raywds.config",
+    "RaywdsError": "raywds.errors",
+    "World": "raywds.world",
+    "train": "raywds.launch.local:train_in_process",
+    "build_model": "raywds.train.model",
+    "make_optimizer": "raywds.train.optim",
+    "summary_line": "raywds.train.progress",
+    "RayOptions": "raywds.launch.rayoptions",
+    "train_on_ray": "raywds.launch.ray_train:run",
+    "run_on_ray": "raywds.launch.ownloop",
+    "ShardDataModule": "raywds.lightning.datamodule",
+    "prepare_demo": "raywds.data.demo:prepare",
+    "add_flags": "raywds.flags",
+    "given": "raywds.flags",
+}
+__all__ = [
+    "RayOptions",
+    "RaywdsError",
+    "ShardDataModule",
+    "TrainConfig",
+    "World",
+    "add_flags",
+    "build_model",
+    "given",
+    "make_optimizer",
+    "prepare_demo",
+    "resolve",
+    "run_on_ray",
+    "summary_line",
+    "train",
+    "train_on_ray",
+]
+
+if TYPE_CHECKING:
+    from raywds.config import TrainConfig, resolve
+    from raywds.data.demo import prepare as prepare_demo
+    from raywds.errors import RaywdsError
+    from raywds.flags import add_flags, given
+    from raywds.launch.local import train_in_process as train
+    from raywds.launch.ownloop import run_on_ray
+    from raywds.launch.ray_train import run as train_on_ray
+    from raywds.launch.rayoptions import RayOptions
+    from raywds.lightning.datamodule import ShardDataModule
+    from raywds.train.model import build_model
+    from raywds.train.optim import make_optimizer
+    from raywds.train.progress import summary_line
+    from raywds.world import World
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'raywds' has no attribute {name!r}")
+    module, _, attr = _PUBLIC[name].partition(":")
+    return getattr(importlib.import_module(module), attr or name)

@@ -1,6 +1,7 @@
 """The `raywds` command: its parser, made from each command's options (raywds.options, through
-raywds.flags), and the one place where a RaywdsError becomes exit code 1 and a one-line message.
-What each command does is in raywds.commands.
+raywds.flags); the one place where the parsed flags become each command's typed options; and the
+one place where a RaywdsError becomes exit code 1 and a one-line message. What each command does
+with its options is in raywds.commands.
 
     raywds --help
     raywds train --demo
@@ -18,7 +19,7 @@ from typing import Any
 from raywds import console
 from raywds.commands import COMMANDS
 from raywds.errors import RaywdsError, one_line
-from raywds.flags import add_flags
+from raywds.flags import add_flags, values
 from raywds.options import COMMAND_FLAGS, MainOptions
 
 
@@ -36,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_options(args: argparse.Namespace) -> list[Any]:
+    """The options the parsed command takes, made here once: one typed object per group of its
+    flags (raywds.options.COMMAND_FLAGS), in that order (`cmd_ray(source, training, ray)`)."""
+    _, parts = COMMAND_FLAGS[args.command]
+    return [part.build(values(args, part.cls, skip=part.skip, only=part.only)) for part in parts]
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     # SystemExit unwinds the `with` blocks, so a shard server started here is stopped too.
     sys.exit(128 + signum)
@@ -43,12 +51,13 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = MainOptions(**values(args, MainOptions)).debug
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     console.configure()
     try:
-        COMMANDS[args.command](args)
+        COMMANDS[args.command](*command_options(args))  # options that do not hold are one line too
     except RaywdsError as e:
-        if args.debug:
+        if debug:
             traceback.print_exc()
         lines = one_line(e).splitlines() or [""]
         print(f"raywds: error: {lines[0]}", file=sys.stderr)

@@ -64,8 +64,15 @@ def _int_or(words: tuple[str, ...]) -> Any:
     return parse
 
 
-def flag_fields(cls: type = TrainConfig) -> list[dataclasses.Field[Any]]:
-    return [f for f in dataclasses.fields(cls) if not (cls is TrainConfig and f.name in NOT_FLAGS)]
+def flag_fields(
+    cls: type = TrainConfig, *, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+) -> list[dataclasses.Field[Any]]:
+    """The fields of `cls` that are flags (those in `only`, but `skip`)."""
+    return [
+        f
+        for f in dataclasses.fields(cls)
+        if not (cls is TrainConfig and f.name in NOT_FLAGS) and f.name not in skip and (only is None or f.name in only)
+    ]
 
 
 def flag_name(field: dataclasses.Field[Any]) -> str:
@@ -117,9 +124,7 @@ def add_flags(
     """One flag (or positional) per field of the dataclass `cls` (those in `only`, but `skip`),
     each the field's default, or unless `with_defaults` None until given."""
     groups: dict[str, Any] = {}
-    for field in flag_fields(cls):
-        if field.name in skip or (only is not None and field.name not in only):
-            continue
+    for field in flag_fields(cls, skip=skip, only=only):
         exclusive = field.metadata.get("exclusive")
         if exclusive and exclusive not in groups:
             groups[exclusive] = parser.add_mutually_exclusive_group()
@@ -128,9 +133,12 @@ def add_flags(
         target.add_argument(*names, *(aliases or {}).get(field.name, ()), **_options(cls, field, with_defaults))
 
 
-def values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of `cls` as the parsed flags hold them."""
-    return {f.name: getattr(args, f.name) for f in flag_fields(cls) if hasattr(args, f.name)}
+def values(
+    args: argparse.Namespace, cls: type, *, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The fields of `cls` (those in `only`, but `skip`) as the parsed flags hold them: the
+    keywords of the typed options a command takes (raywds.cli.command_options)."""
+    return {f.name: getattr(args, f.name) for f in flag_fields(cls, skip=skip, only=only)}
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:

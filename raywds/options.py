@@ -1,20 +1,26 @@
 """Each `raywds` command's options as documented dataclasses, and which of them each command
-takes (COMMAND_FLAGS). raywds.cli makes every flag from these (raywds.flags); raywds.commands
-reads the parsed values. The training flags come from TrainConfig, `raywds ray`'s from
-raywds.launch.rayoptions.RayOptions, `raywds convert`'s from raywds.data.convert.ConvertOptions.
+takes (COMMAND_FLAGS). raywds.cli makes every flag from these (raywds.flags) and, once the flags
+are parsed, one typed object per group of them, which the command in raywds.commands takes. The
+training flags come from TrainConfig (given as Training), `raywds ray`'s from
+raywds.launch.rayoptions.RayOptions, `raywds serve`'s from raywds.serve.ServerOptions,
+`raywds convert`'s from raywds.data.convert.ConvertOptions.
+
+    raywds.commands.cmd_ray(Source(data="shards/"), Training({"epochs": 1}), RayOptions(num_workers=2))
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from raywds.config import RECIPES, S3Endpoint, TrainConfig
+from raywds.config import RECIPES, ModeName, S3Endpoint, TrainConfig, check_known, resolve
 from raywds.data.shardoptions import ConvertOptions, IndexOptions
 from raywds.fields import flag
 from raywds.launch.rayoptions import RayOptions
-from raywds.serve import BACKENDS, NETWORKS
+from raywds.serve import BACKENDS, ServerOptions
 
 DEMO_DIR = "runs/demo"
 
@@ -79,27 +85,24 @@ class ShardsumOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeOptions:
+class ServeOptions(ServerOptions):
+    """A ShardServer's options (raywds.serve.ServerOptions), on every interface at port 8080 unless
+    told otherwise, and what `raywds serve` does besides serving."""
+
     shards: str | None = field(default=None, metadata=flag(positional=True, nargs="?"))
     """Shard folder (with manifest.json)."""
-    backend: str = field(default="auto", metadata=flag(choices=BACKENDS))
-    """nginx in Docker, the local nginx, or the embedded Python server; auto tries them in that order."""
     host: str = "0.0.0.0"
     """Address to listen on (0.0.0.0: every interface, for multi-node jobs)."""
     local: bool = False
     """Listen on 127.0.0.1 only (single-node jobs)."""
     port: int = 8080
     """Port (0 picks a free one)."""
-    advertise: str | None = None
-    """Host name or IP workers should use (default: this node's IP, or 127.0.0.1 with --local)."""
-    image: str = "nginx:stable"
-    """Docker image with nginx."""
-    network: str = field(default="host", metadata=flag(choices=tuple(NETWORKS)))
-    """Docker: host networking, or publish the port from a bridge network."""
-    no_pull: bool = False
-    """Docker: use only a local image, never pull one."""
     stop_all: bool = False
     """Remove every raywds shard-server container and exit."""
+
+
+SERVER_ONLY = ("ready_timeout_s", "idle_timeout_s", "num_threads")
+"""ServerOptions fields that `raywds serve` leaves at their defaults (no flags)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,16 +131,22 @@ class PlanOptions:
     """--shuffle-report: batches per rank to simulate."""
 
 
-PLAN_FIELDS = (
-    "mode",
-    "canonical_nodes",
-    "loader_workers",
-    "batch_size",
-    "batches_per_epoch",
-    "seed",
-    "worker_shuffle_buffer",
-    "cross_worker_shuffle_buffer",
-)
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """The TrainConfig fields `raywds plan` takes: their flags, help and defaults are the config's
+    (each field here has the type of the TrainConfig field of its name)."""
+
+    mode: ModeName
+    canonical_nodes: int
+    loader_workers: int | Literal["auto"]
+    batch_size: int
+    batches_per_epoch: int | None
+    seed: int
+    worker_shuffle_buffer: int
+    cross_worker_shuffle_buffer: int
+
+
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(PlanConfig))
 """The config fields `raywds plan` takes, with the config's defaults."""
 
 
@@ -174,22 +183,52 @@ class Source:
     server_backend: str = field(default="auto", metadata=flag(choices=BACKENDS))
     """Shard server for --demo and --serve."""
 
+    def config_for(self, data: str, training: Training) -> TrainConfig:
+        """The run's config on `data` (--data, or the URL the demo shards are served at): the recipe
+        (`demo` for --demo), then the --config file, then the training flags given."""
+        recipe = self.recipe or ("demo" if self.demo else None)
+        return resolve(data, recipe=recipe, config_file=self.config, **training.given)
+
+
+@dataclass(frozen=True)
+class Training:
+    """The training flags given: TrainConfig fields by name, only those set on the command line;
+    the recipe, the --config file and the config's defaults decide the rest (Source.config_for)."""
+
+    given: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_known(dict(self.given), "the training flags")
+
+    @classmethod
+    def from_flags(cls, **values: Any) -> Training:
+        """From the training flags' values, each None where not given."""
+        return cls({name: value for name, value in values.items() if value is not None})
+
 
 @dataclass(frozen=True)
 class Flags:
-    """One dataclass's fields as flags (raywds.flags.add_flags's keywords)."""
+    """One dataclass's fields as flags (raywds.flags.add_flags's keywords), and the object the
+    command takes of their parsed values."""
 
     cls: type
     skip: tuple[str, ...] = ()
     only: tuple[str, ...] | None = None
     with_defaults: bool = True
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    into: Callable[..., Any] | None = None
+    """Makes the command's object from the flags' values, given as keywords (default: `cls`)."""
 
     def keywords(self) -> dict[str, Any]:
         return {"skip": self.skip, "only": self.only, "with_defaults": self.with_defaults, "aliases": self.aliases}
 
+    def build(self, values: dict[str, Any]) -> Any:
+        """What the command takes: `into` (or `cls`) of the values of these flags."""
+        return (self.into or self.cls)(**values)
 
-TRAINING = Flags(TrainConfig, with_defaults=False)  # None unless given: the recipe and file keep theirs
+
+# None unless given: the recipe and the --config file keep theirs.
+TRAINING = Flags(TrainConfig, with_defaults=False, into=Training.from_flags)
 COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
     "demo": ("write the generated demo ImageNet-layout tree", (Flags(DemoOptions),)),
     "convert": (
@@ -205,13 +244,13 @@ COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
     "shardsum": ("shard names (arguments or stdin) in brace notation", (Flags(ShardsumOptions),)),
     "serve": (
         "serve a shard folder over HTTP until interrupted (nginx in Docker, local nginx, or embedded)",
-        (Flags(ServeOptions),),
+        (Flags(ServeOptions, skip=SERVER_ONLY),),
     ),
     "plan": (
         "show what each rank and loader worker reads in an epoch, and whether the setup would hang",
         (
             Flags(PlanOptions),
-            Flags(TrainConfig, only=PLAN_FIELDS, aliases={"loader_workers": ("--workers",)}),
+            Flags(TrainConfig, only=PLAN_FIELDS, aliases={"loader_workers": ("--workers",)}, into=PlanConfig),
         ),
     ),
     "report": ("plot a run's loss, accuracy, throughput and data wait to a PNG", (Flags(ReportOptions),)),
@@ -223,6 +262,6 @@ COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
     "ray": (
         "train with a Ray Train TorchTrainer on the cluster (one worker per GPU)",
         # A Ray run's folder is under --storage-path.
-        (Flags(Source), Flags(TrainConfig, skip=("out",), with_defaults=False), Flags(RayOptions)),
+        (Flags(Source), dataclasses.replace(TRAINING, skip=("out",)), Flags(RayOptions)),
     ),
 }

@@ -378,11 +378,60 @@ def test_tensorboard_without_the_package_is_one_line_before_training(
 
 
 def test_ray_serve_flag_hands_workers_an_http_url(shards: Path) -> None:
-    from raywds.cli import build_parser
+    from raywds.cli import build_parser, command_options
     from raywds.commands import _data
     from raywds.data.manifest import read_manifest
 
     args = build_parser().parse_args(["ray", "--data", str(shards), "--serve", "--server-backend", "embedded"])
-    with _data(args) as url:
+    source, _, ray = command_options(args)
+    with _data(source, serve=ray.serve) as url:
         assert url.startswith("http://127.0.0.1:")
         assert read_manifest(url).num_samples("train") == 120
+
+
+MINIMAL = {"convert": ["tree", "out"], "verify": ["s"], "audit": ["a", "--data", "d"], "report": ["r"], "doctor": ["r"]}
+"""What each command needs besides its name to parse."""
+
+
+def test_each_command_takes_one_typed_object_per_group_of_its_flags() -> None:
+    """raywds.cli makes each command's options once, one object per group of its flags
+    (raywds.options.COMMAND_FLAGS), and the command's parameters are typed as those objects."""
+    import inspect
+
+    from raywds.cli import build_parser, command_options
+    from raywds.commands import COMMANDS
+    from raywds.options import COMMAND_FLAGS
+
+    assert sorted(COMMANDS) == sorted(COMMAND_FLAGS)
+    for name, takes in COMMANDS.items():
+        built = command_options(build_parser().parse_args([name, *MINIMAL.get(name, [])]))
+        wanted = [p.annotation for p in inspect.signature(takes).parameters.values()]
+        assert [type(b).__name__ for b in built] == wanted, name
+
+
+def test_the_flags_arrive_in_the_options_under_their_own_names() -> None:
+    from raywds.cli import build_parser, command_options
+    from raywds.launch.rayoptions import RayOptions
+    from raywds.options import Source, Training
+
+    argv = ["ray", "--demo", "--epochs", "2", "--keep-checkpoints", "5", "--worker-resource", "trainer=1"]
+    source, training, ray = command_options(build_parser().parse_args(argv))
+    assert source == Source(demo=True)
+    assert training == Training({"epochs": 2}), "only the training flags given"
+    assert ray == RayOptions(keep_checkpoints=5, worker_resource=[("trainer", 1.0)])
+    cfg = source.config_for("http://127.0.0.1:1", training)
+    assert (cfg.epochs, cfg.model) == (2, "demo"), "the flag over the demo recipe"
+    (serve,) = command_options(build_parser().parse_args(["serve", "shards", "--local", "--no-pull"]))
+    assert (serve.shards, serve.host, serve.port, serve.local, serve.no_pull) == ("shards", "0.0.0.0", 8080, True, True)
+    (plan, training) = command_options(build_parser().parse_args(["plan", "--workers", "3"]))[:2]
+    assert (training.loader_workers, training.mode, training.batch_size) == (3, "resample", 64), "the config's defaults"
+
+
+def test_plans_config_fields_have_the_types_of_the_training_configs() -> None:
+    import typing
+
+    from raywds.config import TrainConfig
+    from raywds.options import PlanConfig
+
+    config = typing.get_type_hints(TrainConfig)
+    assert {name: config[name] for name in typing.get_type_hints(PlanConfig)} == typing.get_type_hints(PlanConfig)

@@ -40,6 +40,12 @@ def run_local(cfg: TrainConfig) -> tuple[Metrics, RunDir | None]:
         return _run(cfg, world)
 
 
+def train_in_process(cfg: TrainConfig) -> Metrics:
+    """`raywds train` from Python (`raywds.train`): the run folder `cfg.out` with its lock, the
+    process group under torchrun, the epochs; the last epoch's metrics, the same on every rank."""
+    return run_local(cfg)[0]
+
+
 def _run(cfg: TrainConfig, world: World) -> tuple[Metrics, RunDir | None]:
     if world.distributed:
         backend = "nccl" if world.device.startswith("cuda") else "gloo"

@@ -1,4 +1,5 @@
-"""Ray Train wrapper: the only module that uses ray.train. Each Ray touchpoint is marked `# RAY`.
+"""Ray Train wrapper: raywds's own runs in a TorchTrainer (raywds.launch.ownloop runs a loop of
+yours). Each Ray touchpoint is marked `# RAY`.
 
 raywds ray --data http://head:8080 --model resnet50          # one worker per cluster GPU
 ray job submit --address http://127.0.0.1:8265 -- raywds ray --demo
@@ -39,7 +40,7 @@ from raywds.launch.cluster import (
 )
 from raywds.launch.polls import controller_polls
 from raywds.launch.raydata import Plane, RayData
-from raywds.launch.rayoptions import DEFAULTS, DataPlane
+from raywds.launch.rayoptions import DEFAULTS, RayOptions
 from raywds.launch.runstore import as_uri, hold_run_folder, load_ray_checkpoint, open_run_dir, ray_storage
 from raywds.loader.decodings import decoding
 from raywds.plan.checks import check_plan
@@ -135,31 +136,18 @@ class RayRun:
     """Metrics of every finished epoch whose checkpoint was kept, oldest first."""
 
 
-def run(
-    cfg: TrainConfig,
-    *,
-    num_workers: int | tuple[int, int] | None = None,
-    storage_path: str = DEFAULTS.storage_path,
-    name: str | None = None,
-    num_checkpoints_to_keep: int | None = DEFAULTS.keep_checkpoints,
-    max_failures: int = DEFAULTS.max_failures,
-    resize_check_s: float = DEFAULTS.resize_check_s,
-    node_wait_s: float | None = None,
-    data_plane: DataPlane = DEFAULTS.data_plane,
-    worker_resources: dict[str, float] | None = None,
-    plane_store_mb: int = DEFAULTS.plane_store_mb,
-) -> RayRun:
-    """Train `cfg` on the connected cluster with a TorchTrainer; returns rank 0's last metrics.
-    `num_workers` (MIN, MAX) is elastic; after a failure (a worker or its node lost) Ray restarts
-    the workers up to `max_failures` times, each time from the latest checkpoint, and as often
-    waits `node_wait_s` (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for the workers to fit.
-    `data_plane` "ray": Ray Data tasks read and decode on any node (raywds.launch.raydata), each
+def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
+    """Train `cfg` on the connected cluster with a TorchTrainer, as `options` say; returns rank 0's
+    last metrics. `num_workers` (MIN, MAX) is elastic; after a failure (a worker or its node lost)
+    Ray restarts the workers up to `max_failures` times, each time from the latest checkpoint, and
+    as often waits `node_wait_s` (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for the workers to
+    fit. `data_plane` "ray": Ray Data tasks read and decode on any node (raywds.launch.raydata), each
     rank's pipeline holding at most `plane_store_mb` of blocks in the object store.
-    `worker_resources`: custom Ray resources each training worker reserves (where it may run)."""
-    if node_wait_s is not None:  # Ray Train reads it in the driver and hands it to its controller
-        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(node_wait_s)
+    `worker_resource`: custom Ray resources each training worker reserves (where it may run)."""
+    if options.node_wait_s is not None:  # Ray Train reads it in the driver and hands it to its controller
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(options.node_wait_s)
     coordinator = start_autoscaling_coordinator()  # started already where connect() joined the cluster
-    cfg, plan, plane = place(cfg, num_workers, data_plane, plane_store_mb)
+    cfg, plan, plane = place(cfg, options)
     manifest = manifest_of(cfg)
     for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
         check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)
@@ -171,20 +159,18 @@ def run(
     nodes = alive_nodes()
     decoding = f", decoding on Ray Data tasks of {PLANE_TASK_CPUS:g} CPU anywhere in the cluster" if plane else ""
     print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s)){decoding}", flush=True)
-    storage, local = split_storage(storage_path)
-    name = name or time.strftime("raywds-%Y%m%d-%H%M%S")
+    storage, local = split_storage(options.storage_path)
+    name = options.name or time.strftime("raywds-%Y%m%d-%H%M%S")
     # Rank 0 appends metrics.jsonl to the run folder where it is a path (local, shared or file://).
     cfg = dataclasses.replace(cfg, out=os.path.join(local or storage, name))
     with hold_run_folder(cfg, local):
-        trainer = make_trainer(
-            cfg, plan, storage, name, num_checkpoints_to_keep, max_failures, resize_check_s, plane, worker_resources
-        )
+        trainer = make_trainer(cfg, plan, storage, name, options, plane)
         wait_for_coordinator(coordinator)
         try:
             with environ(controller_polls(plan.num_workers)):  # read as fit() starts the controller
                 result = trainer.fit()
         except ray.train.TrainingFailedError as e:  # RAY
-            raise failure(e, lost_since(nodes), max_failures) from e
+            raise failure(e, lost_since(nodes), options.max_failures) from e
     if not result.metrics:
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
     checkpoint = as_uri(result.checkpoint.path, storage) if result.checkpoint is not None else None
@@ -194,30 +180,24 @@ def run(
     return RayRun(dict(result.metrics), checkpoint, as_uri(result.path, storage), plan, history)
 
 
-def place(
-    cfg: TrainConfig, num_workers: int | tuple[int, int] | None, data_plane: str, plane_store_mb: int
-) -> tuple[TrainConfig, WorkerPlan, Plane | None]:
+def place(cfg: TrainConfig, options: RayOptions) -> tuple[TrainConfig, WorkerPlan, Plane | None]:
     """The config the workers get, the workers the cluster can hold, and the Ray Data plane's
     settings (None for each rank's own loader)."""
-    if data_plane not in PLACES:
-        raise ConfigError(f"--data-plane {data_plane!r} is not one of {', '.join(PLACES)}")
-    return PLACES[data_plane](cfg, num_workers, plane_store_mb)
+    if options.data_plane not in PLACES:
+        raise ConfigError(f"--data-plane {options.data_plane!r} is not one of {', '.join(PLACES)}")
+    return PLACES[options.data_plane](cfg, options)
 
 
-def _own_loaders(
-    cfg: TrainConfig, num_workers: int | tuple[int, int] | None, plane_store_mb: int
-) -> tuple[TrainConfig, WorkerPlan, None]:
+def _own_loaders(cfg: TrainConfig, options: RayOptions) -> tuple[TrainConfig, WorkerPlan, None]:
     """`--data-plane loader`: each rank reads and decodes with its own DataLoader workers."""
     workers = cfg.loader_workers  # auto: every CPU the cluster has per GPU
     plan = plan_workers(
-        ray.cluster_resources(), num_workers, loader_workers=None if workers == "auto" else workers
+        ray.cluster_resources(), options.num_workers, loader_workers=None if workers == "auto" else workers
     )  # RAY
     return cfg, plan, None
 
 
-def _ray_data(
-    cfg: TrainConfig, num_workers: int | tuple[int, int] | None, plane_store_mb: int
-) -> tuple[TrainConfig, WorkerPlan, Plane]:
+def _ray_data(cfg: TrainConfig, options: RayOptions) -> tuple[TrainConfig, WorkerPlan, Plane]:
     """`--data-plane ray`: Ray Data tasks on any node read and decode each rank's shards."""
     if not decoding(cfg.decode).in_workers:
         raise ConfigError(
@@ -225,10 +205,10 @@ def _ray_data(
         )
     # No DataLoader workers: each rank is one slot of the plan, its shards read by Ray Data tasks.
     cfg = dataclasses.replace(cfg, loader_workers=0)
-    plan = plan_workers(ray.cluster_resources(), num_workers, plane_task_cpus=PLANE_TASK_CPUS)  # RAY
+    plan = plan_workers(ray.cluster_resources(), options.num_workers, plane_task_cpus=PLANE_TASK_CPUS)  # RAY
     plane = Plane(
         task_cpus=PLANE_TASK_CPUS,
-        object_store_bytes_per_rank=plane_store_mb << 20,
+        object_store_bytes_per_rank=options.plane_store_mb << 20,
         trainer_cpus=plan.num_workers * plan.cpus_per_worker,
         trainer_gpus=plan.num_workers if plan.use_gpu else 0,
     )
@@ -240,17 +220,10 @@ PLACES = {"loader": _own_loaders, "ray": _ray_data}
 
 
 def make_trainer(
-    cfg: TrainConfig,
-    plan: WorkerPlan,
-    storage: str,
-    name: str,
-    num_checkpoints_to_keep: int | None,
-    max_failures: int,
-    resize_check_s: float,
-    plane: Plane | None = None,
-    worker_resources: dict[str, float] | None = None,
+    cfg: TrainConfig, plan: WorkerPlan, storage: str, name: str, options: RayOptions, plane: Plane | None = None
 ) -> TorchTrainer:
-    """The TorchTrainer that runs train_loop_per_worker on `plan`'s workers."""
+    """The TorchTrainer that runs train_loop_per_worker on `plan`'s workers, as run `name` in
+    `storage` (options.storage_path made absolute)."""
     return TorchTrainer(  # RAY
         train_loop_per_worker,
         train_loop_config={
@@ -261,19 +234,19 @@ def make_trainer(
         scaling_config=ray.train.ScalingConfig(
             num_workers=plan.ray_num_workers,  # type: ignore[arg-type]  # V2 takes (min, max); mypy sees V1's
             use_gpu=plan.use_gpu,
-            resources_per_worker={"CPU": plan.cpus_per_worker, **(worker_resources or {})},
-            elastic_resize_monitor_interval_s=resize_check_s,  # type: ignore[call-arg]
+            resources_per_worker={"CPU": plan.cpus_per_worker, **dict(options.worker_resource or [])},
+            elastic_resize_monitor_interval_s=options.resize_check_s,  # type: ignore[call-arg]
         ),
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=cfg.pg_timeout),
         run_config=ray.train.RunConfig(
             name=name,
             **ray_storage(storage, cfg.s3_endpoint),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_checkpoints_to_keep),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=options.keep_checkpoints),
             # After a worker dies, Ray restarts the group and each worker resumes from the latest
             # checkpoint. Starting a group that cannot be placed (a fixed count, a node gone) is a
             # controller failure, unbounded by default: bound it too, so a lost node is an error.
             failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]  # V2's FailureConfig; mypy sees V1's
-                max_failures=max_failures, controller_failure_limit=max_failures
+                max_failures=options.max_failures, controller_failure_limit=options.max_failures
             ),
             # Ray Train's INFO lines (each checkpoint's path; see also quiet_ray_reports) would
             # bury raywds's epoch lines; they still go to Ray's system log files (logs/train).
@@ -298,4 +271,4 @@ def failure(e: Exception, lost: list[str], max_failures: int) -> RaywdsError:
     return RaywdsError(f"Ray training failed: {e}")
 
 
-__all__ = ["RayRun", "WorkerPlan", "connect", "node_count", "node_ip", "plan_workers", "run"]
+__all__ = ["RayOptions", "RayRun", "WorkerPlan", "connect", "node_count", "node_ip", "plan_workers", "run"]

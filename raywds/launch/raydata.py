@@ -36,7 +36,7 @@ from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ShardError, one_line, own_cause
 from raywds.loader.labels import Labels
 from raywds.loader.loader import EpochLoader, expected, labels_of, split_slots
-from raywds.loader.plane import Columns, Rebatcher, decode_rows, shard_rows
+from raywds.loader.plane import Columns, Rebatcher, decode_rows, rebatcher, shard_rows
 from raywds.loader.readers import ReadPolicy
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, Decoder, train_decoder, val_decoder
@@ -195,12 +195,13 @@ class RayData:
         epoch: int,
         position: Position | None = None,
     ) -> EpochLoader:
-        cfg, rank, exact = LoaderConfig.of(cfg), world.rank, plan.mode.exact
+        cfg, rank = LoaderConfig.of(cfg), world.rank
         left_out, reseed = already_done(position, epoch, manifest.shards("train"))
         draws = plan.mode.shards_for(
             plan, manifest.shards("train"), rank=rank, worker=0, seed=cfg.seed, epoch=epoch, reseed=reseed
         )
-        batches = Rebatcher(cfg.batch_size, partial=exact, pin_memory=world.device.startswith("cuda"))
+        batches = rebatcher(plan, cfg.batch_size, pin_memory=world.device.startswith("cuda"))
+        exact = batches.partial  # every sample once: the rank's shards once, a short last batch
         shuffle_seed = seeds.number(seeds.CROSS_SHUFFLE, cfg.seed, epoch, rank)
 
         delivered = [0]

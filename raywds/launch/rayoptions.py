@@ -1,6 +1,8 @@
 """What `raywds ray` takes besides the training config, with the one default of each: the CLI's
-flags are made from RayOptions (raywds.flags) and raywds.launch.ray_train.run's keywords default
-to the same values. Imports no Ray, so `raywds --help` does not load it.
+flags are made from RayOptions (raywds.flags), and raywds.launch.ray_train.run takes the same
+object (DEFAULTS unless given). Imports no Ray, so `raywds --help` does not load it.
+
+    ray_train.run(cfg, RayOptions(storage_path="runs/ray", name="first", max_failures=0))
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def resource(text: str) -> tuple[str, float]:
 
 @dataclass(frozen=True, kw_only=True)
 class RayOptions:
-    """How a run uses the Ray cluster."""
+    """How a run uses the Ray cluster. `serve` and `address` are the command's: it serves the data
+    and joins the cluster before raywds.launch.ray_train.run, which reads the rest."""
 
     serve: bool = False
     """Serve the --data folder from this driver, so workers on every node read it over HTTP."""
@@ -61,8 +64,8 @@ class RayOptions:
     restart counts as failed too (default: Ray's, 60)."""
     resize_check_s: float = 60.0
     """Elastic runs: how often Ray checks whether more workers fit."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept in the run folder."""
+    keep_checkpoints: int | None = 2
+    """Checkpoints kept in the run folder (None: every one)."""
     data_plane: DataPlane = "loader"
     """Who reads and decodes the shards: each rank's own DataLoader workers (loader), or Ray Data
     tasks on any node of the cluster (ray; --loader-workers then has no effect)."""

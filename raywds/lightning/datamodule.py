@@ -27,21 +27,16 @@ import lightning.pytorch as pl
 import torch
 
 from raywds.config import TrainConfig
-from raywds.data.columns import sample_counts
 from raywds.data.dataset import manifest_of
 from raywds.errors import ConfigError, DataError
-from raywds.lightning.epochs import EpochRun, ExactEpochs
+from raywds.lightning.epochs import ExactEpochs
 from raywds.loader.decodings import decoding
 from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.settings import LoaderConfig
-from raywds.loader.stages import Batch, bad_sample_id
-from raywds.plan.checks import check_plan
-from raywds.plan.modes import epoch_plan, parse
-from raywds.plan.position import Position, done_in
-from raywds.train.audit import Audit
+from raywds.loader.stages import Batch
 from raywds.train.autoworkers import first
 from raywds.train.compute import Compute
-from raywds.train.ledger import Ledger
+from raywds.train.epoch import EpochKeeper
 from raywds.world import World
 
 
@@ -70,24 +65,29 @@ class ShardDataModule(pl.LightningDataModule):
         self.loader_cfg = LoaderConfig.of(cfg)
         """The loader's slice of the config, built once (its worker count is fixed here)."""
         self.manifest = manifest_of(cfg)
-        self.mode = parse(cfg.mode)
         self.num_classes = len(self.manifest.classes)
         self.num_samples = self.manifest.num_samples("train")
-        self.sizes = sample_counts(self.manifest.shards("train"))
-        self.callback = ExactEpochs(self)
-        self.position: Position | None = None
-        """Restored from a checkpoint taken inside an epoch: what that epoch had trained."""
-        self.epoch: EpochRun | None = None
-        self.audit: Audit | None = None
-        self.samples_seen = 0
-        """Samples trained on, all ranks, in the epochs finished (and the resumed run's before them)."""
-        self.steps_before = 0
-        """Steps of the epochs finished, each counted as its longest rank's batches, as `raywds train`
-        counts them: the same on every rank (Lightning's `global_step` is not, in split mode, where a
-        rank that ran out early took fewer optimizer steps). The audit files' segments use it."""
-        self.metrics: dict[str, Any] = {}
-        """The last finished epoch's counts (every rank): epoch, epoch_samples, samples_seen, images_per_s."""
+        self.keeper = EpochKeeper(cfg, World(), self.manifest)
+        """The epochs' bookkeeping, as `raywds train` keeps it (its world is the Trainer's, from `setup`)."""
+        self.callback = ExactEpochs(self.keeper)
         self._compute: Compute | None = None
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The last finished epoch's counts (every rank): epoch, epoch_samples, samples_seen, images_per_s."""
+        return self.callback.metrics
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        """The batches' layout on this machine's device, as `raywds train` chooses it (channels_last
+        on CUDA): the model's should match."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.channels_last if Compute.for_run(self.cfg, device).channels_last else torch.contiguous_format
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples trained on, all ranks, in the epochs finished (and the resumed run's before them)."""
+        return self.keeper.progress.samples_seen
 
     def world(self) -> World:
         t = self.trainer
@@ -103,31 +103,24 @@ class ShardDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         t = self.trainer
         assert t is not None
+        self.keeper.world = self.world()
         t.reload_dataloaders_every_n_epochs = 1  # type: ignore[attr-defined]  # each epoch its own plan
         callbacks: list[pl.Callback] = t.callbacks  # type: ignore[attr-defined]
         if not any(c is self.callback for c in callbacks):
             callbacks.insert(0, self.callback)  # first: before any checkpoint callback's collectives
 
     def train_dataloader(self) -> Batches:
-        t, cfg, world = self.trainer, self.cfg, self.world()
+        t, world = self.trainer, self.keeper.world
         assert t is not None
-        index = t.current_epoch
-        position = self.position if self.position is not None and self.position.epoch == index else None
-        plan = epoch_plan(
-            self.manifest, cfg, world.world_size, epoch=index, done=done_in(position, index),
-            ranks_per_node=world.ranks_per_node,
-        )  # fmt: skip
-        check_plan(plan, self.manifest)
+        epoch = self.keeper.begin(t.current_epoch)
+        plan = epoch.plan
         if world.distributed and plan.min_batches == 0:  # Lightning stops a rank with no batches: the rest would hang
             raise DataError(
-                f"epoch {index + 1} leaves rank {plan.batches_per_rank.index(0)} of {world.world_size} no batch "
-                f"({sum(plan.samples_per_rank)} samples left): resume it on fewer ranks"
+                f"epoch {epoch.index + 1} leaves rank {plan.batches_per_rank.index(0)} of {world.world_size} no "
+                f"batch ({sum(plan.samples_per_rank)} samples left): resume it on fewer ranks"
             )
-        if self.audit is None:
-            self.audit = Audit(cfg.audit_dir, world, self.steps_before + (position.step if position else 0))
-        self.epoch = EpochRun(index, plan, position, Ledger(self.sizes))
-        batches = train_loader(self.manifest, self.loader_cfg, world, plan, epoch=index, position=position)
-        return Batches(batches, self.epoch.step_before + len(batches))
+        batches = train_loader(self.manifest, self.loader_cfg, world, plan, epoch=epoch.index, position=epoch.position)
+        return Batches(batches, epoch.step_before + len(batches))
 
     def val_dataloader(self) -> Iterable[Batch]:
         """This rank's share of the validation split, every sample once across ranks (no
@@ -140,13 +133,9 @@ class ShardDataModule(pl.LightningDataModule):
         """A training batch is counted here, as the step that trains it begins; the model gets (images, labels)."""
         if not isinstance(batch, Batch):
             return batch
-        t, epoch = self.trainer, self.epoch
-        if t is not None and t.training and epoch is not None:
-            epoch.ledger.mark(batch.ids)
-            epoch.samples += len(batch.labels)
-            epoch.bad.update((bad_sample_id(why), why) for why in batch.bad_samples)
-            if self.audit is not None:
-                self.audit.write(epoch.index, batch.ids)
+        t, epoch = self.trainer, self.keeper.epoch
+        if t is not None and t.training and epoch is not None and not epoch.closed:
+            self.keeper.mark(batch)
         return batch.images, batch.labels
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -157,35 +146,23 @@ class ShardDataModule(pl.LightningDataModule):
 
     def step(self) -> int:
         """Steps so far, the same on every rank: the finished epochs' (their longest rank's), then this one's."""
-        epoch = self.epoch
-        return self.steps_before + (epoch.steps if epoch is not None and not epoch.closed else 0)
+        epoch = self.keeper.epoch
+        return epoch.steps if epoch is not None and not epoch.closed else self.keeper.progress.steps
 
-    def progress(self, ahead: int = 0) -> float:
-        """Epochs done, fractional, `ahead` steps on: the clock of `raywds train`'s learning-rate
-        schedule (raywds.train.optim.lr_at), the same on every rank at an epoch's boundaries."""
-        epoch = self.epoch
-        if epoch is None:
-            return 0.0
-        ran = epoch.steps - epoch.step_before + ahead
-        done = epoch.done_before + ran * self.world().world_size * self.cfg.batch_size
-        return epoch.index + min(done / max(self.num_samples, 1), 1.0)
+    def lr(self) -> float:
+        """The learning rate of the step being trained, as `raywds train` sets it: warm-up, then
+        cosine decay, on the clock of epochs done (raywds.train.epoch.EpochKeeper.lr)."""
+        epoch = self.keeper.epoch
+        return self.keeper.lr(epoch.ran) if epoch is not None and not epoch.closed else self.keeper.lr(0)
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch's position (a collective in split mode: every rank calls it, as Lightning does
-        when it saves a checkpoint), and the samples seen."""
-        position, epoch, seen = self.callback.position_now(), self.epoch, self.samples_seen
-        if position is not None and epoch is not None and not epoch.closed and position.epoch == epoch.index:
-            seen += position.samples_done - epoch.done_before  # the epoch's samples so far, all ranks
-        state = {"position": position.to_state() if position else None, "samples_seen": seen}
-        return {**state, "steps": self.steps_before}
+        """The epoch keeper's counters and position (a collective in split mode: every rank calls
+        it, as Lightning does when it saves a checkpoint)."""
+        self.keeper.record()
+        return self.keeper.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.samples_seen = int(state.get("samples_seen", 0))
-        self.steps_before = int(state.get("steps", 0))
-        position = state.get("position")
-        self.position = Position.from_state(position, self.manifest.shards("train")) if position else None
-        if self.position is not None:
-            self.position.check_compatible(self.manifest, self.mode)
+        self.keeper.load_state_dict(state)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         if isinstance(batch, tuple) and len(batch) == 2:

@@ -31,7 +31,8 @@ import torch
 from raywds.loader.clock import Spent
 from raywds.loader.labels import IMAGE_KEYS, Labels
 from raywds.loader.readers import Expected, Failures, ReadPolicy, tar_samples
-from raywds.loader.stages import Batch, Decoder, Skips, decoded, fold_single_tail
+from raywds.loader.stages import BadSample, Batch, Decoder, Skips, decoded, fold_single_tail
+from raywds.plan.epoch import EpochPlan
 
 TIMED = ("read_s", "read_bytes", "decode_s")
 """Columns a decoded block carries for the doctor (raywds.train.doctor): each row's seconds
@@ -127,6 +128,7 @@ def decode_rows(columns: Columns, decoder: Decoder, policy: ReadPolicy, *, size:
     images = np.zeros((n, size, size, 3), dtype=np.uint8)
     labels = np.full(n, -1, dtype=np.int64)
     errors = [str(e) for e in columns["error"]]
+    members = [""] * n
     decode_s = np.zeros(n)
     skips = Skips(policy)
     for i in range(n):
@@ -136,7 +138,8 @@ def decode_rows(columns: Columns, decoder: Decoder, policy: ReadPolicy, *, size:
         out = list(decoded([_sample(columns, i)], decoder, skips))
         decode_s[i] = time.perf_counter() - started
         if not out:  # skipped: the reason is the one `decoded` just gave
-            errors[i] = f"sample: {skips.samples.pop()}"
+            bad = skips.samples.pop()
+            errors[i], members[i] = f"sample: {bad.reason}", bad.member
             continue
         image, labels[i], _, _ = out[0]
         images[i] = image.permute(1, 2, 0).numpy()
@@ -145,11 +148,19 @@ def decode_rows(columns: Columns, decoder: Decoder, policy: ReadPolicy, *, size:
         "label": labels,
         "id": np.asarray(columns["id"], dtype=np.int64),
         "key": np.asarray(columns["key"], dtype=object),
+        "url": np.asarray(columns["url"], dtype=object),
+        "member": np.asarray(members, dtype=object),
         "error": np.asarray(errors, dtype=object),
         "read_s": np.asarray(columns.get("read_s", np.zeros(n)), dtype=np.float64),
         "read_bytes": np.asarray([len(image) + len(c) for image, c in zip(columns["image"], columns["cls"])]),
         "decode_s": decode_s,
     }
+
+
+def rebatcher(plan: EpochPlan, batch_size: int, *, pin_memory: bool = False) -> Rebatcher:
+    """The rank's side of the plane for an epoch of `plan`: an exact epoch (split) ends with a short
+    batch of what is left (`partial`) and raises on a bad sample; a resample one keeps its batches full."""
+    return Rebatcher(batch_size, partial=plan.mode.exact, pin_memory=pin_memory)
 
 
 class Rebatcher:
@@ -166,7 +177,7 @@ class Rebatcher:
         self.num_decoded = 0
         """Rows decoded so far, whether or not a batch has taken them yet."""
         self.last_bad_shard = ""
-        self.bad_samples: list[str] = []
+        self.bad_samples: list[BadSample] = []
         self.bad_shards: list[str] = []
 
     def __call__(self, blocks: Iterable[Columns]) -> Iterator[Batch]:
@@ -193,11 +204,14 @@ class Rebatcher:
         """The block's decoded rows; its error rows go to the counts of what was skipped."""
         errors = block["error"]
         bad = np.array([bool(e) for e in errors], dtype=bool)
-        for e in errors[bad]:
-            kind, why = str(e).split(": ", 1)
-            (self.bad_shards if kind == "shard" else self.bad_samples).append(why)
+        for i in np.flatnonzero(bad):
+            kind, why = str(errors[i]).split(": ", 1)  # the row's kind, as decode_rows wrote it
             if kind == "shard":
+                self.bad_shards.append(why)
                 self.last_bad_shard = why
+            else:
+                url, key, member = (str(block[k][i]) for k in ("url", "key", "member"))
+                self.bad_samples.append(BadSample(url, key, member, why))
         self.num_decoded += int((~bad).sum())
         if "node" in block:
             self.nodes.update(str(node) for node in block["node"][~bad])

@@ -37,6 +37,21 @@ from raywds.plan import seeds
 log = logging.getLogger(__name__)
 
 
+class BadSample(NamedTuple):
+    """A sample that could not be used, as the loader worker that met it says: (shard, key) is
+    the sample, whichever worker or rank draws it again, so draws of it count as one."""
+
+    shard: str
+    key: str
+    member: str
+    """The member that failed (`KEY.jpg`), or `KEY.*` where none could be picked."""
+    reason: str
+
+    @property
+    def line(self) -> str:
+        return f"shard {self.shard}: sample {self.key} ({self.member}): {self.reason}"
+
+
 class Batch(NamedTuple):
     images: torch.Tensor | decodings.Encoded
     """uint8 NCHW, or (`--decode device`) the JPEG bytes and crops the device decodes."""
@@ -45,8 +60,8 @@ class Batch(NamedTuple):
     """Each sample's id: its shard's offset in manifest order plus its place in the shard."""
     keys: list[str]
     """Each sample's `__key__` in its tar."""
-    bad_samples: tuple[str, ...] = ()
-    """resample mode: why each sample skipped since the worker's previous batch could not be used."""
+    bad_samples: tuple[BadSample, ...] = ()
+    """resample mode: each sample skipped since the worker's previous batch, and why."""
     bad_shards: tuple[str, ...] = ()
     """resample mode: why each shard skipped since the worker's previous batch could not be read."""
     read_retries: int = 0
@@ -97,15 +112,10 @@ def _unseeded(fn: Callable[..., Any], data: bytes, sample_id: int, **out: Any) -
 class SampleError(DataError):
     """One sample cannot be used; the message names its shard, key and member."""
 
-
-_NAMED = re.compile(r"shard (.*?): sample (.+?) \(\2\.")
-
-
-def bad_sample_id(reason: str) -> str:
-    """The sample a bad-sample reason (a `SampleError`'s words) names, `shard URL: sample KEY`,
-    so that draws of one sample, by any worker or rank, count as one distinct bad sample."""
-    named = _NAMED.match(reason)
-    return f"shard {named[1]}: sample {named[2]}" if named else reason
+    def __init__(self, bad: BadSample | str):
+        # text alone where torch's DataLoader raises a worker's error again in the training process
+        super().__init__(bad if isinstance(bad, str) else bad.line)
+        self.bad = bad if isinstance(bad, BadSample) else None
 
 
 MAX_LOGGED = 5
@@ -118,7 +128,7 @@ class Skips:
 
     def __init__(self, policy: ReadPolicy):
         self.shards = Failures(policy)
-        self.samples: list[str] = []
+        self.samples: list[BadSample] = []
         self.num_logged = 0
         self.shards_sent = 0
         self.retries_sent = 0
@@ -126,7 +136,8 @@ class Skips:
     def bad_sample(self, error: SampleError) -> None:
         if not self.shards.policy.skip_unreadable:
             raise error
-        self.samples.append(str(error))
+        assert error.bad is not None, "a worker's own SampleError names its sample"
+        self.samples.append(error.bad)
         if self.num_logged < MAX_LOGGED:
             self.num_logged += 1
             log.warning("skipped a bad sample: %s", error)
@@ -171,7 +182,7 @@ def decoded(
             image = decode(sample[ext], sample["__id__"], **({} if slot is None else {"out": slot}))
         except Exception as e:  # noqa: BLE001 - PIL, libjpeg and torchvision raise many types for bad bytes
             member = f"{key}.{e.member}" if isinstance(e, MemberError) else member
-            skips.bad_sample(SampleError(f"shard {url}: sample {key} ({member}): {_what(e)}"))
+            skips.bad_sample(SampleError(BadSample(url, key, member, _what(e))))
             continue
         if slots is not None and slot is not None:
             slots.filled()
@@ -223,7 +234,7 @@ def collate(
     samples: list[Sample],
     out_of: crops.OutOf | None = None,
     *,
-    bad_samples: tuple[str, ...] = (),
+    bad_samples: tuple[BadSample, ...] = (),
     bad_shards: tuple[str, ...] = (),
 ) -> Batch:
     """Samples -> a Batch; in a worker, the images go into shared memory (`out_of`: raywds.loader.blocks)."""
@@ -268,7 +279,7 @@ def rebatched(
 ) -> Iterator[Batch]:
     """Main process: unbatch the workers' batches, shuffle across workers, batch again; what the
     workers skipped travels on with the next batch out."""
-    skipped: tuple[list[str], list[str]] = ([], [])
+    skipped: tuple[list[BadSample], list[str]] = ([], [])
     retries = [0]
     spent = [Spent()]
 

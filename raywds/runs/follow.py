@@ -5,7 +5,7 @@ torchrun job, a `raywds train` started elsewhere). In Jupyter the bar is a widge
 
     name, storage = time.strftime("nb-%Y%m%d-%H%M%S"), "runs/ray"
     with follow(os.path.join(storage, name), epochs=cfg.epochs):
-        run = ray_train.run(cfg, storage_path=storage, name=name)
+        run = ray_train.run(cfg, RayOptions(storage_path=storage, name=name))
 
 Progress rows come every `log_every` of the run's config (60 s by default: set it to a few
 seconds for a bar that moves inside epochs); each finished epoch moves the bar too.

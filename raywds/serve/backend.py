@@ -73,8 +73,8 @@ class Spec:
     """Docker: the nginx image."""
     network: Network
     """Docker: how the container is reached (NETWORKS)."""
-    pull: bool
-    """Docker: pull the image when it is not here."""
+    no_pull: bool
+    """Docker: never pull the image; use it only when it is here."""
     idle_timeout_s: float
     """Embedded: close a connection whose client sends or takes nothing this long."""
     num_threads: int

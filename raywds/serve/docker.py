@@ -98,15 +98,15 @@ def stop_all() -> int:
     return len(containers)
 
 
-def _image_here(client: Any, image: str, pull: bool) -> None:
-    """The image, pulled first when allowed and missing."""
+def _image_here(client: Any, image: str, no_pull: bool) -> None:
+    """The image, pulled first when missing unless `no_pull`."""
     import docker.errors
 
     try:
         client.images.get(image)
         return
     except docker.errors.ImageNotFound:
-        if not pull:
+        if no_pull:
             raise ServerError(
                 f"image {image} is not here and pulling is off; give a local nginx image with --image"
             ) from None
@@ -158,7 +158,7 @@ def start(spec: Spec, cleanup: contextlib.ExitStack) -> Running:
             stray.labels.get("raywds.pid"),
         )
         stray.remove(force=True)
-    _image_here(client, spec.image, spec.pull)
+    _image_here(client, spec.image, spec.no_pull)
     port = spec.free_port()
     conf_dir = run_dir(cleanup)
     listen = spec.network.listen(spec.host or "0.0.0.0", port)

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raywds.errors import CollectiveError
 from raywds.loader.clock import Spent
-from raywds.loader.stages import Batch, bad_sample_id
+from raywds.loader.stages import BadSample, Batch
 from raywds.train.compute import Compute
 from raywds.train.optim import set_lr
 from raywds.train.timing import StepTimer, slowed_rank, spin
@@ -40,11 +40,11 @@ class EpochResult:
     startup_s: float = 0.0
     """Of it, what the first batch waited beyond its worker's reading and decoding: the loader's
     workers starting (a slow first shard still counts as waiting for data)."""
-    bad_samples: list[str] = field(default_factory=list)
-    """resample mode: why each skipped sample could not be used (the loader workers' words), once
-    per draw: shards repeat within a resample epoch, and a bad sample with them."""
-    distinct_bad: dict[str, str] = field(default_factory=dict)
-    """resample mode: each distinct bad sample (`bad_sample_id`) -> the last reason given for it."""
+    bad_samples: list[BadSample] = field(default_factory=list)
+    """resample mode: each skipped sample and why (the loader workers' words), once per draw:
+    shards repeat within a resample epoch, and a bad sample with them."""
+    distinct_bad: dict[tuple[str, str], BadSample] = field(default_factory=dict)
+    """resample mode: each distinct bad sample, (shard, key) -> its latest draw."""
     num_bad_shards: int = 0
     """resample mode: shards skipped as unreadable."""
     num_read_retries: int = 0
@@ -74,7 +74,7 @@ class EpochResult:
         self.num_steps += 1
         self.num_samples += len(batch.labels)
         self.bad_samples += batch.bad_samples
-        self.distinct_bad.update((bad_sample_id(why), why) for why in batch.bad_samples)
+        self.distinct_bad.update(((b.shard, b.key), b) for b in batch.bad_samples)
         self.num_bad_shards += len(batch.bad_shards)
         self.num_read_retries += batch.read_retries
         self.loss_sum += loss * len(batch.labels)

@@ -36,7 +36,7 @@ from raywds.errors import DataError
 from raywds.loader.loader import expected
 from raywds.loader.plane import Rebatcher, decode_rows, shard_rows
 from raywds.loader.settings import LoaderConfig
-from raywds.loader.stages import bad_sample_id, train_decoder
+from raywds.loader.stages import BadSample, train_decoder
 from raywds.plan.modes import Resample
 from raywds.train.compute import Compute
 from raywds.train.loop import train_epoch
@@ -505,8 +505,8 @@ def test_one_bad_sample_drawn_again_and_again_counts_once_against_the_bound(
     shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Shards repeat within a resample epoch, and a bad sample with them: every draw is skipped,
-    the sample counts once against --max-bad-samples (1 here, as 0.001 of a 1,437-sample epoch);
-    a checkpoint from before the distinct count still resumes."""
+    the sample counts once against --max-bad-samples (1 here, as 0.001 of a 1,437-sample epoch),
+    and both counts carry through a resume."""
     data = edit.copy(shards, tmp_path / "shards")
     broken = bad_member("jpg", NOT_AN_IMAGE)(data, first_drawn(data))
     expected = replay(data, broken, num_batches=8)
@@ -527,14 +527,11 @@ def test_one_bad_sample_drawn_again_and_again_counts_once_against_the_bound(
     checkpoint = tmp_path / "run" / "checkpoint.pt"
     state = torch.load(checkpoint, weights_only=False)
     assert (state["bad_samples"], state["bad_samples_distinct"]) == (draws_skipped, 1)
-    del state["bad_samples_distinct"]  # as a checkpoint written before the distinct count
-    torch.save(state, checkpoint)
     flags = [*train_flags(str(data), tmp_path / "again", "resample"), "--max-bad-samples", "1"]
     assert main([*flags, "--epochs", "2", "--resume", str(checkpoint)]) == 0, capfd.readouterr().err[-2000:]
     resumed = json.loads((tmp_path / "again" / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert resumed["epoch"] == 2 and resumed["bad_samples_total"] == draws_skipped + resumed["bad_samples"]
-    # the old count was of draws; each is taken for a sample of its own
-    assert resumed["bad_samples_distinct_total"] == draws_skipped + resumed["bad_samples_distinct"]
+    assert resumed["bad_samples_distinct_total"] == 1 + resumed["bad_samples_distinct"]
 
 
 def test_two_distinct_bad_samples_past_a_bound_of_one_stop_naming_both_counts(
@@ -647,17 +644,13 @@ def test_the_ray_data_planes_steps_count_a_bad_sample_the_same_way(shards: Path,
         Compute.for_run(cfg, "cpu"),
         uneven=False,
     )
-    assert len(result.bad_samples) == 2 and list(result.distinct_bad) == [f"shard {url}: sample {broken.key}"]
+    assert len(result.bad_samples) == 2 and list(result.distinct_bad) == [(url, broken.key)]
 
 
-def test_a_bad_samples_reason_names_it_by_shard_and_key() -> None:
-    """What makes draws of one sample one distinct sample: the shard and key its reason names,
-    whatever the member and complaint (a key may hold ' (' itself)."""
-    assert (
-        bad_sample_id("shard http://h:8080/a.tar: sample k (1) (k (1).jpg): cannot identify image file")
-        == bad_sample_id("shard http://h:8080/a.tar: sample k (1) (k (1).cls): class b'x' is not a number")
-        == "shard http://h:8080/a.tar: sample k (1)"
-    )
-    assert (
-        bad_sample_id("shard /d/a.tar: sample k (k.*): has no image member (found cls)") == "shard /d/a.tar: sample k"
-    )
+def test_a_bad_sample_is_its_shard_and_key_whatever_its_member_and_complaint() -> None:
+    """What makes draws of one sample one distinct sample: the shard and key the worker names,
+    carried as fields from the worker (a key may hold ' (' itself: nothing is parsed back)."""
+    jpg = BadSample("http://h:8080/a.tar", "k (1)", "k (1).jpg", "cannot identify image file")
+    cls = BadSample("http://h:8080/a.tar", "k (1)", "k (1).cls", "class b'x' is not a number")
+    assert (jpg.shard, jpg.key) == (cls.shard, cls.key) and jpg != cls
+    assert jpg.line == "shard http://h:8080/a.tar: sample k (1) (k (1).jpg): cannot identify image file"

@@ -17,7 +17,7 @@ from support.runs import assert_charts_hold, small_config
 
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
-from raywds.launch.rayoptions import worker_count
+from raywds.launch.rayoptions import RayOptions, worker_count
 from raywds.runs import files
 
 
@@ -103,11 +103,10 @@ def test_each_data_plane_has_its_placement_and_run_takes_the_commands_defaults(r
 
     assert tuple(ray_train.PLACES) == DATA_PLANES
     run = inspect.signature(ray_train.run).parameters
-    assert run["max_failures"].default == DEFAULTS.max_failures == 3, "one default, the command line's"
-    assert run["storage_path"].default == DEFAULTS.storage_path
-    assert run["num_checkpoints_to_keep"].default == DEFAULTS.keep_checkpoints
+    assert list(run) == ["cfg", "options"] and run["options"].default is DEFAULTS, "one default, the command line's"
+    assert DEFAULTS.max_failures == 3
     with pytest.raises(ConfigError, match="--data-plane 'dask' is not one of loader, ray"):
-        ray_train.place(small_config("unused"), 2, "dask", 1024)
+        ray_train.place(small_config("unused"), RayOptions(num_workers=2, data_plane="dask"))
 
 
 def test_the_controller_polls_often_on_small_runs_and_a_users_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,9 +176,7 @@ def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(
     with pytest.raises(SampleError) as caught:
         ray_train.run(  # no restarts: each would meet the same sample again
             split_config(data, tmp_path / "audit"),
-            storage_path=str(tmp_path),
-            name=f"bad-{uuid.uuid4().hex[:8]}",
-            max_failures=0,
+            RayOptions(storage_path=str(tmp_path), name=f"bad-{uuid.uuid4().hex[:8]}", max_failures=0),
         )
     line = str(caught.value)
     assert "\n" not in line and "Traceback" not in line, line
@@ -214,16 +211,14 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
         log_every=0.0,
         tensorboard=True,
     )
-    first = ray_train.run(cfg, storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}")
+    first = ray_train.run(cfg, RayOptions(storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}"))
     assert first.plan == ray_train.WorkerPlan(2, use_gpu=False)
     assert first.metrics["inside_epoch"] and first.metrics["step"] == 3 and first.checkpoint is not None
     assert sum(epoch_keys(audit, 0, uneven).values()) == 2 * 3 * 8
 
     second = ray_train.run(
         dataclasses.replace(cfg, max_steps=None, resume=first.checkpoint),
-        storage_path=str(tmp_path),
-        name=f"resume-{uuid.uuid4().hex[:8]}",
-        num_checkpoints_to_keep=None,
+        RayOptions(storage_path=str(tmp_path), name=f"resume-{uuid.uuid4().hex[:8]}", keep_checkpoints=None),
     )
     everything = Counter(tar_keys(uneven))
     assert epoch_keys(audit, 0, uneven) == everything, "epoch 1 over both runs: every key once"

@@ -23,7 +23,7 @@ from support.runs import small_config
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.loader.loader import PerRank
-from raywds.loader.stages import Batch, bad_sample_id
+from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
 from raywds.plan.position import Position, done_in
 from raywds.world import World
@@ -232,8 +232,8 @@ def test_resample_mode_skips_a_bad_sample_and_hands_its_reason_on(
     ranks = run_epoch(data, dataclasses.replace(cfg, data=str(data)), 1)
     assert all(len(b.keys) == 8 for b in ranks[0]), "batches stay full"
     reasons = [r for b in ranks[0] for r in b.bad_samples]
-    assert reasons and all("cannot identify image file" in r for r in reasons), reasons
-    assert len({bad_sample_id(r) for r in reasons}) == 1, "every draw of the one bad sample is that sample"
+    assert reasons and all("cannot identify image file" in r.reason for r in reasons), reasons
+    assert len({(r.shard, r.key) for r in reasons}) == 1, "every draw of the one bad sample is that sample"
 
 
 def test_resample_mode_stops_when_no_drawn_shard_can_be_read(shards: Path, tmp_path: Path, local_ray: None) -> None:

@@ -3,6 +3,7 @@ the batches it hands a model."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from pathlib import Path
@@ -69,3 +70,59 @@ def test_a_fit_in_one_process_counts_the_epochs_and_hands_the_model_normalised_b
     assert trainer.callbacks[0] is data.callback, "the DataModule's callback comes first"
     assert {(x, y) for x, y, _ in seen} == {(torch.float32, torch.int64)} and len(seen) == 16
     assert all(-3 < mean < 3 for _, _, mean in seen), "normalised, not 0..255"
+
+
+def _train_rates(cfg, monkeypatch: pytest.MonkeyPatch) -> list[float]:  # type: ignore[no-untyped-def]
+    """The rate `raywds train` sets before each step of `cfg`'s run, in one process."""
+    import raywds.train.loop
+    from raywds.train.trainer import train
+    from raywds.world import World
+
+    rates: list[float] = []
+    real = raywds.train.loop.set_lr
+
+    def recorded(optimizer, lr: float) -> None:  # type: ignore[no-untyped-def]
+        rates.append(lr)
+        real(optimizer, lr)
+
+    monkeypatch.setattr(raywds.train.loop, "set_lr", recorded)
+    train(cfg, World())
+    return rates
+
+
+def test_the_learning_rate_follows_raywds_trains_clock_with_batches_per_epoch(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --batches-per-epoch an epoch is that many batches, not the manifest's samples: both
+    trainers' learning rate reaches the end of its warm-up and its cosine at the same steps.
+    (The DataModule counted epochs by the manifest's 120 samples: its rate after 3 batches of
+    16 was 0.4 of an epoch on, where `raywds train`'s was a whole one.)"""
+    import lightning.pytorch as L
+    import torch
+    from torch import nn
+
+    from raywds.lightning import ShardDataModule
+
+    cfg = small_config(shards, epochs=2, batches_per_epoch=3, warmup_epochs=1.0, lr=0.1, out=str(tmp_path / "train"))
+    expected = _train_rates(cfg, monkeypatch)
+    data = ShardDataModule(dataclasses.replace(cfg, out=str(tmp_path / "lightning")))
+    rates: list[float] = []
+
+    class Probe(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Flatten(), nn.LazyLinear(10))
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            rates.append(data.lr())
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = L.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(Probe(), datamodule=data)
+    assert len(expected) == 6 and rates == pytest.approx(expected)

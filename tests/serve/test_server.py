@@ -434,7 +434,7 @@ def test_asked_for_by_name_an_unavailable_backend_says_why(shards: Path, monkeyp
 
 
 def test_auto_prefers_docker_when_an_engine_answers(engine: Any, shards: Path) -> None:
-    with ShardServer(shards, image=docker_nginx.build(engine), pull=False) as server:
+    with ShardServer(shards, image=docker_nginx.build(engine), no_pull=True) as server:
         assert server.backend == "docker" and server.skipped == []
         (container,) = engine.containers.list(filters={"label": f"{LABEL}={LABEL_VALUE}"})
         assert container.labels["raywds.pid"] == str(os.getpid()) and container.attrs["HostConfig"]["AutoRemove"]
@@ -460,7 +460,7 @@ def test_docker_without_the_image_says_to_give_one(engine: Any, shards: Path) ->
         ServerError,
         match=r"image raywds-no-such-image:1 is not here and pulling is off; give a local nginx image with --image",
     ):
-        with ShardServer(shards, backend="docker", image="raywds-no-such-image:1", pull=False):
+        with ShardServer(shards, backend="docker", image="raywds-no-such-image:1", no_pull=True):
             pass
 
 
