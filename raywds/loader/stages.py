@@ -10,10 +10,8 @@ Every batch carries its samples' ids and keys, so the loop knows what it trained
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
-import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial as bind
 from typing import Any, NamedTuple
@@ -77,23 +75,10 @@ Decoder = Callable[..., Any]
 what its batch carries (raywds.loader.crops)."""
 
 
-SLOW_DECODE = "RAYWDS_TEST_SLOW_DECODE"
-"""Seconds each training crop waits after its work, planted by the tests (tests/train/test_doctor.py):
-a decoder whose pace is set by how many run at once, not by how many cores other work left free."""
-
-
 def train_decoder(cfg: TrainConfig | LoaderConfig, epoch: int) -> Decoder:
     """`--decode`'s training crop, each sample's drawn from its own generator (crops.crop_rng)."""
     crop = decoding(cfg.decode).train_crop(cfg.image_size, (cfg.crop_scale_min, 1.0))
-    planted = float(os.environ.get(SLOW_DECODE) or 0)
-    return bind(_seeded, bind(_waiting, planted, crop) if planted else crop, cfg.seed, epoch)
-
-
-def _waiting(seconds: float, crop: Callable[..., Any], data: bytes, rng: torch.Generator, **out: Any) -> Any:
-    try:
-        return crop(data, rng=rng, **out)
-    finally:
-        time.sleep(seconds)
+    return bind(_seeded, crop, cfg.seed, epoch)
 
 
 def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample_id: int, **out: Any) -> Any:

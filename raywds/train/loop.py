@@ -18,7 +18,7 @@ from raywds.loader.clock import Spent
 from raywds.loader.stages import BadSample, Batch
 from raywds.train.compute import Compute
 from raywds.train.optim import set_lr
-from raywds.train.timing import StepTimer, slowed_rank, spin
+from raywds.train.timing import StepTimer
 from raywds.world import World
 
 
@@ -132,7 +132,7 @@ def train_epoch(
     r = EpochResult()
     start = time.perf_counter()
     joinable = uneven and isinstance(model, DistributedDataParallel)
-    timer, slow_s = StepTimer(world.device), slowed_rank(world.rank)
+    timer = StepTimer(world.device)
     try:
         with Join([model]) if joinable else contextlib.nullcontext(), _iterating(batches) as it:  # type: ignore[list-item]
             while True:
@@ -147,8 +147,6 @@ def train_epoch(
                 marks.append(timer.mark())
                 with compute.autocast():
                     loss = loss_fn(model(images), labels)
-                if slow_s:
-                    spin(slow_s)
                 marks.append(timer.mark())
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()

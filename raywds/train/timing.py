@@ -11,7 +11,6 @@ adds each rank's loader clock to its steps, for the doctor and `--loader-workers
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -24,28 +23,6 @@ from raywds.loader.clock import Spent
 from raywds.runs.stagetimes import LOADER, NUMBERS, Steps, steps
 from raywds.train.ledger import gathered, per_rank
 from raywds.world import World
-
-SLOW_RANK = "RAYWDS_TEST_SLOW_RANK"
-"""`RANK:SECONDS`: that rank computes so much longer in each step's forward pass (spinning on
-its CPU), a slow GPU planted by the tests (tests/train/test_doctor.py); `*:SECONDS`: every rank
-that sees it, set on one node only, a slow node (tests/launch/test_multinode.py)."""
-
-
-def spin(seconds: float) -> None:
-    """Keep this CPU busy for `seconds` of its CPU time: work, as a slower processor would do, not
-    a sleep (on a busy machine it takes longer, as the rank's other work does)."""
-    end = time.process_time() + seconds
-    while time.process_time() < end:
-        pass
-
-
-def slowed_rank(rank: int) -> float:
-    """Seconds this rank spins in each forward pass (SLOW_RANK), 0 for all but the planted ranks."""
-    planted = os.environ.get(SLOW_RANK, "")
-    if not planted:
-        return 0.0
-    which, seconds = planted.split(":")
-    return float(seconds) if which == "*" or int(which) == rank else 0.0
 
 
 class StepTimer:

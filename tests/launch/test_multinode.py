@@ -18,10 +18,10 @@ import pytest
 from support import netnodes
 from support.data import audited, tar_keys
 from support.netnodes import HEAD_IP, RANK, RAYWDS, SUMMARY, WORKER_IP, TwoNodes, ranks, raywds_ray
+from support.planted import planted_slowness
 from support.raycluster import RAY, HeadNode
 
 from raywds.train.audit import NAME, kept
-from raywds.train.timing import SLOW_RANK
 
 SLOW_S = 0.1
 
@@ -53,7 +53,9 @@ def two_node_cluster(user_cluster: HeadNode, unseen: Path) -> Iterator[TwoNodes]
     `unseen`, from its first start on, so that no test restarts it for that (each restart waits
     for the GCS to find the old node dead). The node-loss tests start it again at full speed."""
     netnodes.require()
-    with netnodes.two_nodes("rwm-", worker_env={SLOW_RANK: f"*:{SLOW_S}"}, worker_private=[str(unseen)]) as cluster:
+    with netnodes.two_nodes(
+        "rwm-", worker_env=planted_slowness.environment(SLOW_S), worker_private=[str(unseen)]
+    ) as cluster:
         yield cluster
 
 

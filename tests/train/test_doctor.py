@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import json
-import os
 import socket
 import threading
 import time
@@ -21,12 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support.planted.planted_slowness import slow_decode, slow_forward
 from support.runs import FORKSERVER_PRELOAD, OthersCpu, made_stages, small_config
 
-from raywds.loader.stages import SLOW_DECODE
 from raywds.runs.folder import RunDir
 from raywds.train.doctor import diagnose
-from raywds.train.timing import SLOW_RANK, ranks
+from raywds.train.timing import ranks
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -119,10 +118,10 @@ def test_one_slow_shard_is_named(shards: Path, tmp_path: Path) -> None:
 def test_decoding_with_one_worker_is_named_and_more_workers_help(
     large: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each crop of the large JPEGs also waits 150 ms (SLOW_DECODE), several times its own work,
+    """Each crop of the large JPEGs also waits 150 ms (planted), several times its own work,
     so that the loader's pace is set by how many workers decode at once, not by the cores other
     tests or a load left free (with 30 ms, beside the Ray tests in CI, 2 workers ran only 1.17x)."""
-    monkeypatch.setenv(SLOW_DECODE, str(PLANTED_DECODE_S))
+    slow_decode(monkeypatch, PLANTED_DECODE_S)
     one = small_config(str(large), decode="pil", image_size=32, epochs=1, batch_size=8)
     train(one, World(), run_dir=RunDir(tmp_path / "one"))
     row = rows(tmp_path / "one")[-1]
@@ -165,7 +164,8 @@ def test_a_model_that_is_the_limit_is_not_blamed_on_the_data(shards: Path, tmp_p
 
 def _rank(rank: int, data: str, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    os.environ[SLOW_RANK] = "1:0.05"
+    if rank == 1:
+        slow_forward(0.05)
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )

@@ -1,0 +1,115 @@
+"""Slowness the tests plant in the product from outside it: the product reads no test variable.
+
+    slow_forward(0.05)                          # this process: every model raywds builds spins 50 ms a forward pass
+    slow_decode(monkeypatch, 0.15)              # this process and its forked loader workers: each crop waits
+    netnodes.two_nodes(..., worker_env=environment(0.1))   # every process of a node: a slow node
+
+`environment` puts this folder on PYTHONPATH, where `sitecustomize` (run by every interpreter
+as it starts) reads PLANTED_SLOW_FORWARD_S and plants the slow forward pass once raywds's
+trainer is imported, so that a node's Ray workers compute slower than the head's.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FORWARD_ENV = "PLANTED_SLOW_FORWARD_S"
+TRAINER = "raywds.train.trainer"
+
+
+def spin(seconds: float) -> None:
+    """Keep this CPU busy for `seconds` of its CPU time: work, as a slower processor would do, not
+    a sleep (on a busy machine it takes longer, as the rank's other work does)."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def _slowed(build: Any, seconds: float) -> Any:
+    @functools.wraps(build)
+    def build_model(*args: Any, **kwargs: Any) -> Any:
+        model = build(*args, **kwargs)
+        model.register_forward_hook(lambda *_: spin(seconds))  # inside the step's forward pass, as a slower device
+        return model
+
+    return build_model
+
+
+def _plant(trainer: Any, seconds: float) -> None:
+    trainer.build_model = _slowed(trainer.build_model, seconds)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Plants the slow forward pass as soon as the trainer's module has run."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != TRAINER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _plant(module, self.seconds)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def slow_forward(seconds: float) -> None:
+    """Every model raywds's trainer builds in this process from now on spins `seconds` of CPU in
+    each forward pass."""
+    if TRAINER in sys.modules:
+        _plant(sys.modules[TRAINER], seconds)
+    else:
+        sys.meta_path.insert(0, _AfterImport(seconds))
+
+
+def slow_decode(monkeypatch: Any, seconds: float) -> None:
+    """Each training crop of this process's loader (and of the workers it forks) waits `seconds`
+    after its work: a decoder whose pace is set by how many run at once, not by free cores."""
+    import raywds.loader.loader
+    import raywds.loader.stages
+
+    real = raywds.loader.stages.train_decoder
+
+    def train_decoder(*args: Any, **kwargs: Any) -> Any:
+        decode = real(*args, **kwargs)
+
+        def waiting(*a: Any, **k: Any) -> Any:
+            try:
+                return decode(*a, **k)
+            finally:
+                time.sleep(seconds)
+
+        return waiting
+
+    monkeypatch.setattr(raywds.loader.stages, "train_decoder", train_decoder)
+    monkeypatch.setattr(raywds.loader.loader, "train_decoder", train_decoder)
+
+
+def environment(seconds: float) -> dict[str, str]:
+    """The environment that makes every raywds process started with it slow its forward passes."""
+    here = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, FORWARD_ENV: str(seconds)}
+
+
+def from_environment() -> None:
+    seconds = float(os.environ.get(FORWARD_ENV) or 0)
+    if seconds:
+        slow_forward(seconds)
