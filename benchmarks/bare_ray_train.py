@@ -6,7 +6,7 @@ Plain Ray Train, none of raywds in it: `ray.init` (a local cluster with Ray's de
 cluster at ADDRESS), a `TorchTrainer` of 2 workers on the gloo backend, and a training function
 that only passes a barrier 8 times, rank 0 writing a progress row each time to OUT/metrics.jsonl
 (the rows benchmarks/ray_cost.py reads), then returns. The controller polls its workers every
-0.5 s, as under `raywds ray` (raywds.launch.polls), so the time after the last step compares.
+0.5 s, as under `raywds ray` (raywds.launch.ray_train.controller_polls), so the time after the last step compares.
 So the first row is the time Ray Train takes to reach a training function with its process group
 joined, and the time after the last row its teardown: Ray's floor for any run on this machine.
 """
@@ -24,7 +24,7 @@ from ray.train import RunConfig, ScalingConfig, get_context
 from ray.train.torch import TorchTrainer
 
 from raywds.launch.cluster import environ
-from raywds.launch.polls import controller_polls
+from raywds.launch.ray_train import controller_polls
 
 STEPS = 8
 

@@ -24,8 +24,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from raywds.data.convert import ConvertOptions, convert
-from raywds.data.images import inspect_image, with_restarts
+from raywds.data.convert import ConvertOptions, convert, inspect_image, with_restarts
 
 
 def shard_bytes(folder: Path) -> int:

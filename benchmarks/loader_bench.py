@@ -66,8 +66,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from raywds.config import DecodeName, TrainConfig
-from raywds.data.convert import ConvertOptions, convert
-from raywds.data.images import with_restarts
+from raywds.data.convert import ConvertOptions, convert, with_restarts
 from raywds.data.manifest import read_manifest
 from raywds.data.tars import members
 from raywds.loader import crops

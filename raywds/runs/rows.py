@@ -1,6 +1,6 @@
 """The rows of a run's metrics.jsonl (raywds.runs.folder): one typed definition per kind, and
 each row says its kind. Writers build their rows from these (mypy checks every key); readers ask
-`kind(row)`, which also tells apart the rows of files written before rows carried a kind.
+`kind(row)`.
 
     epoch       a finished epoch: loss, counts, rates, each rank's stage times, validation
     checkpoint  a checkpoint inside an epoch (or a run stopped there by --max-steps)
@@ -58,7 +58,7 @@ class CheckpointRow(TypedDict):
     """Steps done in the run."""
     samples_seen: int
     inside_epoch: Literal[True]
-    """Kept for readers of files written before rows had a kind."""
+    """What a reader checks for a run that stopped inside an epoch."""
     epoch_samples_done: NotRequired[int]
     """Samples of the epoch trained, on every rank (raywds train; the Lightning example leaves it out)."""
 
@@ -93,11 +93,11 @@ def checkpoint_row(epoch: int, step: int, samples_seen: int, epoch_samples_done:
 
 
 def kind(row: Mapping[str, Any]) -> Kind:
-    """The row's kind: its `kind`, or for a row written before rows had one, what its keys say."""
-    said = row.get("kind")
-    if said in ("epoch", "checkpoint", "progress"):
-        return said  # type: ignore[return-value]  # checked against Kind's values just above
-    return "checkpoint" if row.get("inside_epoch") else "epoch"
+    """The row's kind, as it says."""
+    said = row["kind"]
+    if said not in ("epoch", "checkpoint", "progress"):
+        raise ValueError(f"a metrics.jsonl row of kind {said!r}: not one of epoch, checkpoint, progress")
+    return said  # type: ignore[no-any-return]  # checked against Kind's values just above
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

@@ -70,7 +70,7 @@ def diagnose(row: dict[str, Any]) -> list[str]:
         # Batches made but late count only where the loader makes more than the model takes: a
         # worker whose next decode holds its GIL also holds back the batch it has just made.
         keeps_up = worst.loader_rate(stages["loader_workers"]) >= worst.model_rate
-        if not worst.loader.samples:  # batches that carry no clock (a row from before the plane timed its tasks)
+        if not worst.loader.samples:  # batches that carry no clock (plane blocks without times)
             more = f"{head}: its batches come from the Ray Data plane (--data-plane ray), whose tasks were not timed"
             also = ["more CPUs for the plane's tasks (CPU-only nodes join the cluster): see docs/data-plane.md"]
         elif stages.get("data_plane"):

@@ -25,7 +25,7 @@ def progress_row(epoch: int, step: int, steps: int) -> dict[str, Any]:
 
 
 def epoch_row(epoch: int, step: int) -> dict[str, Any]:
-    return {"epoch": epoch, "step": step, "train_loss": 0.5, "val_top1": 0.75}
+    return {"kind": "epoch", "epoch": epoch, "step": step, "train_loss": 0.5, "val_top1": 0.75}
 
 
 def wait_until(check: Callable[[], bool], follower: Follower, timeout_s: float = 10.0) -> None:
@@ -80,7 +80,7 @@ def test_the_total_comes_from_the_run_folders_config_and_max_steps(tmp_path: Pat
     with follow(run_dir, poll_s=0.01, file=io.StringIO()) as follower:
         append(run_dir, epoch_row(1, 10))
         wait_until(lambda: follower.bar.total == 15, follower)  # 6 epochs of 10 steps, cut at max_steps
-        append(run_dir, {"epoch": 1, "step": 15, "inside_epoch": True})
+        append(run_dir, {"kind": "checkpoint", "epoch": 1, "step": 15, "inside_epoch": True})
         wait_until(lambda: follower.bar.n == 15, follower)
 
 

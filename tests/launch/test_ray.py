@@ -113,7 +113,7 @@ def test_the_controller_polls_often_on_small_runs_and_a_users_setting_wins(monke
     from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
 
     from raywds.launch.cluster import environ
-    from raywds.launch.polls import POLL_ENV, controller_polls
+    from raywds.launch.ray_train import POLL_ENV, controller_polls
 
     # Ray Train hands this variable from the driver to its controller; if a Ray stops doing so, the
     # setting does nothing and this fails.

@@ -105,7 +105,7 @@ def pixels(data: bytes) -> np.ndarray:
 
 
 def has_restart_markers(jpeg: bytes) -> bool:
-    """A DRI marker before the scan: what raywds.data.images' `with_restarts` writes."""
+    """A DRI marker before the scan: what raywds.data.convert's `with_restarts` writes."""
     return b"\xff\xdd" in jpeg[: jpeg.index(b"\xff\xda")]
 
 

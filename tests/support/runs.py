@@ -50,7 +50,7 @@ def small_config(data: str | Path, **overrides: object) -> TrainConfig:
 def need_jpeg_extension() -> None:
     """Skip where raywds.loader._jpeg or raywds.data._restarts was not built, except under
     RAYWDS_REQUIRE_JPEG_EXT (set by .ci/run): there their absence is a failure."""
-    from raywds.data import images
+    from raywds.data import convert as images
     from raywds.loader import crops
 
     for name, module in (("raywds.loader._jpeg", crops._jpeg), ("raywds.data._restarts", images._restarts)):
