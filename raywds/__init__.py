@@ -2,10 +2,11 @@
 
     import raywds
     cfg = raywds.resolve("runs/demo/shards", recipe="demo", epochs=2)
-    metrics = raywds.train(cfg)                                   # this process, or a torchrun rank
-    run = raywds.train_on_ray(cfg, raywds.RayOptions(num_workers=2))
+    metrics = raywds.fit(cfg)                                   # this process, or a torchrun rank
+    run = raywds.fit_on_ray(cfg, raywds.RayOptions(num_workers=2))
 
-The names below are the public ones; each is imported when first used, so `import raywds`
+(`fit`, not `train`: `raywds.train` is the package of one rank's training.) The names below are
+the public ones; each is imported when first used, so `import raywds`
 loads neither torch nor Ray nor Lightning (`raywds convert` imports no torch at all).
 """
 
@@ -21,12 +22,12 @@ _PUBLIC = {
     "resolve": "raywds.config",
     "RaywdsError": "raywds.errors",
     "World": "raywds.world",
-    "train": "raywds.launch.local:train_in_process",
+    "fit": "raywds.launch.local:train_in_process",
     "build_model": "raywds.train.model",
     "make_optimizer": "raywds.train.optim",
     "summary_line": "raywds.train.progress",
     "RayOptions": "raywds.launch.rayoptions",
-    "train_on_ray": "raywds.launch.ray_train:run",
+    "fit_on_ray": "raywds.launch.ray_train:run",
     "run_on_ray": "raywds.launch.ownloop",
     "ShardDataModule": "raywds.lightning.datamodule",
     "prepare_demo": "raywds.data.demo:prepare",
@@ -40,6 +41,8 @@ __all__ = [
     "TrainConfig",
     "World",
     "add_flags",
+    "fit",
+    "fit_on_ray",
     "build_model",
     "given",
     "make_optimizer",
@@ -47,8 +50,6 @@ __all__ = [
     "resolve",
     "run_on_ray",
     "summary_line",
-    "train",
-    "train_on_ray",
 ]
 
 if TYPE_CHECKING:
@@ -56,9 +57,9 @@ if TYPE_CHECKING:
     from raywds.data.demo import prepare as prepare_demo
     from raywds.errors import RaywdsError
     from raywds.flags import add_flags, given
-    from raywds.launch.local import train_in_process as train
+    from raywds.launch.local import train_in_process as fit
     from raywds.launch.ownloop import run_on_ray
-    from raywds.launch.ray_train import run as train_on_ray
+    from raywds.launch.ray_train import run as fit_on_ray
     from raywds.launch.rayoptions import RayOptions
     from raywds.lightning.datamodule import ShardDataModule
     from raywds.train.model import build_model

@@ -41,7 +41,7 @@ def run_local(cfg: TrainConfig) -> tuple[Metrics, RunDir | None]:
 
 
 def train_in_process(cfg: TrainConfig) -> Metrics:
-    """`raywds train` from Python (`raywds.train`): the run folder `cfg.out` with its lock, the
+    """`raywds train` from Python (`raywds.fit`): the run folder `cfg.out` with its lock, the
     process group under torchrun, the epochs; the last epoch's metrics, the same on every rank."""
     return run_local(cfg)[0]
 

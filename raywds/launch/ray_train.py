@@ -23,6 +23,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raywds import console
 from raywds.config import TrainConfig
+from raywds.data import stores
 from raywds.data.dataset import index_of, manifest_of
 from raywds.errors import ConfigError, RaywdsError, one_line, own_cause
 from raywds.launch.cluster import (
@@ -154,6 +155,22 @@ class RayRun:
     """Metrics of every finished epoch whose checkpoint was kept, oldest first."""
 
 
+PATHS = ("data", "val_data", "shards_at", "index_cache", "cache_dir", "audit_dir")
+"""The settings that may name a local path, which Ray's workers resolve in a folder of their own."""
+
+
+def absolute(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its relative local paths made absolute: a worker runs in Ray's own folder, where
+    `--data runs/demo/shards` names nothing (URLs, `pipe:` commands and lists of servers stay)."""
+    paths = {}
+    for name in PATHS:
+        value = getattr(cfg, name)
+        if value and "," not in value and stores.scheme(value) == stores.LOCAL:
+            path = stores.local_path(value)
+            paths[name] = path if os.path.isabs(path) else os.path.abspath(path)
+    return dataclasses.replace(cfg, **paths)
+
+
 def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer, as `options` say; returns rank 0's
     last metrics. `num_workers` (MIN, MAX) is elastic; after a failure (a worker or its node lost)
@@ -165,7 +182,7 @@ def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
     if options.node_wait_s is not None:  # Ray Train reads it in the driver and hands it to its controller
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(options.node_wait_s)
     coordinator = start_autoscaling_coordinator()  # started already where connect() joined the cluster
-    cfg, plan, plane = place(cfg, options)
+    cfg, plan, plane = place(absolute(cfg), options)
     manifest = manifest_of(cfg)
     for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
         check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)

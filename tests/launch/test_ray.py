@@ -258,3 +258,17 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
     controllers = [t for t, name in started if name == "TrainController"]
     assert len(coordinator) == 1 and controllers, started
     assert coordinator[0] <= min(controllers), "the autoscaling coordinator was up before the first controller"
+
+
+def test_a_relative_local_path_reaches_the_workers_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's workers run in a folder of Ray's: `--data runs/demo/shards`, as the README's Python
+    example gives it, must reach them as the driver meant it (it named nothing there before);
+    URLs, `pipe:` commands and lists of servers pass as they are."""
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig(
+        data="runs/demo/shards", val_data="file://val", shards_at="http://a:8080,http://b:8080", cache_dir="pipe:x"
+    )
+    moved = ray_train.absolute(cfg)
+    assert (moved.data, moved.val_data) == (str(tmp_path / "runs/demo/shards"), str(tmp_path / "val"))
+    assert (moved.shards_at, moved.cache_dir, moved.audit_dir) == ("http://a:8080,http://b:8080", "pipe:x", None)
+    assert ray_train.absolute(TrainConfig(data="s3://b/p/")).data == "s3://b/p/"
