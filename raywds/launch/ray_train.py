@@ -162,7 +162,7 @@ PATHS = ("data", "val_data", "shards_at", "index_cache", "cache_dir", "audit_dir
 def absolute(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with its relative local paths made absolute: a worker runs in Ray's own folder, where
     `--data runs/demo/shards` names nothing (URLs, `pipe:` commands and lists of servers stay)."""
-    paths = {}
+    paths: dict[str, Any] = {}
     for name in PATHS:
         value = getattr(cfg, name)
         if value and "," not in value and stores.scheme(value) == stores.LOCAL:
