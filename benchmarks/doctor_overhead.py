@@ -44,10 +44,17 @@ def loader_rate(shards: Path, clocked: bool, num_images: int) -> float:
     manifest = read_manifest(str(shards))
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
     clock = Clock() if clocked else None
-    stages, skips, where = train_stages(manifest, cfg, 0, plan, epoch=0, clock=clock)
+    stages, skips, where = train_stages(manifest, LoaderConfig.of(cfg), 0, plan, epoch=0, clock=clock)
     return timed(
         _loader(
-            stages, train_decoder(cfg, 0), LoaderConfig.of(cfg), World(), where, partial=True, skips=skips, clock=clock
+            stages,
+            train_decoder(LoaderConfig.of(cfg), 0),
+            LoaderConfig.of(cfg),
+            World(),
+            where,
+            partial=True,
+            skips=skips,
+            clock=clock,
         ),
         num_images,
     )

@@ -111,7 +111,7 @@ def plane_rate(shards: Path, only_node: str | None = None) -> float:
     ds = ray.data.read_datasource(source, override_num_blocks=len(plan.slot(0, 0)), scheduling_strategy=pinned)
     ds = ds.map_batches(
         raydata._decode,
-        fn_kwargs={"decoder": train_decoder(cfg, 0), "policy": source.policy, "size": SIZE},
+        fn_kwargs={"decoder": train_decoder(LoaderConfig.of(cfg), 0), "policy": source.policy, "size": SIZE},
         batch_size=None,
         batch_format="numpy",
         scheduling_strategy=pinned,
@@ -123,7 +123,7 @@ def loader_rate(shards: Path, workers: int) -> float:
     cfg = config(shards, workers)
     manifest = read_manifest(str(shards))
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
-    return rate(train_loader(manifest, cfg, World(), plan, epoch=0), lambda b: len(b.keys))
+    return rate(train_loader(manifest, LoaderConfig.of(cfg), World(), plan, epoch=0), lambda b: len(b.keys))
 
 
 def median(runs: int, fn: Any, *args: Any) -> float:

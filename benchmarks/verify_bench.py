@@ -27,6 +27,7 @@ from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.loader.loader import expected, train_loader
 from raywds.loader.readers import ReadPolicy, tar_samples
+from raywds.loader.settings import LoaderConfig
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
@@ -50,7 +51,10 @@ def loader_rate(shards: Path, verify: bool, num_images: int) -> float:
         verify_hashes=verify,
     )
     manifest = read_manifest(str(shards))
-    return timed(train_loader(manifest, cfg, World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0), num_images)
+    return timed(
+        train_loader(manifest, LoaderConfig.of(cfg), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0),
+        num_images,
+    )
 
 
 def main() -> None:

@@ -195,7 +195,7 @@ class RayData:
         epoch: int,
         position: Position | None = None,
     ) -> EpochLoader:
-        cfg, rank = LoaderConfig.of(cfg), world.rank
+        rank = world.rank
         left_out, reseed = already_done(position, epoch, manifest.shards("train"))
         draws = plan.mode.shards_for(
             plan, manifest.shards("train"), rank=rank, worker=0, seed=cfg.seed, epoch=epoch, reseed=reseed
@@ -236,7 +236,6 @@ class RayData:
         return EpochLoader(stream, plan, rank)
 
     def val(self, manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[Batch]:
-        cfg = LoaderConfig.of(cfg)
         shards = split_slots(manifest, "val", world.world_size)[world.rank]
         batches = Rebatcher(cfg.batch_size, partial=True, pin_memory=world.device.startswith("cuda"))
         if not shards:

@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import webdataset as wds
 from torch.utils.data import DataLoader
 
-from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest, ShardInfo, deal, shard_url
 from raywds.loader.blocks import Blocks, HandedOver, Slots
@@ -187,7 +186,7 @@ def drawn(
 
 def train_stages(
     manifest: Manifest,
-    cfg: TrainConfig | LoaderConfig,
+    cfg: LoaderConfig,
     rank: int,
     plan: EpochPlan,
     *,
@@ -199,7 +198,6 @@ def train_stages(
     slots (split) or draws (resample), the manifest's entries for those shards and the flags of
     those partly trained on; never the plan, the manifest or the position. `clock` times the
     reading, decoding and collating (raywds.loader.clock)."""
-    cfg = LoaderConfig.of(cfg)
     shards = manifest.shards("train")
     flags, reseed = already_done(position, epoch, shards)
     if plan.slots:
@@ -221,7 +219,7 @@ def train_stages(
 
 def train_loader(
     manifest: Manifest,
-    cfg: TrainConfig | LoaderConfig,
+    cfg: LoaderConfig,
     world: World,
     plan: EpochPlan,
     *,
@@ -231,7 +229,7 @@ def train_loader(
     """This rank's training batches for `epoch` as `plan` deals them; after `position`, only
     what the epoch has not yet delivered (exact mode) or a reseeded stream (resample). `cfg`: the
     run's LoaderConfig (a TrainConfig is sliced here)."""
-    cfg, rank, exact = LoaderConfig.of(cfg), world.rank, plan.mode.exact
+    rank, exact = world.rank, plan.mode.exact
     clock = Clock()
     stages, skips, where = train_stages(manifest, cfg, rank, plan, epoch=epoch, position=position, clock=clock)
     decode = train_decoder(cfg, epoch)
@@ -255,9 +253,8 @@ def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[Sha
     return deal(list(manifest.shards(split)), num_slots)
 
 
-def val_loader(manifest: Manifest, cfg: TrainConfig | LoaderConfig, world: World) -> Iterable[Batch]:
+def val_loader(manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[Batch]:
     """This rank's share of the validation split: every sample once across ranks, no padding."""
-    cfg = LoaderConfig.of(cfg)
     workers = cfg.slots
     slots = split_slots(manifest, "val", world.world_size * workers)
     mine = slots[world.rank * workers : (world.rank + 1) * workers]

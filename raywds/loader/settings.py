@@ -37,10 +37,8 @@ class LoaderConfig:
     verify_hashes: bool
 
     @classmethod
-    def of(cls, cfg: TrainConfig | LoaderConfig) -> LoaderConfig:
-        """`cfg`'s slice for the loader (a LoaderConfig is its own)."""
-        if isinstance(cfg, LoaderConfig):
-            return cfg
+    def of(cls, cfg: TrainConfig) -> LoaderConfig:
+        """`cfg`'s slice for the loader."""
         names = [f.name for f in dataclasses.fields(cls) if f.name != "loader_workers"]
         return cls(loader_workers=cfg.loader_worker_count, **{name: getattr(cfg, name) for name in names})
 

@@ -21,7 +21,6 @@ import torch
 import webdataset as wds
 from torch.utils.data import get_worker_info
 
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError, DataError
 from raywds.loader import crops, decodings
 from raywds.loader.blocks import Slots
@@ -75,7 +74,7 @@ Decoder = Callable[..., Any]
 what its batch carries (raywds.loader.crops)."""
 
 
-def train_decoder(cfg: TrainConfig | LoaderConfig, epoch: int) -> Decoder:
+def train_decoder(cfg: LoaderConfig, epoch: int) -> Decoder:
     """`--decode`'s training crop, each sample's drawn from its own generator (crops.crop_rng)."""
     crop = decoding(cfg.decode).train_crop(cfg.image_size, (cfg.crop_scale_min, 1.0))
     return bind(_seeded, crop, cfg.seed, epoch)
@@ -85,7 +84,7 @@ def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample
     return crop(data, rng=crops.crop_rng(seed, epoch, sample_id), **out)
 
 
-def val_decoder(cfg: TrainConfig | LoaderConfig) -> Decoder:
+def val_decoder(cfg: LoaderConfig) -> Decoder:
     """The validation centre crop (no randomness: the sample id is not needed)."""
     return bind(_unseeded, decoding(cfg.decode).val_crop(cfg.image_size))
 

@@ -629,7 +629,7 @@ def test_the_ray_data_planes_steps_count_a_bad_sample_the_same_way(shards: Path,
     url = manifest.url(manifest.shards("train")[1])
     policy = LoaderConfig.of(cfg).read_policy(skip_unreadable=True)
     draw = [
-        decode_rows(c, train_decoder(cfg, 0), policy, size=28)
+        decode_rows(c, train_decoder(LoaderConfig.of(cfg), 0), policy, size=28)
         for c in shard_rows(url, expected(manifest, "train")[url], policy)
     ]
     batches = list(Rebatcher(8, partial=False)(draw + draw))

@@ -260,7 +260,9 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
     assert coordinator[0] <= min(controllers), "the autoscaling coordinator was up before the first controller"
 
 
-def test_a_relative_local_path_reaches_the_workers_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_relative_local_path_reaches_the_workers_absolute(
+    ray_train: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ray's workers run in a folder of Ray's: `--data runs/demo/shards`, as the README's Python
     example gives it, must reach them as the driver meant it (it named nothing there before);
     URLs, `pipe:` commands and lists of servers pass as they are."""

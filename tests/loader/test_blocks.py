@@ -107,7 +107,7 @@ def test_cross_worker_shuffle_keeps_its_samples_intact(shards: Path) -> None:
     def run(hold: bool) -> dict[tuple[int, int], torch.Tensor]:
         torch.manual_seed(0)  # the workers' crops
         kept, pixels = [], {}
-        for i, batch in enumerate(train_loader(manifest, cfg, World(), plan, epoch=0)):
+        for i, batch in enumerate(train_loader(manifest, LoaderConfig.of(cfg), World(), plan, epoch=0)):
             for j in range(len(batch.keys)):
                 pixels[i, j] = batch.images[j].clone()
             if hold:

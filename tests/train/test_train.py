@@ -24,6 +24,7 @@ from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import CollectiveError, ConfigError
 from raywds.loader.loader import val_loader
+from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
 from raywds.plan.modes import Split
 from raywds.plan.position import Position
@@ -58,7 +59,12 @@ def test_local_training_learns_and_checkpoints(shards: Path, tmp_path: Path) -> 
     assert state["epoch"] == 4 and state["classes"] == read_manifest(str(shards)).classes
     model = DemoNet(10)
     model.load_state_dict(state["model"])
-    again = evaluate(model, val_loader(read_manifest(str(shards)), cfg, World()), World(), Compute.for_run(cfg, "cpu"))
+    again = evaluate(
+        model,
+        val_loader(read_manifest(str(shards)), LoaderConfig.of(cfg), World()),
+        World(),
+        Compute.for_run(cfg, "cpu"),
+    )
     assert again["val_top1"] == pytest.approx(final["val_top1"])
     assert summary_line(final).startswith("epochs 4  top-1 ")
 
