@@ -3,7 +3,7 @@ takes (COMMAND_FLAGS). raywds.cli makes every flag from these (raywds.flags) and
 are parsed, one typed object per group of them, which the command in raywds.commands takes. The
 training flags come from TrainConfig (given as Training), `raywds ray`'s from
 raywds.launch.rayoptions.RayOptions, `raywds serve`'s from raywds.serve.ServerOptions,
-`raywds convert`'s from raywds.data.convert.ConvertOptions.
+`raywds convert`'s from raywds.data.shardoptions.ConvertOptions.
 
     raywds.commands.cmd_ray(Source(data="shards/"), Training({"epochs": 1}), RayOptions(num_workers=2))
 """

@@ -141,11 +141,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 RAY_FREE_LAUNCH_FILES = (
-    "tests/launch/test_follow.py",
     "tests/launch/test_kernel.py",
     "tests/launch/test_torchrun_nodes.py",
 )
-"""Files in tests/launch/ that start no Ray (the notebook's progress bar; a Jupyter kernel's shutdown;
+"""Files in tests/launch/ that start no Ray (a Jupyter kernel's shutdown;
 torchrun across two network namespaces of their own): scheduled as the other files are, beside the Ray tests."""
 
 

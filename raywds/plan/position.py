@@ -69,22 +69,9 @@ class Position:
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], shards: Sequence[ShardInfo]) -> Position:
-        """`shards`: the training split's, for a checkpoint written before per-shard positions
-        (one flag per sample of the split), which is converted."""
+    def from_state(cls, state: dict[str, Any]) -> Position:
         fields = {k: state[k] for k in ("epoch", "step", "samples_done", "dataset")}
         fields["mode"] = parse(state["mode"])
-        if "consumed" in state:  # the older form
-            consumed = None
-            if state["consumed"] is not None:
-                bits = np.frombuffer(state["consumed"], dtype=np.uint8)
-                consumed = np.unpackbits(bits, count=state["num_samples"]).astype(bool)
-                if len(consumed) != sum(s.num_samples for s in shards):
-                    raise ConfigError(
-                        f"the checkpoint's position covers {len(consumed)} samples, the training shards have "
-                        f"{sum(s.num_samples for s in shards)}; resume with the same --data, or start a new run"
-                    )
-            return cls.of_flags(consumed, shards, **fields)
         done = None if state["shards_done"] is None else np.frombuffer(state["shards_done"], dtype="<i8").copy()
         partial = {
             int(i): np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=n).astype(bool)

@@ -1,2 +1,2 @@
-"""One rank's training: model, optimizer and schedule, the epoch loop, collectives, the
-ledger of samples seen, checkpoints, the run directory and progress. Never imports ray."""
+"""One rank's training: model, optimizer and schedule, the epoch loop and its keeper, collectives,
+the ledger of samples seen, and progress (the run folder is raywds.runs). Never imports ray."""

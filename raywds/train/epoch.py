@@ -146,7 +146,7 @@ class EpochKeeper:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        position = Position.from_state(state["position"], self.manifest.shards("train")) if state["position"] else None
+        position = Position.from_state(state["position"]) if state["position"] else None
         if position is not None:
             position.check_compatible(self.manifest, self.mode)
             if position.samples_done == 0:

@@ -105,28 +105,9 @@ def test_a_position_keeps_only_the_partial_shards_flags_and_round_trips() -> Non
     partial = [i for i, n in enumerate(SIZES) if 0 < flags[(np.cumsum(SIZES) - SIZES)[i] :][:n].sum() < n]
     assert sorted(position.partial) == partial and position.shards_done is not None
     assert position.shards_done.sum() == flags.sum() and len(position.shards_done) == len(SIZES)
-    again = Position.from_state(position.to_state(), [_Shard(int(n)) for n in SIZES])  # type: ignore[misc]
+    again = Position.from_state(position.to_state())
     assert again.shards_done is not None and again.shards_done.tolist() == position.shards_done.tolist()
     assert {i: f.tolist() for i, f in again.partial.items()} == {i: f.tolist() for i, f in position.partial.items()}
-
-
-def test_a_checkpoint_with_one_flag_per_sample_resumes_as_the_same_position() -> None:
-    flags = before_flags(np.random.default_rng(5))
-    old = {
-        "mode": "split",
-        "epoch": 0,
-        "step": 1,
-        "samples_done": int(flags.sum()),
-        "consumed": np.packbits(flags).tobytes(),
-        "num_samples": len(flags),
-        "dataset": "",
-    }
-    shards = [_Shard(int(n)) for n in SIZES]
-    converted = Position.from_state(old, shards)  # type: ignore[arg-type]
-    assert converted.done() == position_of(flags).done()
-    assert {i: f.tolist() for i, f in converted.partial.items()} == {
-        i: f.tolist() for i, f in position_of(flags).partial.items()
-    }
 
 
 def _rank(rank: int, store: str, out: str) -> None:
