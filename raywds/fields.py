@@ -1,9 +1,10 @@
-"""How a documented dataclass field becomes a command-line flag: `field(metadata=flag(...))`
-where the flag is not `--` and the field name with dashes, or takes more than its type says.
+"""How a documented dataclass field becomes a command-line flag where it takes more than its type
+says: `field(metadata=flag(...))`. The flag is always `--` and the field's name with dashes (one
+name per setting: the flag, the config file and config.json say the same word).
 raywds.flags makes every command's flags from such dataclasses; the field's docstring is the
 flag's help, its default the flag's default, a Literal type its choices.
 
-    epochs: int = field(default=3, metadata=flag("--epochs"))     # then the field's docstring
+    epochs: int = 3                                                    # --epochs, then the field's docstring
     src: str = field(metadata=flag(positional=True))                  # `raywds convert SRC ...`
 """
 
@@ -14,7 +15,6 @@ from typing import Any
 
 
 def flag(
-    name: str | None = None,
     *,
     positional: bool = False,
     nargs: str | None = None,
@@ -24,12 +24,11 @@ def flag(
     choices: Sequence[str] | None = None,
     exclusive: str | None = None,
 ) -> dict[str, Any]:
-    """The field's flag `name` (default `--field-name`), or a `positional` argument (with
+    """The field as a `positional` argument (with
     `nargs`); `parse` turns its text into the value (default: the field's type); `append` collects
     each use into a list; `choices` where they are not the field's Literal type; fields with the
     same `exclusive` name cannot be given together."""
     how = {
-        "flag": name,
         "positional": positional,
         "nargs": nargs,
         "parse": parse,

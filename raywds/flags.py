@@ -76,7 +76,7 @@ def flag_fields(
 
 
 def flag_name(field: dataclasses.Field[Any]) -> str:
-    return str(field.metadata.get("flag") or "--" + field.name.replace("_", "-"))
+    return "--" + field.name.replace("_", "-")
 
 
 def _has_default(field: dataclasses.Field[Any]) -> bool:
