@@ -33,7 +33,8 @@ class ExactEpochs(pl.Callback):
         self.keeper = keeper
         self.join = JoinUneven()
         self.metrics: dict[str, Any] = {}
-        """The last epoch's counts (every rank): epoch, epoch_samples, train_samples, samples_seen, images_per_s."""
+        """The last epoch's counts (every rank), as the kind of row `raywds train` writes for it:
+        epoch, epoch_samples, train_samples, samples_seen, images_per_s."""
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = self.keeper.current()
@@ -73,6 +74,7 @@ class ExactEpochs(pl.Callback):
         if finished < world.world_size:  # max_steps stopped it: raywds train's row for a stop inside an epoch
             progress = keeper.stopped(counted)
             self.metrics = {
+                "kind": "checkpoint",
                 "inside_epoch": True,
                 "epoch": epoch.index,
                 "step": progress.steps,
@@ -82,6 +84,7 @@ class ExactEpochs(pl.Callback):
         keeper.check_exact(counted)
         progress = keeper.finish(int(samples), int(draws), int(bad))  # distinct: each rank's, summed
         self.metrics = {
+            "kind": "epoch",
             "epoch": epoch.index + 1,
             "epoch_samples": counted.samples,
             "train_samples": int(samples),
