@@ -15,7 +15,6 @@ import time
 from tqdm import tqdm
 
 from raywds.config import TrainConfig
-from raywds.errors import DataError
 from raywds.runs.folder import Metrics, RunDir
 from raywds.runs.rows import ProgressRow, kind
 from raywds.train.doctor import diagnose
@@ -90,21 +89,6 @@ class ProgressLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def too_many_bad(
-    reasons: dict[str, str], draws: int, allowed: int, cfg: TrainConfig, where: str, distinct: int | None = None
-) -> DataError:
-    """The error past --max-bad-samples: the latest distinct bad sample's own line (`reasons`: sample
-    -> reason, oldest first), then the counts: the draws skipped and the distinct samples among them
-    (`distinct`, else as many as `reasons` names), which the bound is on."""
-    last = next(reversed(reasons.values()), "")
-    distinct = len(reasons) if distinct is None else distinct
-    return DataError(
-        f"{last + ' ' if last else ''}({draws} bad samples skipped this epoch {where}, {distinct} distinct: more "
-        f"than the {allowed} that --max-bad-samples {cfg.max_bad_samples:g} allows); "
-        "run `raywds verify` on the shards"
-    )
 
 
 def _skipped(m: Metrics) -> str:
