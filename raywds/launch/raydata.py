@@ -243,6 +243,9 @@ class RayData:
         ds = self.dataset(manifest, "val", shards, cfg, epoch=None, exact=True)
         return unwrapped(batches(self.blocks(ds, cfg, None)))
 
+    def close(self) -> None:
+        """Nothing to stop: each epoch's Dataset ends with it."""
+
 
 def unwrapped(batches: Iterator[Batch]) -> Iterator[Batch]:
     """A bad sample or shard raised in a Ray Data task arrives wrapped in Ray's errors: raise

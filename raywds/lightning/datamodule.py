@@ -31,7 +31,7 @@ from raywds.data.dataset import manifest_of
 from raywds.errors import ConfigError, DataError
 from raywds.lightning.epochs import ExactEpochs
 from raywds.loader.decodings import decoding
-from raywds.loader.loader import train_loader, val_loader
+from raywds.loader.loader import PerRank
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
 from raywds.train.autoworkers import first
@@ -70,6 +70,8 @@ class ShardDataModule(pl.LightningDataModule):
         self.keeper = EpochKeeper(cfg, World(), self.manifest)
         """The epochs' bookkeeping, as `raywds train` keeps it (its world is the Trainer's, from `setup`)."""
         self.callback = ExactEpochs(self.keeper)
+        self.loaders = PerRank()
+        """The loader workers, kept from epoch to epoch (stopped at `teardown`)."""
         self._compute: Compute | None = None
 
     @property
@@ -119,7 +121,9 @@ class ShardDataModule(pl.LightningDataModule):
                 f"epoch {epoch.index + 1} leaves rank {plan.batches_per_rank.index(0)} of {world.world_size} no "
                 f"batch ({sum(plan.samples_per_rank)} samples left): resume it on fewer ranks"
             )
-        batches = train_loader(self.manifest, self.loader_cfg, world, plan, epoch=epoch.index, position=epoch.position)
+        batches = self.loaders.train(
+            self.manifest, self.loader_cfg, world, plan, epoch=epoch.index, position=epoch.position
+        )
         return Batches(batches, epoch.step_before + len(batches))
 
     def val_dataloader(self) -> Iterable[Batch]:
@@ -127,7 +131,11 @@ class ShardDataModule(pl.LightningDataModule):
         padding: ranks may take different numbers of batches, and none makes a collective)."""
         if "val" not in self.manifest.splits:
             return []
-        return val_loader(self.manifest, self.loader_cfg, self.world())
+        return self.loaders.val(self.manifest, self.loader_cfg, self.world())
+
+    def teardown(self, stage: str) -> None:
+        """The loader workers stop with the Trainer's fit (or validate) call."""
+        self.loaders.close()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """A training batch is counted here, as the step that trains it begins; the model gets (images, labels)."""

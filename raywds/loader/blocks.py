@@ -18,7 +18,8 @@ samples for the cross-worker shuffle keeps it alive, sample by sample). So:
 
     blocks = Blocks(num_workers)
     pipeline = ..., wds.batched(n, collation_fn=bind(collate, out_of=blocks.take)), blocks.leased
-    for batch in HandedOver(DataLoader(pipeline, ...), blocks): ...
+    # the training process, each batch it receives from a worker (raywds.loader.pool):
+    blocks.release(); blocks.watch(lease, batch.images)
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ class Blocks:
         worker, slot = lease  # a list after DataLoader's pin_memory
         self._watched[worker, slot] = StorageWeakRef(images.untyped_storage())
 
+    def forget_unwatched(self) -> None:
+        """Training side, between passes of idle workers: free the blocks leased for batches
+        that never arrived (torch drops what a worker made for a pass that was not finished)."""
+        for worker, slot in (self.busy != 0).nonzero().tolist():
+            if (worker, slot) not in self._watched:
+                self.busy[worker, slot] = 0
+
     def release(self) -> None:
         """Training side: free the blocks nothing here refers to any more."""
         for lease, ref in list(self._watched.items()):
@@ -129,55 +137,3 @@ class Slots:
     def filled(self) -> None:
         """The slot `next` gave holds an image now (one that failed to decode leaves it free)."""
         self.used += 1
-
-
-def silent_worker(batches: Any) -> int | None:
-    """The worker the DataLoader's iterator waits on for its next batch (torch's private
-    bookkeeping: the task it must receive next, and the worker it gave that task to)."""
-    try:
-        return int(batches._task_info[batches._rcvd_idx][0])
-    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
-        return None
-
-
-class HandedOver:
-    """Training side: a DataLoader's batches, each leased block watched from its arrival until
-    it is free. Iterable again, as the DataLoader is."""
-
-    def __init__(
-        self,
-        loader: Iterable[tuple[Any, Lease | None]],
-        blocks: Blocks,
-        on_timeout: Callable[[int | None], Exception] | None = None,
-    ):
-        self.loader = loader
-        self.blocks = blocks
-        self.on_timeout = on_timeout
-        """Given the silent worker (or None), the error to raise when the DataLoader's timeout passes."""
-
-    def __iter__(self) -> Iterator[Any]:
-        batches = iter(self.loader)
-        try:
-            while True:
-                try:
-                    batch, lease = next(batches)
-                except StopIteration:
-                    return
-                except RuntimeError as e:
-                    if self.on_timeout is None or not str(e).startswith("DataLoader timed out after"):
-                        raise
-                    silent = silent_worker(batches)
-                    for process in getattr(batches, "_workers", []):  # stuck: torch would wait 5 s on each
-                        process.kill()
-                    raise self.on_timeout(silent) from e
-                self.blocks.release()
-                if lease is not None:
-                    self.blocks.watch(lease, batch.images)
-                yield batch
-        finally:
-            # Stop the workers now: after a worker's error the DataLoader's iterator is caught in
-            # the traceback's reference cycle, and when the garbage collector frees it at some later
-            # point its workers never see the stop signal and are waited for 5 s each.
-            shutdown = getattr(batches, "_shutdown_workers", None)  # torch's own clean-up, private
-            if shutdown is not None:
-                shutdown()

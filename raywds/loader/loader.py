@@ -18,14 +18,14 @@ from functools import partial as bind
 from typing import Any, Protocol
 
 import webdataset as wds
-from torch.utils.data import DataLoader
 
 from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest, ShardInfo, deal, shard_url
-from raywds.loader.blocks import Blocks, HandedOver, Slots
+from raywds.loader.blocks import Blocks, Slots
 from raywds.loader.clock import Clock
 from raywds.loader.decodings import decoding
 from raywds.loader.labels import Labels
+from raywds.loader.pool import Build, Pool
 from raywds.loader.readers import Expected, tar_samples
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import (
@@ -41,7 +41,6 @@ from raywds.loader.stages import (
     worker_shuffled,
     worker_urls,
 )
-from raywds.loader.starting import start_method
 from raywds.loader.watch import Whereabouts
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan
@@ -105,6 +104,62 @@ def _read_stages(
     return stages
 
 
+def made(
+    blocks: Blocks,
+    *,
+    stages: list[Any],
+    decode: Decoder,
+    batch_size: int,
+    slot_shape: tuple[int, int, int] | None,
+    partial: bool,
+    skips: Skips,
+    clock: Clock | None = None,
+    labels: Labels | None = None,
+) -> wds.DataPipeline:
+    """Worker side: the stages, decoding (bad samples to `skips`) and batching (`partial`: keep a
+    short last batch), each batch in one of the worker's reused shared-memory `blocks`
+    (raywds.loader.blocks; a `cpu` crop is resized straight into its slot of `slot_shape`),
+    carrying what `skips` skipped before it and what its worker spent (`clock`)."""
+    slots = Slots(batch_size, slot_shape, blocks.take) if slot_shape is not None else None
+    collation: Callable[[list[Any]], Batch] = bind(collate, out_of=blocks.take)
+    if clock is not None:
+        decode, collation = bind(clock.decoding, decode), bind(clock.collating, collation)
+    batched = wds.batched(batch_size, collation_fn=collation, partial=partial)
+    after = [skips.attach, *([clock.attach] if clock is not None else [])]
+    return wds.DataPipeline(
+        *stages,
+        bind(decoded, decode=decode, skips=skips, slots=slots, labels=labels),
+        batched,
+        *after,
+        blocks.leased,
+    )
+
+
+class Pass:
+    """One pass of a pipeline's batches, made by `pool`'s workers, handed the pipeline as the
+    pass is made (they start at once), or, with no pool, by workers of its own started when it
+    is iterated and stopped at its end. Iterable again: each further pass sends it again. A
+    worker silent for cfg.loader_timeout is an error naming the rank, the worker and the shard
+    it reads (`where`)."""
+
+    def __init__(self, build: Build, cfg: LoaderConfig, world: World, where: Whereabouts, pool: Pool | None = None):
+        self.build, self.count, self.world, self.pool = build, cfg.loader_workers, world, pool
+        self.timeout = cfg.loader_timeout
+        self.on_timeout = bind(where.stalled, world.rank, timeout_s=cfg.loader_timeout)
+        self._begun = pool.begin(build, self.count, self.on_timeout) if pool is not None else None
+
+    def __iter__(self) -> Iterator[Batch]:
+        begun, self._begun = self._begun, None
+        if self.pool is not None:
+            yield from begun if begun is not None else self.pool.begin(self.build, self.count, self.on_timeout)
+            return
+        pool = Pool(self.world, timeout=self.timeout)
+        try:
+            yield from pool.begin(self.build, self.count, self.on_timeout)
+        finally:
+            pool.close()
+
+
 def _loader(
     stages: list[Any],
     decode: Decoder,
@@ -116,37 +171,22 @@ def _loader(
     skips: Skips,
     clock: Clock | None = None,
     labels: Labels | None = None,
-) -> Iterable[Batch]:
-    """A DataLoader over the stages, decoding (bad samples to `skips`) and batching (`partial`:
-    keep a short last batch), its batches handed over in reused shared-memory blocks
-    (raywds.loader.blocks; a `cpu` crop is resized straight into its slot), each carrying what
-    `skips` skipped before it and what its worker spent (`clock`); a worker silent for
-    cfg.loader_timeout is an error naming the rank, the worker and the shard it reads (`where`)."""
-    workers = cfg.loader_workers
-    context = start_method(workers, world)
-    blocks = Blocks(workers)
+    pool: Pool | None = None,
+) -> Pass:
+    """The pass of `made`'s pipeline over the stages, by `pool`'s workers (or a pool of its own)."""
     size = cfg.image_size
-    slots = Slots(cfg.batch_size, (3, size, size), blocks.take) if decoding(cfg.decode).fills else None
-    collation: Callable[[list[Any]], Batch] = bind(collate, out_of=blocks.take)
-    if clock is not None:
-        decode, collation = bind(clock.decoding, decode), bind(clock.collating, collation)
-    batched = wds.batched(cfg.batch_size, collation_fn=collation, partial=partial)
-    after = [skips.attach, *([clock.attach] if clock is not None else [])]
-    loader = DataLoader(
-        wds.DataPipeline(
-            *stages,
-            bind(decoded, decode=decode, skips=skips, slots=slots, labels=labels),
-            batched,
-            *after,
-            blocks.leased,
-        ),
-        batch_size=None,
-        num_workers=workers,
-        multiprocessing_context=context,
-        pin_memory=world.device.startswith("cuda"),
-        timeout=cfg.loader_timeout if workers else 0,
+    build = bind(
+        made,
+        stages=stages,
+        decode=decode,
+        batch_size=cfg.batch_size,
+        slot_shape=(3, size, size) if decoding(cfg.decode).fills else None,
+        partial=partial,
+        skips=skips,
+        clock=clock,
+        labels=labels,
     )
-    return HandedOver(loader, blocks, on_timeout=bind(where.stalled, world.rank, timeout_s=cfg.loader_timeout))
+    return Pass(build, cfg, world, where, pool)
 
 
 class EpochLoader:
@@ -225,16 +265,18 @@ def train_loader(
     *,
     epoch: int,
     position: Position | None = None,
+    pool: Pool | None = None,
 ) -> EpochLoader:
     """This rank's training batches for `epoch` as `plan` deals them; after `position`, only
-    what the epoch has not yet delivered (exact mode) or a reseeded stream (resample). `cfg`: the
-    run's LoaderConfig (a TrainConfig is sliced here)."""
+    what the epoch has not yet delivered (exact mode) or a reseeded stream (resample). `pool`:
+    the run's loader workers, handed the epoch now (else workers of the epoch's own, started
+    when it is iterated)."""
     rank, exact = world.rank, plan.mode.exact
     clock = Clock()
     stages, skips, where = train_stages(manifest, cfg, rank, plan, epoch=epoch, position=position, clock=clock)
-    decode = train_decoder(cfg, epoch)
+    decode, labels = train_decoder(cfg, epoch), labels_of(manifest)
     loader = _loader(
-        stages, decode, cfg, world, where, partial=exact, skips=skips, clock=clock, labels=labels_of(manifest)
+        stages, decode, cfg, world, where, partial=exact, skips=skips, clock=clock, labels=labels, pool=pool
     )
     if not exact and cfg.cross_worker_shuffle_buffer == 0:
         return EpochLoader(lambda: iter(loader), plan, rank)
@@ -253,8 +295,9 @@ def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[Sha
     return deal(list(manifest.shards(split)), num_slots)
 
 
-def val_loader(manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[Batch]:
-    """This rank's share of the validation split: every sample once across ranks, no padding."""
+def val_loader(manifest: Manifest, cfg: LoaderConfig, world: World, pool: Pool | None = None) -> Iterable[Batch]:
+    """This rank's share of the validation split: every sample once across ranks, no padding
+    (`pool`: as train_loader's)."""
     workers = cfg.slots
     slots = split_slots(manifest, "val", world.world_size * workers)
     mine = slots[world.rank * workers : (world.rank + 1) * workers]
@@ -262,12 +305,14 @@ def val_loader(manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[
     skips, where = Skips(cfg.read_policy(skip_unreadable=False)), Whereabouts()
     names = {s.name for slot in mine for s in slot}
     stages = _read_stages(bind(worker_urls, urls, world.rank), manifest, "val", cfg, skips, where, names)
-    return _loader(stages, val_decoder(cfg), cfg, world, where, partial=True, skips=skips, labels=labels_of(manifest))
+    decode = val_decoder(cfg)
+    return _loader(stages, decode, cfg, world, where, partial=True, skips=skips, labels=labels_of(manifest), pool=pool)
 
 
 class Loaders(Protocol):
-    """Where a run's batches come from: each rank's own loader (`PerRank`), or the Ray Data
-    plane (raywds.launch.raydata), which decodes on any node of the cluster."""
+    """Where a run's batches come from: each rank's own loader workers (`PerRank`), or the Ray
+    Data plane (raywds.launch.raydata), which decodes on any node of the cluster. `train` hands
+    the epoch over as it is called (its batches may start then); `close` ends the run's loaders."""
 
     def train(
         self,
@@ -282,9 +327,47 @@ class Loaders(Protocol):
 
     def val(self, manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[Batch]: ...
 
+    def close(self) -> None: ...
+
 
 class PerRank:
-    """Each rank's DataLoader workers read and decode the shards the plan deals it (the default)."""
+    """Each rank's DataLoader workers read and decode the shards the plan deals it (the default):
+    one pool of workers for training and one for validation, each kept for the whole run, so
+    an epoch or a validation pass starts no process. The validation workers start with the
+    first training epoch, so that its validation does not wait for them."""
 
-    train = staticmethod(train_loader)
-    val = staticmethod(val_loader)
+    def __init__(self) -> None:
+        self.pools: dict[str, Pool] = {}
+
+    def pool(self, name: str, cfg: LoaderConfig, world: World) -> Pool:
+        """The run's `name` pool for `world` (a new world, a new pool: its workers' fork server knows the old)."""
+        pool = self.pools.get(name)
+        if pool is None or pool.world != world or pool.timeout != cfg.loader_timeout:
+            if pool is not None:
+                pool.close()
+            pool = self.pools[name] = Pool(world, timeout=cfg.loader_timeout)
+        return pool
+
+    def train(
+        self,
+        manifest: Manifest,
+        cfg: LoaderConfig,
+        world: World,
+        plan: EpochPlan,
+        *,
+        epoch: int,
+        position: Position | None = None,
+    ) -> EpochLoader:
+        pool = self.pool("train", cfg, world)
+        loader = train_loader(manifest, cfg, world, plan, epoch=epoch, position=position, pool=pool)
+        if "val" in manifest.splits:
+            self.pool("val", cfg, world).warm(cfg.loader_workers)
+        return loader
+
+    def val(self, manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[Batch]:
+        return val_loader(manifest, cfg, world, pool=self.pool("val", cfg, world))
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import webdataset as wds
-from torch.utils.data import get_worker_info
 
 from raywds.errors import ConfigError, DataError
 from raywds.loader import crops, decodings
@@ -27,6 +26,7 @@ from raywds.loader.blocks import Slots
 from raywds.loader.clock import Spent
 from raywds.loader.decodings import decoding
 from raywds.loader.labels import Labels, MemberError
+from raywds.loader.pool import current_worker
 from raywds.loader.readers import Failures, ReadPolicy
 from raywds.loader.settings import LoaderConfig
 from raywds.plan import seeds
@@ -174,8 +174,7 @@ def decoded(
 
 
 def _worker() -> tuple[int, int]:
-    info = get_worker_info()
-    return (0, 1) if info is None else (info.id, info.num_workers)
+    return current_worker() or (0, 1)
 
 
 def worker_urls(urls: list[list[str]], rank: int) -> Iterator[dict[str, str]]:

@@ -12,9 +12,8 @@ import tempfile
 import weakref
 from pathlib import Path
 
-from torch.utils.data import get_worker_info
-
 from raywds.errors import RaywdsError
+from raywds.loader.pool import current_worker
 
 
 class LoaderStalled(RaywdsError):
@@ -37,8 +36,8 @@ class Whereabouts:
 
     def note(self, url: str) -> None:
         """In a worker: it opens `url` now."""
-        info = get_worker_info()
-        path = Path(self.dir) / f"worker{info.id if info is not None else 0}"
+        worker = current_worker()
+        path = Path(self.dir) / f"worker{worker[0] if worker is not None else 0}"
         try:
             path.write_text(url)
         except OSError:  # a note is a help, never a reason to fail the read

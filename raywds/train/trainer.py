@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
 from raywds.data.dataset import Manifest, manifest_of
-from raywds.loader.loader import Loaders, PerRank
+from raywds.errors import RaywdsError
+from raywds.loader.loader import EpochLoader, Loaders, PerRank
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import BadSample, Batch
 from raywds.runs.checkpoint import load_checkpoint
@@ -74,22 +75,45 @@ class Trainer:
         if resume is not None:
             restore(resume, self.model, self.optimizer, self.keeper)
         self.metrics: Metrics = {}
+        self.upcoming: tuple[Epoch, EpochLoader] | None = None
+        """The next epoch, handed to the loader before this one's validation (`look_ahead`)."""
 
     def fit(self) -> Metrics:
         """Train until cfg.epochs or cfg.max_steps; returns the last metrics (the same on every rank)."""
-        while self.keeper.progress.epoch < self.cfg.epochs:
-            if self.run_epoch(self.keeper.progress.epoch):
-                break
+        try:
+            while self.keeper.progress.epoch < self.cfg.epochs:
+                if self.run_epoch(self.keeper.progress.epoch):
+                    break
+        finally:
+            self.loaders.close()
         return self.metrics
+
+    def begin(self, index: int) -> tuple[Epoch, EpochLoader]:
+        """Plan epoch `index` and hand it to the loader (its workers start making its batches)."""
+        self.cfg = cfg = self.workers.config(index)  # --loader-workers auto: the epoch's count, chosen now
+        self.loader_cfg = LoaderConfig.of(cfg)
+        epoch = self.keeper.begin(index, cfg)
+        batches = self.loaders.train(
+            self.manifest, self.loader_cfg, self.world, epoch.plan, epoch=index, position=epoch.position
+        )
+        return epoch, batches
+
+    def look_ahead(self, index: int) -> None:
+        """Begin epoch `index` while the one before it validates and reports: its first batches
+        are made by then. A plan refused here is refused again, after the report, by `run_epoch`."""
+        most = self.cfg.max_steps
+        if index >= self.cfg.epochs or (most is not None and self.keeper.progress.steps >= most):
+            return
+        try:
+            self.upcoming = self.begin(index)
+        except RaywdsError:
+            self.upcoming = None
 
     def run_epoch(self, index: int) -> bool:
         """Train epoch `index` (or what is left of it), evaluate, report; True when max_steps stopped it."""
-        self.cfg = cfg = self.workers.config(index)  # --loader-workers auto: the epoch's count, chosen now
-        self.loader_cfg, world, keeper = LoaderConfig.of(cfg), self.world, self.keeper
-        epoch = keeper.begin(index, cfg)
-        batches = self.loaders.train(
-            self.manifest, self.loader_cfg, world, epoch.plan, epoch=index, position=epoch.position
-        )
+        upcoming, self.upcoming = self.upcoming, None
+        epoch, batches = upcoming if upcoming is not None and upcoming[0].index == index else self.begin(index)
+        cfg, world, keeper = self.cfg, self.world, self.keeper
         progress = ProgressLog(cfg, world, index, len(batches), run_dir=self.run_dir, first_step=epoch.start.steps)
 
         def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
@@ -137,6 +161,7 @@ class Trainer:
         cfg, world = self.cfg, self.world
         metrics = self.epoch_metrics(epoch, result)
         self.workers.measured(metrics)
+        self.look_ahead(epoch.index + 1)
         validate = (epoch.index + 1) % cfg.val_every == 0 or epoch.index + 1 == cfg.epochs
         if validate and "val" in self.manifest.splits:  # a train-only manifest trains without validation
             batches = self.loaders.val(self.manifest, self.loader_cfg, world)

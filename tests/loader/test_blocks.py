@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
+from collections.abc import Iterator
+from functools import partial as bind
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.loader.blocks import SLOTS, Blocks
 from raywds.loader.loader import _loader, train_loader
+from raywds.loader.pool import Pool
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Skips
 from raywds.loader.watch import Whereabouts
@@ -24,8 +27,8 @@ from raywds.world import World
 BATCH = 4
 
 
-def numbered_samples(count: int):  # type: ignore[no-untyped-def]
-    return lambda: ({"__key__": f"k{i}", "__url__": "n", "__id__": i, "jpg": i, "cls": b"0"} for i in range(count))
+def numbered_samples(count: int) -> Iterator[dict[str, object]]:
+    return ({"__key__": f"k{i}", "__url__": "n", "__id__": i, "jpg": i, "cls": b"0"} for i in range(count))
 
 
 def numbered(number: int, sample_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,15 +51,19 @@ def loader(count: int, decode: str = "cpu"):  # type: ignore[no-untyped-def]
         )
     )
     skips = Skips(cfg.read_policy(skip_unreadable=False))
-    handed = _loader([numbered_samples(count)], numbered, cfg, World(), Whereabouts(), partial=False, skips=skips)
+    pool = Pool(World(), timeout=cfg.loader_timeout)
+    pool.warm(1)  # the worker's blocks are the pool's: watch them before its pipeline is sent
     leases: list[tuple[int, int] | None] = []
-    watch = handed.blocks.watch
+    blocks = pool.members[0].blocks
+    watch = blocks.watch
 
     def spy(lease, images):  # type: ignore[no-untyped-def]
         leases.append(tuple(lease))
         watch(lease, images)
 
-    handed.blocks.watch = spy  # type: ignore[method-assign]
+    blocks.watch = spy  # type: ignore[method-assign]
+    stages = [bind(numbered_samples, count)]
+    handed = _loader(stages, numbered, cfg, World(), Whereabouts(), partial=False, skips=skips, pool=pool)
     return handed, leases
 
 
