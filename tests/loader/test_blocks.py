@@ -148,3 +148,17 @@ def test_a_lease_pin_memory_turned_into_a_list_frees_its_block_only() -> None:
     del images
     blocks.release()
     assert int(blocks.busy[1, 2]) == 0 and int(blocks.busy.sum()) == blocks.busy.numel() - 1
+
+
+def test_passes_left_unfinished_give_their_blocks_back() -> None:
+    """An epoch may end before its workers' streams do (resample): torch drops the batches the
+    worker had made ahead, which never reach the training process to be watched and freed. The
+    next pass frees their blocks, so every batch of later passes still comes in a reused one."""
+    handed, leases = loader(40 * BATCH)
+    for _ in range(5):  # more than SLOTS blocks would be lost by now, a few each pass
+        for i, _batch in enumerate(handed):
+            if i == 2:
+                break
+    assert len(leases) == 15
+    assert sum(1 for _batch in handed) == 40
+    assert len(leases) == 15 + 40, "the last pass's batches all come in reused blocks"
