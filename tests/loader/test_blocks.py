@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import io
 import pickle
-from multiprocessing.reduction import ForkingPickler
 from collections.abc import Iterator
 from functools import partial as bind
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
