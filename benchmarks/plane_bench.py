@@ -107,15 +107,10 @@ def plane_rate(shards: Path, only_node: str | None = None) -> float:
     if only_node is None:
         return rate(plane.train(manifest, LoaderConfig.of(cfg), World(), plan, epoch=0), lambda b: len(b.keys))
     pinned = NodeAffinitySchedulingStrategy(only_node, soft=False)
-    source = raydata.ShardSource(manifest, "train", plan.slot(0, 0), LoaderConfig.of(cfg), exact=True)
-    ds = ray.data.read_datasource(source, override_num_blocks=len(plan.slot(0, 0)), scheduling_strategy=pinned)
-    ds = ds.map_batches(
-        raydata._decode,
-        fn_kwargs={"decoder": train_decoder(LoaderConfig.of(cfg), 0), "policy": source.policy, "size": SIZE},
-        batch_size=None,
-        batch_format="numpy",
-        scheduling_strategy=pinned,
-    )
+    loader_cfg = LoaderConfig.of(cfg)
+    decoder = train_decoder(loader_cfg, 0)
+    source = raydata.ShardSource(manifest, "train", plan.slot(0, 0), loader_cfg, exact=True, decoder=decoder)
+    ds = ray.data.read_datasource(source, override_num_blocks=len(source.groups), scheduling_strategy=pinned)
     return rate(ds.iter_batches(batch_size=BATCH, batch_format="numpy"), lambda b: len(b["id"]))
 
 

@@ -18,6 +18,7 @@ goes through the plane too.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,10 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import ray
 import ray.data
-from ray.data.block import BlockMetadata
+from ray.data.block import Block, BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 from ray.util.debug import log_once
 
@@ -36,7 +36,7 @@ from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ShardError, one_line, own_cause
 from raywds.loader.labels import Labels
 from raywds.loader.loader import EpochLoader, expected, labels_of, split_slots
-from raywds.loader.plane import Columns, Rebatcher, decode_rows, rebatcher, shard_rows
+from raywds.loader.plane import AHEAD, Columns, Rebatcher, ahead, groups, pinned, rebatcher, task_blocks
 from raywds.loader.readers import ReadPolicy
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, Decoder, train_decoder, val_decoder
@@ -80,7 +80,9 @@ class Plane:
 
 
 class ShardSource(Datasource):  # RAY
-    """One read task per shard, each streaming its tar into blocks of many samples."""
+    """One read task per group of shards (raywds.loader.plane.groups): each reads its shards,
+    shuffles their encoded samples together (`shuffle`: the seed's parts, None for none) and
+    decodes them into blocks of whole batches with `decoder`, on whichever node runs it."""
 
     def __init__(
         self,
@@ -90,54 +92,52 @@ class ShardSource(Datasource):  # RAY
         cfg: LoaderConfig,
         *,
         exact: bool,
+        decoder: Decoder,
         left_out: dict[str, np.ndarray] | None = None,
+        shuffle: tuple[Any, ...] | None = None,
     ):
         self.shards = shards
+        self.groups = groups(shards, cfg.worker_shuffle_buffer if shuffle is not None else 0)
         self.expected = expected(manifest, split, {s.name for s in shards})
         self.labels = labels_of(manifest)
-        self.urls = [manifest.url(s) for s in shards]
+        self.urls = {s.name: manifest.url(s) for s in shards}
         self.policy = cfg.read_policy(skip_unreadable=not exact)
-        self.verify_hashes = cfg.verify_hashes
+        self.cfg, self.decoder, self.shuffle = cfg, decoder, shuffle
         self.left_out = left_out or {}
         """By shard name, a bool per sample already trained on, for the shards a resumed epoch partly trained on."""
 
     def estimate_inmemory_data_size(self) -> int | None:
-        return sum(s.num_bytes or 0 for s in self.shards) or None
+        return sum(s.num_samples for s in self.shards) * self.cfg.image_size**2 * 3 or None
 
     def get_read_tasks(
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
     ) -> list[ReadTask]:
         tasks = []
-        for url, info in zip(self.urls, self.shards):
-            shard = self.expected[url]
-            left_out = self.left_out.get(info.name)
-            read = functools.partial(_read, url, shard, self.policy, self.verify_hashes, left_out, self.labels)
-            rows = shard.num_samples - (int(left_out.sum()) if left_out is not None else 0)
-            meta = BlockMetadata(num_rows=rows, size_bytes=shard.num_bytes, exec_stats=None, input_files=(url,))
+        for g, group in enumerate(self.groups):
+            reads = [(self.urls[s.name], self.expected[self.urls[s.name]], self.left_out.get(s.name)) for s in group]
+            seed = seeds.number(seeds.PLANE_SHUFFLE, *self.shuffle, g) if self.shuffle is not None else None
+            read = functools.partial(_read, reads, self.decoder, self.policy, self.cfg, seed, self.labels)
+            rows = sum(e.num_samples - (int(c.sum()) if c is not None else 0) for _, e, c in reads)
+            size = rows * self.cfg.image_size**2 * 3
+            meta = BlockMetadata(
+                num_rows=rows, size_bytes=size, exec_stats=None, input_files=tuple(u for u, _, _ in reads)
+            )
             tasks.append(ReadTask(read, meta))  # RAY
         return tasks
 
 
 def _read(
-    url: str, shard: Any, policy: Any, verify: bool, left_out: np.ndarray | None, labels: Labels | None
-) -> Iterator[pa.Table]:
-    for columns in shard_rows(url, shard, policy, verify_hash=verify, consumed=left_out, labels=labels):
-        yield pa.table(
-            {
-                **{k: pa.array(columns[k], pa.string()) for k in ("key", "url", "member", "error")},
-                "id": pa.array(columns["id"], pa.int64()),
-                "image": pa.array(columns["image"], pa.binary()),
-                "cls": pa.array(columns["cls"], pa.binary()),
-                "read_s": pa.array(columns["read_s"], pa.float64()),
-            }
-        )
-
-
-def _decode(columns: Columns, *, decoder: Decoder, policy: ReadPolicy, size: int) -> Columns:
-    """Runs in a Ray Data task: decode a block with the loader's decoders."""
-    out = decode_rows(columns, decoder, policy, size=size)
-    out["node"] = np.full(len(out["id"]), ray.util.get_node_ip_address(), dtype=object)  # RAY
-    return out
+    reads: list[Any], decoder: Decoder, policy: ReadPolicy, cfg: LoaderConfig, seed: int | None, labels: Labels | None
+) -> Iterator[Block]:
+    """Runs in a Ray Data read task: the task's blocks of decoded crops, each row marked with its node."""
+    node = ray.util.get_node_ip_address()  # RAY
+    blocks = task_blocks(
+        reads, decoder, policy, size=cfg.image_size, batch_size=cfg.batch_size, shuffle_seed=seed,
+        verify_hash=cfg.verify_hashes, labels=labels,
+    )  # fmt: skip
+    for columns in blocks:
+        columns["node"] = np.full(len(columns["id"]), node, dtype=object)
+        yield BlockAccessor.batch_to_block(columns)  # RAY
 
 
 class RayData:
@@ -157,33 +157,21 @@ class RayData:
         epoch: int | None,
         exact: bool,
         left_out: dict[str, np.ndarray] | None = None,
+        shuffle: tuple[Any, ...] | None = None,
     ) -> ray.data.Dataset:
-        source = ShardSource(manifest, split, shards, cfg, exact=exact, left_out=left_out)
+        """`shards` read, shuffled (`shuffle`) and decoded (`epoch`'s training crops, None:
+        validation's) by read tasks of whole batches."""
+        decoder = val_decoder(cfg) if epoch is None else train_decoder(cfg, epoch)
+        source = ShardSource(
+            manifest, split, shards, cfg, exact=exact, decoder=decoder, left_out=left_out, shuffle=shuffle
+        )
         return ray.data.read_datasource(  # RAY
-            source, override_num_blocks=max(len(shards), 1), num_cpus=self.plane.task_cpus
-        ).map_batches(
-            _decode,
-            fn_kwargs={
-                "decoder": val_decoder(cfg) if epoch is None else train_decoder(cfg, epoch),
-                "policy": source.policy,
-                "size": cfg.image_size,
-            },
-            batch_size=None,  # a whole block per call: the read task's
-            batch_format="numpy",
-            num_cpus=self.plane.task_cpus,
+            source, override_num_blocks=max(len(source.groups), 1), num_cpus=self.plane.task_cpus
         )
 
-    def blocks(self, ds: ray.data.Dataset, cfg: LoaderConfig, shuffle_seed: int | None) -> Iterator[Columns]:
-        buffer = cfg.worker_shuffle_buffer if shuffle_seed is not None else 0
-        return iter(
-            ds.iter_batches(  # RAY
-                batch_size=cfg.batch_size,
-                batch_format="numpy",
-                prefetch_batches=2,
-                local_shuffle_buffer_size=buffer or None,
-                local_shuffle_seed=shuffle_seed if buffer else None,
-            )
-        )
+    def blocks(self, ds: ray.data.Dataset) -> Iterator[Columns]:
+        """The dataset's blocks as they come (each a whole batch but a task's last)."""
+        return iter(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=AHEAD))  # RAY
 
     def train(
         self,
@@ -195,26 +183,29 @@ class RayData:
         epoch: int,
         position: Position | None = None,
     ) -> EpochLoader:
+        """The rank's epoch, started now (in a thread of its own: while the epoch before validates)."""
         rank = world.rank
         left_out, reseed = already_done(position, epoch, manifest.shards("train"))
         draws = plan.mode.shards_for(
             plan, manifest.shards("train"), rank=rank, worker=0, seed=cfg.seed, epoch=epoch, reseed=reseed
         )
-        batches = rebatcher(plan, cfg.batch_size, pin_memory=world.device.startswith("cuda"))
+        batches = rebatcher(plan, cfg.batch_size)
         exact = batches.partial  # every sample once: the rank's shards once, a short last batch
-        shuffle_seed = seeds.number(seeds.CROSS_SHUFFLE, cfg.seed, epoch, rank)
-
+        shuffle = (cfg.seed, epoch, rank) if cfg.worker_shuffle_buffer else None
         delivered = [0]
 
         def rounds() -> Iterator[Columns]:
             """Split: the rank's shards, once. Resample: shard draws until the epoch's batches are
             full (a round draws what the batches still need, plus one shard for skipped samples)."""
-            while True:
+            for round_ in itertools.count():
                 shards = list(draws) if exact else _enough(draws, plan.samples_per_rank[rank] - delivered[0])
                 before = batches.num_decoded
                 if shards:
-                    ds = self.dataset(manifest, "train", shards, cfg, epoch=epoch, exact=exact, left_out=left_out)
-                    yield from self.blocks(ds, cfg, shuffle_seed)
+                    seeded = (*shuffle, round_) if shuffle is not None else None
+                    ds = self.dataset(
+                        manifest, "train", shards, cfg, epoch=epoch, exact=exact, left_out=left_out, shuffle=seeded
+                    )
+                    yield from self.blocks(ds)
                 if exact:
                     return
                 if batches.num_decoded == before:  # resample skips unreadable shards, but not all of them
@@ -233,15 +224,17 @@ class RayData:
                     where = ", ".join(f"{ip} ({n})" for ip, n in sorted(batches.nodes.items()))
                     log.info(f"rank {rank}'s epoch {epoch + 1} was decoded on {len(batches.nodes)} node(s): {where}")
 
-        return EpochLoader(stream, plan, rank)
+        pin = pinned if world.device.startswith("cuda") else None
+        started = [ahead(stream(), each=pin)]
+        return EpochLoader(lambda: started.pop() if started else ahead(stream(), each=pin), plan, rank)
 
     def val(self, manifest: Manifest, cfg: LoaderConfig, world: World) -> Iterable[Batch]:
         shards = split_slots(manifest, "val", world.world_size)[world.rank]
-        batches = Rebatcher(cfg.batch_size, partial=True, pin_memory=world.device.startswith("cuda"))
+        batches = Rebatcher(cfg.batch_size, partial=True)
         if not shards:
             return iter(())
         ds = self.dataset(manifest, "val", shards, cfg, epoch=None, exact=True)
-        return unwrapped(batches(self.blocks(ds, cfg, None)))
+        return ahead(unwrapped(batches(self.blocks(ds))), each=pinned if world.device.startswith("cuda") else None)
 
     def close(self) -> None:
         """Nothing to stop: each epoch's Dataset ends with it."""

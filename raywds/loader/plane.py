@@ -1,14 +1,19 @@
-"""The Ray Data plane's three steps, as plain functions over columns (no ray here: the plane's
-Ray side, raywds.launch.raydata, calls them in its read tasks, its decode tasks and on each
-rank):
+"""The Ray Data plane's steps, as plain functions over columns (no ray here: the plane's Ray
+side, raywds.launch.raydata, calls them in its read tasks and on each rank):
 
-- `shard_rows`: one shard -> blocks of `ROWS_PER_BLOCK` samples as columns (key, url, id,
-  member, image bytes, class bytes), each shard checked against the manifest as it is read
+- `shard_rows`: one shard -> blocks of samples as columns (key, url, id, member, image bytes,
+  class bytes), each shard checked against the manifest as it is read
   (raywds.loader.readers), the samples an interrupted epoch already trained on left out;
+- `task_blocks`, a read task's whole work: its shards' encoded samples, shuffled together
+  (seeded) while still encoded (a JPEG is a tenth of its crop's bytes), then decoded
+  `batch_size` at a time, so every block but a task's last is one whole batch;
 - `decode_rows`: a block of such rows -> uint8 crops (N, H, W, 3), labels and ids, by the
   loader's own decoders (raywds.loader.stages), each crop seeded by (seed, epoch, sample id);
 - `Rebatcher`: on the rank, the decoded blocks -> the loop's `Batch`es, whole batches of the
-  rank's batch size (an exact epoch ends with its partial rest, a rest of one sample folded).
+  rank's batch size (an exact epoch ends with its partial rest, a rest of one sample folded);
+  a whole block is a batch as it is, no copy;
+- `ahead`: the rank's batches made in a thread of their own, pinned there for CUDA, a few ahead
+  of the loop.
 
 Exact passes raise on a bad sample or unreadable shard (the run stops, naming it); resample
 mode marks it in the row's `error` and the rank hands it on with the next batch, as the
@@ -19,15 +24,19 @@ per-rank loader does.
 
 from __future__ import annotations
 
+import math
+import queue
+import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from raywds.data.manifest import ShardInfo
 from raywds.loader.clock import Spent
 from raywds.loader.labels import IMAGE_KEYS, Labels
 from raywds.loader.readers import Expected, Failures, ReadPolicy, tar_samples
@@ -110,6 +119,53 @@ def shard_rows(
         yield _block(rows)
 
 
+def groups(shards: Sequence[ShardInfo], buffer: int, *, tasks_at_least: int = 4) -> list[list[ShardInfo]]:
+    """The read tasks' shards, in the order given: each task as many shards in a row as hold the
+    shuffle `buffer` of samples (one when the buffer is 0), but never so many that there are
+    fewer than `tasks_at_least` tasks (the tasks run side by side)."""
+    if not shards:
+        return []
+    mean = max(1.0, sum(s.num_samples for s in shards) / len(shards))
+    per_task = max(1, min(math.ceil(buffer / mean), math.ceil(len(shards) / tasks_at_least)))
+    return [list(shards[i : i + per_task]) for i in range(0, len(shards), per_task)]
+
+
+Read = tuple[str, Expected, "np.ndarray | None"]
+"""One shard of a read task: its URL, what the manifest says reading it gives, and (a resumed
+epoch) a bool per sample already trained on."""
+
+
+def task_blocks(
+    reads: Sequence[Read],
+    decoder: Decoder,
+    policy: ReadPolicy,
+    *,
+    size: int,
+    batch_size: int,
+    shuffle_seed: int | None,
+    verify_hash: bool = False,
+    labels: Labels | None = None,
+) -> Iterator[Columns]:
+    """A read task: its shards' samples read (each shard checked), shuffled together while
+    encoded (`shuffle_seed`; None keeps the shards' order), then decoded `batch_size` at a
+    time: blocks of exactly `batch_size` rows but the last."""
+    parts = [
+        block
+        for url, expected, consumed in reads
+        for block in shard_rows(
+            url, expected, policy, verify_hash=verify_hash, consumed=consumed, rows_per_block=1 << 62, labels=labels
+        )
+    ]
+    if not parts:
+        return
+    rows = {k: [v for part in parts for v in part[k]] for k in parts[0]}
+    n = len(rows["key"])
+    order = np.random.default_rng(shuffle_seed).permutation(n) if shuffle_seed is not None else np.arange(n)
+    for start in range(0, n, batch_size):
+        taken = order[start : start + batch_size]
+        yield decode_rows({k: [v[i] for i in taken] for k, v in rows.items()}, decoder, policy, size=size)
+
+
 def _sample(columns: Columns, i: int) -> dict[str, Any]:
     """Row i as the sample dict the loader's `decoded` stage reads."""
     sample = {"__key__": columns["key"][i], "__url__": columns["url"][i], "__id__": int(columns["id"][i])}
@@ -157,10 +213,10 @@ def decode_rows(columns: Columns, decoder: Decoder, policy: ReadPolicy, *, size:
     }
 
 
-def rebatcher(plan: EpochPlan, batch_size: int, *, pin_memory: bool = False) -> Rebatcher:
+def rebatcher(plan: EpochPlan, batch_size: int) -> Rebatcher:
     """The rank's side of the plane for an epoch of `plan`: an exact epoch (split) ends with a short
     batch of what is left (`partial`) and raises on a bad sample; a resample one keeps its batches full."""
-    return Rebatcher(batch_size, partial=plan.mode.exact, pin_memory=pin_memory)
+    return Rebatcher(batch_size, partial=plan.mode.exact)
 
 
 class Rebatcher:
@@ -169,10 +225,9 @@ class Rebatcher:
     `partial` (exact epochs): the rest ends the epoch as a short batch, a rest of one folded
     into the batch before. Counts the samples decoded on each node (a `node` column)."""
 
-    def __init__(self, batch_size: int, *, partial: bool, pin_memory: bool = False):
+    def __init__(self, batch_size: int, *, partial: bool):
         self.batch_size = batch_size
         self.partial = partial
-        self.pin_memory = pin_memory
         self.nodes: Counter[str] = Counter()
         self.num_decoded = 0
         """Rows decoded so far, whether or not a batch has taken them yet."""
@@ -224,8 +279,6 @@ class Rebatcher:
         with warnings.catch_warnings():  # Arrow's buffers are read-only; nothing here writes to a batch's images
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             images = torch.from_numpy(np.ascontiguousarray(columns["image"]))
-        if self.pin_memory:
-            images = images.pin_memory()
         batch = Batch(
             images.permute(0, 3, 1, 2),  # NHWC in memory: NCHW stored channels-last, as the loader's
             torch.tensor(columns["label"], dtype=torch.long),
@@ -262,3 +315,64 @@ def _take(blocks: list[Columns], n: int) -> tuple[Columns, list[Columns]]:
         return first, blocks[1:]
     whole = _concat(blocks)
     return {k: v[:n] for k, v in whole.items()}, [{k: v[n:] for k, v in whole.items()}]
+
+
+AHEAD = 4
+"""Batches the rank's thread makes ahead of the training loop."""
+
+_END = object()
+
+
+def ahead(batches: Iterator[Any], *, depth: int = AHEAD, each: Callable[[Any], Any] | None = None) -> Iterator[Any]:
+    """`batches` pulled by a thread of their own from now on (`each` applied there: pinning),
+    at most `depth` ahead of whoever iterates the result; closing the result stops the thread
+    and closes `batches`. An error in the thread is raised here, at its place in the stream."""
+    held: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                held.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def pull() -> None:
+        try:
+            for batch in batches:
+                if not put(each(batch) if each is not None else batch):
+                    break
+            put(_END)
+        except BaseException as e:  # noqa: BLE001 - raised again in the consumer
+            put(e)
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=pull, name="raywds-plane-ahead", daemon=True)
+    thread.start()
+    return _drained(held, stop, thread)
+
+
+def _drained(held: queue.Queue[Any], stop: threading.Event, thread: threading.Thread) -> Iterator[Any]:
+    try:
+        while True:
+            item = held.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()  # the thread ends once its current batch is made (and closes the stream)
+        thread.join(timeout=1)
+
+
+def pinned(batch: Batch) -> Batch:
+    """`batch` with its images in pinned memory (torch's caching host allocator reuses the
+    buffers), so that the copy to the GPU can overlap the step."""
+    assert isinstance(batch.images, torch.Tensor), "the plane ships decoded crops"
+    return batch._replace(images=batch.images.pin_memory())

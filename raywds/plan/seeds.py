@@ -22,6 +22,9 @@ WORKER_SHUFFLE = "shuffle"
 """The sample shuffle inside each loader worker."""
 CROSS_SHUFFLE = "cross"
 """The main process's shuffle across a rank's workers (and the Ray Data plane's shuffle on each rank)."""
+PLANE_SHUFFLE = "plane"
+"""The Ray Data plane's shuffle of the encoded samples inside each read task, per (seed, epoch,
+rank, round of draws, task)."""
 CROP = "crop"
 """A training sample's random crop and flip, per (seed, epoch, sample id): the same crop
 whichever loader worker, rank or Ray Data task decodes the sample, in whatever order."""
