@@ -60,8 +60,10 @@ class Plane:
     """CPUs the training workers reserve in all: Ray Data leaves them out of what it schedules on."""
     trainer_gpus: float = 0.0
 
-    def apply(self) -> None:
-        """Set this process's Ray Data context (each rank runs its own pipelines)."""
+    def apply(self, held_bytes: int = 0) -> None:
+        """Set this process's Ray Data context (each rank runs its own pipelines); `held_bytes`:
+        what the rank holds of its blocks beyond Ray Data's count (its batches are views of the
+        blocks in the object store), left out of the pipeline's budget."""
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # each execution's start and stats at INFO
         ctx = ray.data.DataContext.get_current()  # RAY
         ctx.enable_progress_bars = False  # the workers' bars would interleave in the driver's console
@@ -70,13 +72,22 @@ class Plane:
         ctx.raise_original_map_exception = True  # a decode task's raywds error reaches the rank as itself
         ctx.execution_options.preserve_order = False  # blocks as they finish: the rank shuffles anyway
         ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
-            object_store_memory=self.object_store_bytes_per_rank
+            object_store_memory=max(
+                self.object_store_bytes_per_rank - held_bytes, self.object_store_bytes_per_rank // 4
+            )
         )
         with warnings.catch_warnings():  # deprecated in favour of node labels, which a plain `ray start` lacks
             warnings.simplefilter("ignore", DeprecationWarning)
             ctx.execution_options.exclude_resources = ctx.execution_options.exclude_resources.copy(
                 cpu=self.trainer_cpus, gpu=self.trainer_gpus
             )
+
+
+PREFETCH = 2
+"""Blocks Ray Data fetches to the rank ahead of the rank's thread."""
+HELD = PREFETCH + AHEAD + 2
+"""Blocks a rank may hold: prefetched, made into batches ahead (raywds.loader.plane.ahead), the
+one being rebatched and the one the training step holds."""
 
 
 class ShardSource(Datasource):  # RAY
@@ -162,6 +173,7 @@ class RayData:
         """`shards` read, shuffled (`shuffle`) and decoded (`epoch`'s training crops, None:
         validation's) by read tasks of whole batches."""
         decoder = val_decoder(cfg) if epoch is None else train_decoder(cfg, epoch)
+        self.plane.apply(held_bytes=HELD * cfg.batch_size * cfg.image_size**2 * 3)
         source = ShardSource(
             manifest, split, shards, cfg, exact=exact, decoder=decoder, left_out=left_out, shuffle=shuffle
         )
@@ -171,7 +183,7 @@ class RayData:
 
     def blocks(self, ds: ray.data.Dataset) -> Iterator[Columns]:
         """The dataset's blocks as they come (each a whole batch but a task's last)."""
-        return iter(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=AHEAD))  # RAY
+        return iter(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=PREFETCH))  # RAY
 
     def train(
         self,

@@ -252,7 +252,7 @@ class Rebatcher:
                 taken, held = _take(held, self.batch_size)
                 num_held -= self.batch_size
                 yield self._batch(taken)
-        if held and self.partial:
+        if num_held and self.partial:
             yield self._batch(_concat(held))
 
     def _sort_out(self, block: Columns) -> Columns | None:
@@ -314,7 +314,8 @@ def _take(blocks: list[Columns], n: int) -> tuple[Columns, list[Columns]]:
     if len(first["id"]) == n:
         return first, blocks[1:]
     whole = _concat(blocks)
-    return {k: v[:n] for k, v in whole.items()}, [{k: v[n:] for k, v in whole.items()}]
+    rest = [{k: v[n:] for k, v in whole.items()}] if len(whole["id"]) > n else []
+    return {k: v[:n] for k, v in whole.items()}, rest
 
 
 AHEAD = 4
