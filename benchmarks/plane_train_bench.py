@@ -1,6 +1,8 @@
 """`raywds ray --data-plane ray` against `--data-plane loader`, as a user runs them: the same
-shards of real photos, 224 px crops, batch 64, a model small enough (`demo`) that the data is
-what bounds the steps, one rank, the same CPUs, in one run of this script. Each run trains
+shards of real photos, 224 px crops, batch 64, a model small enough that the data is what
+bounds the steps (the `demo` network after an 8x average pool, --shrink, planted in every
+process of the run by benchmarks/shrunk/sitecustomize.py: the loader still makes and hands
+over the 224 px crops), one rank, the same CPUs, in one run of this script. Each run trains
 --epochs epochs (split mode; the photos are a training split only) on a private local Ray of its own (its own temp
 dir and token), and the figure is the median of epochs 2..N's images/s, from the run's own
 metrics.jsonl (what the epoch lines say), so the first epoch's start is left out and every
@@ -37,7 +39,7 @@ from raywds.data.convert import ConvertOptions, convert
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(shards: Path, plane: str, epochs: int, work: Path, cpus: int) -> list[float]:
+def run(shards: Path, plane: str, epochs: int, work: Path, cpus: int, shrink: int) -> list[float]:
     """One `raywds ray` run; each epoch's images/s from its metrics.jsonl."""
     temp = Path(tempfile.mkdtemp(prefix="r", dir=work))
     token = temp / "token"
@@ -45,7 +47,8 @@ def run(shards: Path, plane: str, epochs: int, work: Path, cpus: int) -> list[fl
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env.update(
         RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_TMPDIR=str(temp), RAY_ADDRESS="local",
-        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RAYWDS_BENCH_SHRINK=str(shrink),
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent / "shrunk"), os.environ.get("PYTHONPATH", "")]),
     )  # fmt: skip
     line = [
         str(ROOT / ".venv/bin/raywds"), "ray", "--data", str(shards), "--model", "demo", "--mode", "split",
@@ -66,6 +69,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=20, help="copies of each photo (default %(default)s)")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--shrink", type=int, default=8, help="average-pool the crops by this before the network")
     args = parser.parse_args()
     cpus = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="rwpt-", dir="/tmp") as tmp:
@@ -77,7 +81,7 @@ def main() -> None:
         epochs: dict[str, list[list[float]]] = {"loader": [], "ray": []}
         for _ in range(args.repeats):
             for plane in epochs:
-                epochs[plane].append(run(shards, plane, args.epochs, work, cpus))
+                epochs[plane].append(run(shards, plane, args.epochs, work, cpus, args.shrink))
                 print(f"  {plane:6s} epochs' images/s: {', '.join(f'{r:.1f}' for r in epochs[plane][-1])}")
         later = {plane: statistics.median(r for one in runs for r in one[1:]) for plane, runs in epochs.items()}
         first = {plane: statistics.median(one[0] for one in runs) for plane, runs in epochs.items()}

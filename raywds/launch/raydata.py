@@ -4,8 +4,10 @@ trains on the batches of its share. Each Ray touchpoint is marked `# RAY`.
 
 Each rank builds, for each epoch, a dataset over exactly the shards the epoch's plan deals
 it (raywds.plan: the same plan the per-rank loader reads, with one slot per rank): a
-datasource with one read task per shard (`ShardSource`, blocks of many samples), then
-`map_batches` decoding with the loader's own decoders (raywds.loader.plane). So split mode
+datasource with one read task per group of shards (`ShardSource`), each task reading its
+shards, shuffling their encoded samples (seeded) and decoding them with the loader's own
+decoders into blocks of whole batches (raywds.loader.plane.task_blocks); the rank takes a
+whole block as a batch, in a thread that starts as the epoch is handed over. So split mode
 stays exact (every sample once per epoch across the ranks, uneven ends finished with Join),
 resample mode draws shards with replacement per rank, seeded, for equal batch counts, and an
 epoch resumes from a checkpoint inside it as exactly as with the per-rank loader. Validation

@@ -16,7 +16,7 @@ LOADER = "raywds.loader.loader"
 
 
 def start_method(workers: int, world: World) -> str | None:
-    """How a rank starts its loader workers, afresh each epoch (the pipeline is seeded by epoch).
+    """How a rank starts its loader workers (once a run: raywds.loader.pool keeps them).
     By fork where the OS has it: a process that was itself spawned would otherwise spawn its
     workers too and re-import torch in each, seconds per epoch. But a distributed rank runs
     torch.distributed's threads, and a fork copies any lock one of them holds into the worker,
