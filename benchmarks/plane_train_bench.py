@@ -10,8 +10,10 @@ later epoch's is in.
 
     .venv/bin/python benchmarks/plane_train_bench.py [--images DIR] [--copies 20] [--epochs 4] [--repeats 2]
 
-The runs alternate (loader, plane, loader, plane, ...) and the medians over --repeats runs are
-reported, with the ratio plane / loader (goal: at least 0.9x, stretch 1.0x). The loader runs
+The runs alternate (loader, ray, feeder, loader, ...) and the medians over --repeats runs are
+reported, with the ratio plane / loader (goal: at least 0.9x, stretch 1.0x). `ray` runs each
+rank's Ray Data executor in the rank's own process, `feeder` in a feeder actor of the rank's
+(--plane-executor). The loader runs
 with one DataLoader worker per CPU Ray sees (2 on a 2-core machine); the plane's decode tasks
 may use every CPU Ray leaves free of the rank's own.
 
@@ -39,6 +41,15 @@ from raywds.data.convert import ConvertOptions, convert
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PLANES = {
+    "loader": ["--data-plane", "loader"],
+    "ray": ["--data-plane", "ray"],
+    "feeder": ["--data-plane", "ray", "--plane-executor", "feeder"],
+}
+"""Each row's flags: the per-rank loader, the plane with each rank's executor in the rank, and in
+a feeder actor of the rank's."""
+
+
 def run(shards: Path, plane: str, epochs: int, work: Path, cpus: int, shrink: int) -> list[float]:
     """One `raywds ray` run; each epoch's images/s from its metrics.jsonl."""
     temp = Path(tempfile.mkdtemp(prefix="r", dir=work))
@@ -53,7 +64,7 @@ def run(shards: Path, plane: str, epochs: int, work: Path, cpus: int, shrink: in
     line = [
         str(ROOT / ".venv/bin/raywds"), "ray", "--data", str(shards), "--model", "demo", "--mode", "split",
         "--image-size", "224", "--batch-size", "64", "--epochs", str(epochs), "--num-workers", "1",
-        "--loader-workers", str(cpus), "--data-plane", plane, "--storage-path", str(temp / "runs"),
+        "--loader-workers", str(cpus), *PLANES[plane], "--storage-path", str(temp / "runs"),
         "--name", plane, "--worker-shuffle-buffer", "0",
     ]  # fmt: skip
     out = subprocess.run(line, env=env, capture_output=True, text=True, timeout=1800)
@@ -69,6 +80,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=20, help="copies of each photo (default %(default)s)")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--planes", nargs="+", choices=list(PLANES), default=list(PLANES))
     parser.add_argument("--shrink", type=int, default=8, help="average-pool the crops by this before the network")
     args = parser.parse_args()
     cpus = os.cpu_count() or 1
@@ -78,7 +90,7 @@ def main() -> None:
         shards = work / "shards"
         convert(work / "tree", shards, ConvertOptions(maxcount=100, seed=0))
         print(f"{count} photos, {len(list(shards.glob('*-train-*.tar')))} train shards; {cpus} CPUs")
-        epochs: dict[str, list[list[float]]] = {"loader": [], "ray": []}
+        epochs: dict[str, list[list[float]]] = {plane: [] for plane in args.planes}
         for _ in range(args.repeats):
             for plane in epochs:
                 epochs[plane].append(run(shards, plane, args.epochs, work, cpus, args.shrink))
@@ -88,7 +100,9 @@ def main() -> None:
         print("\n| data plane | epoch 1 images/s | epochs 2-N images/s (median) |\n|---|---|---|")
         for plane in epochs:
             print(f"| {plane} | {first[plane]:.1f} | {later[plane]:.1f} |")
-        print(f"\nplane / loader, epochs 2-{args.epochs}: {later['ray'] / later['loader']:.2f}x (goal >= 0.9x)")
+        for plane in ("ray", "feeder"):
+            if plane in later and "loader" in later:
+                print(f"{plane} / loader, epochs 2-{args.epochs}: {later[plane] / later['loader']:.2f}x (goal >= 0.9x)")
 
 
 if __name__ == "__main__":

@@ -244,6 +244,7 @@ def _ray_data(cfg: TrainConfig, options: RayOptions) -> tuple[TrainConfig, Worke
     plane = Plane(
         task_cpus=PLANE_TASK_CPUS,
         object_store_bytes_per_rank=options.plane_store_mb << 20,
+        executor=options.plane_executor,
         trainer_cpus=plan.num_workers * plan.cpus_per_worker,
         trainer_gpus=plan.num_workers if plan.use_gpu else 0,
     )

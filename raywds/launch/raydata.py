@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import uuid
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import ray.data
 from ray.data.block import Block, BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 from ray.util.debug import log_once
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import ShardError, one_line, own_cause
@@ -61,6 +63,9 @@ class Plane:
     trainer_cpus: float = 0.0
     """CPUs the training workers reserve in all: Ray Data leaves them out of what it schedules on."""
     trainer_gpus: float = 0.0
+    executor: str = "rank"
+    """Where each rank's Ray Data executor runs: in the rank's own process (`rank`), or in a
+    feeder actor of the rank's on its node (`feeder`), which hands the rank its blocks' refs."""
 
     def apply(self, held_bytes: int = 0) -> None:
         """Set this process's Ray Data context (each rank runs its own pipelines); `held_bytes`:
@@ -158,6 +163,7 @@ class RayData:
 
     def __init__(self, plane: Plane):
         self.plane = plane
+        self._feeder: Any = None
         plane.apply()
 
     def dataset(
@@ -184,8 +190,18 @@ class RayData:
         )
 
     def blocks(self, ds: ray.data.Dataset) -> Iterator[Columns]:
-        """The dataset's blocks as they come (each a whole batch but a task's last)."""
+        """The dataset's blocks as they come (each a whole batch but a task's last), from the
+        executor in this process or the rank's feeder's."""
+        if self.plane.executor == "feeder":
+            return fed(self.feeder(), ds)
         return iter(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=PREFETCH))  # RAY
+
+    def feeder(self) -> Any:
+        """The rank's feeder actor, started on this node at the first need."""
+        if self._feeder is None:
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)  # RAY
+            self._feeder = Feeder.options(scheduling_strategy=here).remote(self.plane)  # type: ignore[attr-defined]
+        return self._feeder
 
     def train(
         self,
@@ -251,7 +267,57 @@ class RayData:
         return ahead(unwrapped(batches(self.blocks(ds))), each=pinned if world.device.startswith("cuda") else None)
 
     def close(self) -> None:
-        """Nothing to stop: each epoch's Dataset ends with it."""
+        """Stop the rank's feeder (each epoch's Dataset ends with the epoch)."""
+        if self._feeder is not None:
+            ray.kill(self._feeder)  # RAY
+            self._feeder = None
+
+
+@ray.remote(num_cpus=0)  # RAY
+class Feeder:
+    """A rank's Ray Data executor in a process of its own on the rank's node, so that the
+    executor's scheduling does not share the training process's interpreter: the rank asks it
+    for its next blocks' refs and fetches them itself (from the node's object store, no copy)."""
+
+    def __init__(self, plane: Plane):
+        plane.apply()
+        self.streams: dict[str, Iterator[Any]] = {}
+
+    def start(self, key: str, ds: ray.data.Dataset) -> None:
+        """Execute `ds` (with the context it was made with, the rank's) as the stream `key`."""
+        self.streams[key] = iter(ds.iter_internal_ref_bundles())  # RAY
+
+    def next(self, key: str, most: int) -> tuple[list[Any], bool]:
+        """Up to `most` blocks' refs of the stream `key`, and whether it has ended."""
+        stream, refs = self.streams[key], []
+        for bundle in stream:
+            refs += bundle.block_refs
+            if len(refs) >= most:
+                return refs, False
+        del self.streams[key]
+        return refs, True
+
+    def stop(self, key: str) -> None:
+        self.streams.pop(key, None)
+
+
+def fed(feeder: Any, ds: ray.data.Dataset) -> Iterator[Columns]:
+    """The blocks of `ds` as the rank's feeder executes it: their refs asked for one request
+    ahead, each block fetched here as numpy columns."""
+    key = uuid.uuid4().hex
+    ray.get(feeder.start.remote(key, ds))  # RAY
+    pending = feeder.next.remote(key, PREFETCH)  # RAY
+    done = False
+    try:
+        while not done:
+            refs, done = ray.get(pending)  # RAY
+            if not done:
+                pending = feeder.next.remote(key, PREFETCH)  # RAY
+            for ref in refs:
+                yield BlockAccessor.for_block(ray.get(ref)).to_batch_format("numpy")  # RAY
+    finally:
+        if not done:
+            feeder.stop.remote(key)  # RAY
 
 
 def unwrapped(batches: Iterator[Batch]) -> Iterator[Batch]:

@@ -15,6 +15,7 @@ from typing import Literal
 from raywds.fields import flag
 
 DataPlane = Literal["loader", "ray"]
+PlaneExecutor = Literal["rank", "feeder"]
 DATA_PLANES: tuple[str, ...] = typing.get_args(DataPlane)
 
 
@@ -71,6 +72,9 @@ class RayOptions:
     tasks on any node of the cluster (ray; --loader-workers then has no effect)."""
     plane_store_mb: int = 1024
     """--data-plane ray: object store memory each rank's pipeline may fill with blocks."""
+    plane_executor: PlaneExecutor = "rank"
+    """--data-plane ray: where each rank's Ray Data executor runs: in the rank's process (rank),
+    or in a feeder actor of the rank's on its node, which hands it its blocks (feeder)."""
     worker_resource: list[tuple[str, float]] | None = field(
         default=None, metadata=flag(parse=resource, append=True, metavar="NAME=AMOUNT")
     )

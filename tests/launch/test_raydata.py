@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import re
 import threading
 import time
@@ -66,18 +67,32 @@ def keys(ranks: list[list[Batch]]) -> Counter:
     return Counter(k for batches in ranks for b in batches for k in b.keys)
 
 
-@pytest.mark.parametrize("world_size, reader", [(2, "file"), (3, "file"), (2, "pipe")])
-def test_split_epochs_are_exact_on_uneven_shards(uneven: Path, local_ray: None, world_size: int, reader: str) -> None:
-    """Shards read from files, or through a `pipe:` command (as from object storage)."""
+@pytest.mark.parametrize(
+    "world_size, reader, executor",
+    [(2, "file", "rank"), (3, "file", "rank"), (2, "pipe", "rank"), (3, "file", "feeder")],
+)
+def test_split_epochs_are_exact_on_uneven_shards(
+    uneven: Path, local_ray: None, world_size: int, reader: str, executor: str
+) -> None:
+    """Shards read from files, or through a `pipe:` command (as from object storage); each rank's
+    executor in its own process, or in a feeder actor of its own."""
+    from raywds.launch import raydata
+
     cfg = plane_config(uneven, mode="split", shards_at=f"pipe:cat {uneven}/{{}}" if reader == "pipe" else None)
+    loaders = raydata.RayData(raydata.Plane(executor=executor))
     for epoch in (0, 1):
-        ranks = run_epoch(uneven, cfg, world_size, epoch)
+        ranks = run_epoch(uneven, cfg, world_size, epoch, loaders=loaders)
         assert keys(ranks) == Counter(tar_keys(uneven)), f"epoch {epoch}: every sample exactly once"
         sizes = [len(b.keys) for r in ranks for b in r[:-1]]
         assert set(sizes) == {8}, "every batch but a rank's last is full"
         for r in ranks:
             assert r[-1].images.shape[1:] == (3, 28, 28) and r[-1].images.dtype == torch.uint8
             assert 2 <= len(r[-1].keys) <= 9, "a rest of one sample joins the batch before"
+    if executor == "feeder":
+        import ray
+
+        assert ray.get(loaders.feeder().__ray_call__.remote(lambda self: os.getpid())) != os.getpid()
+    loaders.close()
 
 
 def test_a_samples_crop_is_the_per_rank_loaders(uneven: Path, local_ray: None) -> None:
