@@ -88,18 +88,24 @@ def slow_decode(monkeypatch: Any, seconds: float) -> None:
     real = raywds.loader.stages.train_decoder
 
     def train_decoder(*args: Any, **kwargs: Any) -> Any:
-        decode = real(*args, **kwargs)
-
-        def waiting(*a: Any, **k: Any) -> Any:
-            try:
-                return decode(*a, **k)
-            finally:
-                time.sleep(seconds)
-
-        return waiting
+        return Waiting(real(*args, **kwargs), seconds)
 
     monkeypatch.setattr(raywds.loader.stages, "train_decoder", train_decoder)
     monkeypatch.setattr(raywds.loader.loader, "train_decoder", train_decoder)
+
+
+class Waiting:
+    """A decoder that waits `seconds` after each crop; picklable, as the loader's pool sends each
+    epoch's pipeline to its workers."""
+
+    def __init__(self, decode: Any, seconds: float):
+        self.decode, self.seconds = decode, seconds
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        try:
+            return self.decode(*a, **k)
+        finally:
+            time.sleep(self.seconds)
 
 
 def environment(seconds: float) -> dict[str, str]:
