@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raywds: error: {lines[0]}", file=sys.stderr)
         if lines[1:]:
             print("\n".join(lines[1:]), file=sys.stderr)
-        return 1
+        return int(getattr(e, "exit_code", 1))
     except KeyboardInterrupt:
         return 130
     return 0

@@ -124,6 +124,9 @@ class TrainConfig(S3Endpoint):
     """Validate every this many epochs (and always after the last)."""
     checkpoint_every_steps: int | None = None
     """Also checkpoint inside an epoch, every this many steps (at steps every rank reaches)."""
+    notice_every: int | None = 10
+    """Every this many steps, every rank asks whether a notice came (Ray's preemption notice, or
+    SIGTERM to any rank) and checkpoints on one at once (None: never ask)."""
     max_steps: int | None = None
     """Stop, with a checkpoint, after this many steps in all; a later run with resume goes on."""
     resume: str | None = None
@@ -165,7 +168,7 @@ class TrainConfig(S3Endpoint):
         for name in ("worker_shuffle_buffer", "cross_worker_shuffle_buffer", "read_retries", "canonical_nodes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be 0 or more")
-        for name in ("batches_per_epoch", "checkpoint_every_steps", "max_steps"):
+        for name in ("batches_per_epoch", "checkpoint_every_steps", "notice_every", "max_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}={value} must be at least 1 (or None)")

@@ -41,6 +41,13 @@ class ServerError(RaywdsError):
     """A shard server that would not start or answer."""
 
 
+class Terminated(RaywdsError):
+    """The run stopped on SIGTERM, after a checkpoint inside its epoch (exit code 143, as a
+    process that SIGTERM ends)."""
+
+    exit_code = 143
+
+
 class CollectiveError(RaywdsError):
     """A collective failed or timed out: another rank stalled or died."""
 

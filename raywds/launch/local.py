@@ -20,6 +20,7 @@ from raywds.launch import gloo
 from raywds.runs import files
 from raywds.runs.folder import Metrics, RunDir
 from raywds.runs.lock import RunLock
+from raywds.train.notice import Sigterm
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -57,9 +58,11 @@ def _run(cfg: TrainConfig, world: World) -> tuple[Metrics, RunDir | None]:
     run_dir = RunDir(cfg.out, append=resuming_in_place(cfg)) if world.is_main else None
     if run_dir is not None:
         run_dir.write_config(cfg)  # the resolved config
+    notices = Sigterm(world)  # SIGTERM to any rank: a checkpoint inside the epoch, then a stop
     try:
-        return train(cfg, world, run_dir=run_dir), run_dir
+        return train(cfg, world, run_dir=run_dir, notices=notices), run_dir
     finally:
+        notices.close()
         if run_dir is not None:
             run_dir.close()
         if world.distributed:

@@ -49,6 +49,7 @@ from raywds.runs import files
 from raywds.runs.checkpoint import load_checkpoint, save_checkpoint
 from raywds.runs.folder import Metrics, RunDir
 from raywds.runs.rows import kind
+from raywds.train.notice import Notice
 from raywds.train.state import check_unfinished
 from raywds.train.trainer import train
 from raywds.world import World
@@ -102,6 +103,16 @@ def quiet_ray_reports() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
+def preemption_notice() -> Notice | None:
+    """Ray Train's notice that a node of the run is being drained for preemption (a collective:
+    every rank asks at the same steps), as raywds's Notice."""
+    info = ray.train.get_preemption_info()  # RAY
+    if info is None:
+        return None
+    deadline = info.deadline_ms / 1000 if info.deadline_ms else None
+    return Notice("preemption", deadline, tuple(info.preempted_node_ids))
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Runs in every Ray Train worker: build the world from Ray's context, then train."""
     quiet_ray_reports()
@@ -128,7 +139,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     run_dir = open_run_dir(cfg) if world.is_main else None
     try:
         report = functools.partial(report_to_ray, run_dir=run_dir)
-        train(cfg, world, report, resume, run_dir=run_dir, loaders=loaders, manifest=manifest)
+        train(
+            cfg, world, report, resume, run_dir=run_dir, loaders=loaders, manifest=manifest, notices=preemption_notice
+        )
     finally:
         if run_dir is not None:
             run_dir.close()

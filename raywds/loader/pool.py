@@ -23,6 +23,7 @@ had read cannot be told apart from what it had not.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection
@@ -84,6 +85,7 @@ class Member:
             multiprocessing_context=context,
             pin_memory=pin,
             timeout=timeout,
+            worker_init_fn=_plain_sigterm,
         )
         self.batches: Iterator[Any] | None = None
         self.waiting = False
@@ -128,6 +130,12 @@ class Member:
             pass
         _shut(self.loader)
         self.inbox.close()
+
+
+def _plain_sigterm(worker_id: int) -> None:
+    """A worker forked from a rank that turned SIGTERM into a notice (raywds.train.notice) ends
+    on SIGTERM again, as torch's clean-up expects of it."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _shut(loader: DataLoader[Any]) -> None:

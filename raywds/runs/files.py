@@ -7,6 +7,7 @@ RUN_DIR/best/checkpoint.pt     the best epoch's, with best/metrics.json, its row
 RUN_DIR/tensorboard/           --tensorboard's event files
 RUN_DIR/.raywds-lock           held while a run trains into the folder (raywds.runs.lock)
 RUN_DIR/last.ckpt              the Lightning DataModule's checkpoints inside an epoch
+RUN_DIR/last-step              the step rank 0 trained last (after a restart: the steps trained again)
 """
 
 from __future__ import annotations
@@ -21,3 +22,4 @@ BEST_ROW = f"{BEST}/metrics.json"
 TENSORBOARD = "tensorboard"
 LOCK = ".raywds-lock"
 LIGHTNING_CHECKPOINT = "last.ckpt"
+LAST_STEP = "last-step"

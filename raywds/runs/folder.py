@@ -6,11 +6,13 @@ RUN_DIR/config.json     the resolved config (raywds-config.json beside a Ray run
 RUN_DIR/checkpoint.pt   the latest checkpoint (local runs; Ray keeps its own checkpoint folders)
 RUN_DIR/best/           the checkpoint with the best validation top-1, and its metrics.json
 RUN_DIR/tensorboard/    with --tensorboard: the rows' numbers as TensorBoard scalars (raywds.runs.tensorboard)
+RUN_DIR/last-step       the step rank 0 trained last, written at every step
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,11 @@ class RunDir:
         self.checkpoint_path = self.path / files.CHECKPOINT
         self.events: EventWriter | None = None
         self.keep_events = append
+        self._last_step: int | None = None
+        """The open last-step file."""
         if not append:
             self.metrics_path.write_text("")
+            (self.path / files.LAST_STEP).unlink(missing_ok=True)
 
     def open_tensorboard(self) -> Path:
         """From now on also write each row's numbers as TensorBoard scalars; returns their folder."""
@@ -49,6 +54,23 @@ class RunDir:
         if self.events is not None:
             self.events.close()
             self.events = None
+        if self._last_step is not None:
+            os.close(self._last_step)
+            self._last_step = None
+
+    def mark(self, step: int) -> None:
+        """The step rank 0 has just trained: one small write in place, not synced (a lost node's
+        page cache may lose the last few; a killed process's is kept)."""
+        if self._last_step is None:
+            self._last_step = os.open(self.path / files.LAST_STEP, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(self._last_step, f"{step:>20d}\n".encode(), 0)
+
+    def last_step(self) -> int | None:
+        """The step rank 0 marked last, in this run or the one it resumes (None: never marked)."""
+        try:
+            return int((self.path / files.LAST_STEP).read_text())
+        except (OSError, ValueError):
+            return None
 
     def write_config(self, cfg: TrainConfig, name: str = files.CONFIG) -> Path:
         path = self.path / name

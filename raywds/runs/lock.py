@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import socket
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -23,6 +24,22 @@ from raywds.errors import StorageError
 from raywds.runs import files
 
 log = logging.getLogger(__name__)
+
+_held: weakref.WeakSet[RunLock] = weakref.WeakSet()
+"""The locks this process holds."""
+
+
+def _let_go_in_child() -> None:
+    """In a forked child (a loader worker): close its copies of the held locks' files. The lock
+    stays the run's (an flock goes only when every copy of its descriptor is closed), and goes
+    when the run's own process does, not when its last worker notices that it has gone."""
+    for lock in list(_held):
+        if lock._handle is not None:
+            lock._handle.close()
+            lock._handle = None
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 class RunLock:
@@ -60,6 +77,7 @@ class RunLock:
         handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
         handle.flush()
         self._handle = handle
+        _held.add(self)
         return self
 
     def release(self) -> None:

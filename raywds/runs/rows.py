@@ -44,6 +44,9 @@ class EpochRow(TypedDict):
     lr: float
     stages: dict[str, Any]
     """Each rank's stage times (raywds.runs.stagetimes), what the doctor reads."""
+    steps_redone: int
+    """Steps trained again in this epoch after a restart: those past the checkpoint it resumed
+    (0 when the checkpoint was taken on a notice, or nothing restarted)."""
     val_loss: NotRequired[float]
     val_top1: NotRequired[float]
     val_top5: NotRequired[float]
@@ -61,6 +64,12 @@ class CheckpointRow(TypedDict):
     """What a reader checks for a run that stopped inside an epoch."""
     epoch_samples_done: NotRequired[int]
     """Samples of the epoch trained, on every rank (raywds train; the Lightning example leaves it out)."""
+    reason: NotRequired[str]
+    """A checkpoint taken on a notice: `preemption` (Ray's) or `sigterm` (raywds.train.notice)."""
+    deadline: NotRequired[float | None]
+    """When the notice said the node or process goes (Unix seconds)."""
+    nodes: NotRequired[list[str]]
+    """The nodes the notice named."""
 
 
 class ProgressRow(TypedDict):

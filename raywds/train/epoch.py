@@ -234,6 +234,15 @@ class EpochKeeper:
             return False
         return (epoch.step_before + ran) % every == 0
 
+    def notice_due(self, ran: int) -> bool:
+        """Whether every rank asks for a notice after this run's `ran`-th step of the epoch
+        (--notice-every): a collective, so only where every rank is still in the loop, and not
+        at the epoch's last step (its own checkpoint follows)."""
+        epoch, every = self.current(), self.cfg.notice_every
+        if every is None or ran > epoch.plan.min_batches or ran >= epoch.plan.max_batches:
+            return False
+        return ran % every == 0
+
     def stop_due(self, ran: int) -> bool:
         """Whether --max-steps stops the run after this run's `ran`-th step of the epoch (a
         checkpoint is taken there: only where every rank is still in the loop)."""

@@ -6,6 +6,7 @@ the world and call `train(cfg, world, ...)`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
 from raywds.data.dataset import Manifest, manifest_of
-from raywds.errors import RaywdsError
+from raywds.errors import RaywdsError, Terminated
 from raywds.loader.loader import EpochLoader, Loaders, PerRank
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import BadSample, Batch
@@ -29,6 +30,7 @@ from raywds.train.epoch import Epoch, EpochKeeper
 from raywds.train.ledger import gathered, per_rank, sum_and_max, tally
 from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import build_model
+from raywds.train.notice import Notice, Notices
 from raywds.train.optim import lr_at, make_optimizer
 from raywds.train.progress import ProgressLog, epoch_line
 from raywds.train.state import check_unfinished, checkpoint_state, restore
@@ -36,6 +38,10 @@ from raywds.train.timing import stage_times
 from raywds.world import World
 
 log = logging.getLogger(__name__)
+
+WAIT_PAST_DEADLINE_S = 30.0
+"""After a preemption notice's checkpoint: how long past the deadline to wait for the node to go."""
+MAX_WAIT_S = 600.0
 
 # report(metrics, checkpoint): called on every rank after every epoch; checkpoint only on rank 0.
 Report = Callable[[Metrics, dict[str, Any] | None], None]
@@ -54,6 +60,7 @@ class Trainer:
         run_dir: RunDir | None = None,
         loaders: Loaders | None = None,
         manifest: Manifest | None = None,
+        notices: Notices | None = None,
     ):
         torch.manual_seed(cfg.seed)
         self.cfg, self.world, self.run_dir, self.workers = cfg, world, run_dir, Workers(cfg, world)
@@ -74,6 +81,9 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg, world)
         if resume is not None:
             restore(resume, self.model, self.optimizer, self.keeper)
+        self.notices = notices
+        self.noticed: Notice | None = None
+        self.redone = self.steps_redone() if resume is not None else 0
         self.metrics: Metrics = {}
         self.upcoming: tuple[Epoch, EpochLoader] | None = None
         """The next epoch, handed to the loader before this one's validation (`look_ahead`)."""
@@ -118,10 +128,14 @@ class Trainer:
 
         def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
             keeper.mark(batch)
+            if self.run_dir is not None:
+                self.run_dir.mark(epoch.steps)
             progress.update(step, so_far, keeper.lr(step), self.manifest.base)
             stop = keeper.stop_due(step)
             if stop or keeper.checkpoint_due(step):
                 self.checkpoint_inside(epoch)
+            elif self.notices is not None and keeper.notice_due(step):
+                self.on_notice(epoch, self.notices())
             return stop
 
         try:
@@ -145,17 +159,51 @@ class Trainer:
         self.finish_epoch(epoch, result)
         return cfg.max_steps is not None and keeper.progress.steps >= cfg.max_steps
 
-    def checkpoint_inside(self, epoch: Epoch) -> None:
-        """Save the data position after this run's steps so far of the epoch (every rank, at the same step)."""
+    def checkpoint_inside(self, epoch: Epoch, notice: Notice | None = None) -> None:
+        """Save the data position after this run's steps so far of the epoch (every rank, at the
+        same step); one taken on a `notice` says so in its row."""
         here = self.keeper.inside()
         self.keeper.checkpointed(here)
         done = here.position.samples_done if here.position else 0
         if self.world.is_main:
+            why = f" on a {notice.reason} notice" if notice is not None else ""
             log.info(
-                f"step {here.steps}: checkpoint inside epoch {epoch.index + 1} "
+                f"step {here.steps}: checkpoint inside epoch {epoch.index + 1}{why} "
                 f"({done}/{self.keeper.num_samples} samples done)"
             )
-        self.emit(checkpoint_row(epoch.index, here.steps, here.samples_seen, done))
+        row = checkpoint_row(epoch.index, here.steps, here.samples_seen, done)
+        self.emit({**row, **(notice.row() if notice is not None else {})})
+
+    def on_notice(self, epoch: Epoch, notice: Notice | None) -> None:
+        """A notice not seen before: checkpoint now. On SIGTERM, stop (the process is going); on
+        Ray's preemption notice, train no further step that a restart would train again: wait
+        for the node to go (Ray restarts the run from this checkpoint), or, should it stay past
+        the deadline, go on."""
+        if notice is None or notice == self.noticed:
+            return
+        self.noticed = notice
+        self.checkpoint_inside(epoch, notice)
+        steps = self.keeper.progress.steps
+        if notice.reason == "sigterm":
+            where = self.run_dir.checkpoint_path if self.run_dir is not None else "the run folder's checkpoint"
+            raise Terminated(
+                f"stopped on SIGTERM at step {steps}, inside epoch {epoch.index + 1}, after a checkpoint: "
+                f"resume with --resume {where}"
+            )
+        left = max((notice.deadline or time.time()) - time.time(), 0.0)
+        wait = min(left + WAIT_PAST_DEADLINE_S, MAX_WAIT_S)
+        if self.world.is_main:
+            nodes = ", ".join(notice.nodes)
+            log.info(f"a preemption notice for node(s) {nodes}: waiting up to {wait:.0f} s for them to go")
+        time.sleep(wait)
+        if self.world.is_main:
+            log.info("the node(s) stayed past the notice's deadline: training on")
+
+    def steps_redone(self) -> int:
+        """Rank 0, resumed: the steps the run had trained past the checkpoint it resumes (its
+        run folder's last step), which it trains again; 0 elsewhere."""
+        last = self.run_dir.last_step() if self.run_dir is not None else None
+        return max(0, last - self.keeper.progress.steps) if last is not None else 0
 
     def finish_epoch(self, epoch: Epoch, result: EpochResult) -> None:
         cfg, world = self.cfg, self.world
@@ -175,9 +223,10 @@ class Trainer:
         bound, job-wide (collectives: every rank calls this at its end)."""
         world, keeper = self.world, self.keeper
         sums = [result.num_samples, result.loss_sum, len(result.bad_samples), result.num_bad_shards]
-        (num_samples, loss_sum, num_bad, bad_shards, retries), seconds = sum_and_max(
-            world, [*sums, result.num_read_retries], result.seconds
+        (num_samples, loss_sum, num_bad, bad_shards, retries, redone), seconds = sum_and_max(
+            world, [*sums, result.num_read_retries, self.redone], result.seconds
         )
+        self.redone = 0  # counted in the epoch the restart trained them in
         # Shards repeat within a resample epoch, and a bad sample with them: the bound is on the
         # distinct ones, job-wide. Every rank sees the same sum, so all gather or none does.
         mine = [list(b) for b in result.distinct_bad.values()]
@@ -214,6 +263,7 @@ class Trainer:
             data_wait_max=max(r[1] for r in ranks),
             lr=lr_at(self.cfg, world, epoch.index + 1),
             stages=stage_times(world, result, self.cfg, self.manifest.base),
+            steps_redone=int(redone),
         )
         return {**row}
 
@@ -235,11 +285,13 @@ def train(
     run_dir: RunDir | None = None,
     loaders: Loaders | None = None,
     manifest: Manifest | None = None,
+    notices: Notices | None = None,
 ) -> Metrics:
     """Train for cfg.epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or cfg.resume;
     returns the last metrics, the same on every rank. Rank 0's `run_dir` gets progress rows and is the report
-    unless `report` is given; `loaders`: where batches come from; `manifest`: cfg.data's, where known."""
+    unless `report` is given; `loaders`: where batches come from; `manifest`: cfg.data's, where known;
+    `notices`: asked every --notice-every steps (raywds.train.notice)."""
     if resume is None and cfg.resume:
         resume = load_checkpoint(cfg.resume)
         check_unfinished(resume, cfg)
-    return Trainer(cfg, world, report, resume, run_dir, loaders, manifest).fit()
+    return Trainer(cfg, world, report, resume, run_dir, loaders, manifest, notices).fit()
