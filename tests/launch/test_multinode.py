@@ -5,6 +5,7 @@ the head node, as a user's does."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -323,3 +324,55 @@ def test_a_node_that_stays_lost_is_an_error_naming_it_in_bounded_time(
         driver.process.kill()  # the node stays lost: a test after this one starts it again (`both_nodes`)
     assert f"raywds: error: lost node(s) {WORKER_IP} during the run" in driver.output, driver.output[-3000:]
     assert waited < 120, f"{waited:.0f} s from the loss to the error"
+
+
+def node_id(cluster: TwoNodes, ip: str) -> str:
+    """The Ray node id of the live node at `ip`."""
+    script = (
+        "import ray; ray.init(address='auto', logging_level='ERROR'); "
+        f"print('NODE', next(n['NodeID'] for n in ray.nodes() if n['Alive'] and n['NodeManagerAddress'] == {ip!r}))"
+    )
+    out = cluster.run([sys.executable, "-c", script], timeout=120, env={"RAY_ADDRESS": cluster.gcs_address})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("NODE "))
+
+
+DEADLINE_S = 25
+
+
+def test_a_preemption_notice_checkpoints_at_once_and_the_restart_trains_no_step_again(
+    both_nodes: TwoNodes, demo: Path, tmp_path: Path
+) -> None:
+    """A real notice: the worker node drained for preemption with a 25 s deadline (as a cloud's
+    notice reaches Ray), its processes killed at the deadline. The run checkpoints at once, trains
+    no step past it, goes on alone from it, and every epoch stays exact."""
+    cluster = both_nodes
+    flags = ("--resize-check-s", "2", "--node-wait-s", "20", "--notice-every", "2")
+    driver = Driver(cluster, *split_run(demo, tmp_path, "1..2", *flags, epochs=3))
+    try:
+        driver.wait_for(r"step \d+: checkpoint inside epoch 1 ")
+        worker = node_id(cluster, WORKER_IP)
+        drain = cluster.run(
+            [str(RAY), "drain-node", "--address", cluster.gcs_address, "--node-id", worker, "--reason",
+             "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim", "--deadline-remaining-seconds",
+             str(DEADLINE_S)],
+            timeout=60,
+        )  # fmt: skip
+        drained_at = time.monotonic()
+        assert drain.returncode == 0, drain.stdout[-2000:] + drain.stderr[-2000:]
+        driver.wait_for(r"step \d+: checkpoint inside epoch \d+ on a preemption notice", timeout_s=DEADLINE_S)
+        time.sleep(max(0.0, drained_at + DEADLINE_S - time.monotonic()))
+        cluster.lose_worker()  # the cloud takes the node at the deadline
+        driver.wait_for(r"rank 0 of 1 on node " + re.escape(HEAD_IP), timeout_s=120)
+        assert driver.finish() == 0, driver.output[-4000:]
+    finally:
+        driver.process.kill()
+    (metrics,) = (tmp_path / "ray").glob("*/metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    noticed = [r for r in rows if r["kind"] == "checkpoint" and r.get("reason") == "preemption"]
+    assert len(noticed) == 1 and noticed[0]["nodes"] == [worker] and noticed[0]["deadline"], driver.timeline()
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [1, 2, 3]
+    assert all(r["steps_redone"] == 0 for r in epochs), [r["steps_redone"] for r in epochs]
+    assert "restarted: resuming from the checkpoint at step" in driver.output
+    assert_every_epoch_exact(tmp_path / "audit", demo, 3)
