@@ -124,6 +124,10 @@ class TrainConfig(S3Endpoint):
     """Validate every this many epochs (and always after the last)."""
     checkpoint_every_steps: int | None = None
     """Also checkpoint inside an epoch, every this many steps (at steps every rank reaches)."""
+    global_batch: int | None = None
+    """Samples each optimizer step sees, on any number of ranks: each rank adds up the gradients
+    of global_batch / (ranks x --batch-size) batches a step, so an elastic resize keeps the
+    optimisation the same (None: one batch a rank, a step)."""
     notice_every: int | None = 10
     """Every this many steps, every rank asks whether a notice came (Ray's preemption notice, or
     SIGTERM to any rank) and checkpoints on one at once (None: never ask)."""
@@ -168,6 +172,10 @@ class TrainConfig(S3Endpoint):
         for name in ("worker_shuffle_buffer", "cross_worker_shuffle_buffer", "read_retries", "canonical_nodes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be 0 or more")
+        if self.global_batch is not None and (self.global_batch < 1 or self.global_batch % self.batch_size):
+            raise ConfigError(
+                f"--global-batch {self.global_batch} must be a multiple of --batch-size {self.batch_size}"
+            )
         for name in ("batches_per_epoch", "checkpoint_every_steps", "notice_every", "max_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -193,8 +201,20 @@ class TrainConfig(S3Endpoint):
         if self.lr is not None:
             return self.lr
         if self.optimizer == "sgd":
-            return 0.1 * self.batch_size * world_size / 256
+            return 0.1 * (self.global_batch or self.batch_size * world_size) / 256
         return 1e-3
+
+    def accumulation(self, world_size: int) -> int:
+        """Batches each rank trains an optimizer step on `world_size` ranks (--global-batch)."""
+        if self.global_batch is None:
+            return 1
+        per_step = world_size * self.batch_size
+        if self.global_batch % per_step:
+            raise ConfigError(
+                f"--global-batch {self.global_batch} cannot be reached by {world_size} rank(s) of --batch-size "
+                f"{self.batch_size}: make it a multiple of {per_step}"
+            )
+        return self.global_batch // per_step
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

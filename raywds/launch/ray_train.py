@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import tempfile
 import time
@@ -184,6 +185,19 @@ def absolute(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, **paths)
 
 
+def check_global_batch(cfg: TrainConfig, fewest: int, most: int) -> None:
+    """Refuse, in one line, a --global-batch that some world an elastic run may take cannot reach."""
+    if cfg.global_batch is None:
+        return
+    cannot = [w for w in range(fewest, most + 1) if cfg.global_batch % (w * cfg.batch_size)]
+    if cannot:
+        every = math.lcm(*(w * cfg.batch_size for w in range(fewest, most + 1)))
+        raise ConfigError(
+            f"--global-batch {cfg.global_batch} cannot be reached by {', '.join(map(str, cannot))} rank(s) of "
+            f"--batch-size {cfg.batch_size} (--num-workers {fewest}..{most}): make it a multiple of {every}"
+        )
+
+
 def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
     """Train `cfg` on the connected cluster with a TorchTrainer, as `options` say; returns rank 0's
     last metrics. `num_workers` (MIN, MAX) is elastic; after a failure (a worker or its node lost)
@@ -199,6 +213,7 @@ def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
     manifest = manifest_of(cfg)
     for size in {plan.min_workers or plan.num_workers, plan.num_workers}:  # refuse a plan that would hang
         check_plan(epoch_plan(manifest, cfg, size, epoch=0), manifest)
+    check_global_batch(cfg, plan.min_workers or plan.num_workers, plan.num_workers)
     if cfg.resume:
         resume = os.path.abspath(cfg.resume)
         cfg = dataclasses.replace(cfg, resume=resume)

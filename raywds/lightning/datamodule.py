@@ -59,6 +59,10 @@ class ShardDataModule(pl.LightningDataModule):
         super().__init__()
         if not decoding(cfg.decode).in_workers:
             raise ConfigError("the Lightning DataModule decodes on the CPU: use --decode cpu or pil")
+        if cfg.global_batch is not None:
+            raise ConfigError(
+                "global_batch is raywds train's: with Lightning, accumulate with Trainer(accumulate_grad_batches=...)"
+            )
         if cfg.loader_workers == "auto":  # no epoch is measured here: start as raywds train does
             cfg = dataclasses.replace(cfg, loader_workers=first(len(os.sched_getaffinity(0))).workers)
         self.cfg = cfg

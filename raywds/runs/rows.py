@@ -44,6 +44,11 @@ class EpochRow(TypedDict):
     lr: float
     stages: dict[str, Any]
     """Each rank's stage times (raywds.runs.stagetimes), what the doctor reads."""
+    optimizer_steps: int
+    """The epoch's optimizer steps (its longest rank's): `step`'s batches, with --global-batch a
+    step every global_batch / (ranks x --batch-size) of them."""
+    global_batch: int
+    """Samples an optimizer step saw (--global-batch, else ranks x --batch-size)."""
     steps_redone: int
     """Steps trained again in this epoch after a restart: those past the checkpoint it resumed
     (0 when the checkpoint was taken on a notice, or nothing restarted)."""

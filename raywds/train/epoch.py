@@ -23,6 +23,7 @@ cannot join.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,11 @@ class Progress:
     """Samples skipped as undecodable in the finished epochs (resample mode), once per draw."""
     bad_samples_distinct: int = 0
     """The distinct samples among them, counted by epoch: a sample bad in two epochs counts twice."""
+    optimizer_steps: int = 0
+    """Optimizer steps so far (the longest rank's, as `steps`): `steps` with --global-batch's
+    accumulation, each counted on the world it ran on."""
+    epoch_optimizer_steps: int = 0
+    """Inside an unfinished epoch: its optimizer steps so far."""
 
 
 @dataclass
@@ -73,12 +79,15 @@ class Epoch:
     start: Progress
     """The run's progress when this part of the epoch began."""
     ledger: Ledger
-    global_batch: int
+    batch_samples: int
+    """Samples a batch step trains on all ranks (ranks x --batch-size)."""
     size: int
     """Samples in a whole epoch, for the learning-rate clock: the manifest's, or
     --batches-per-epoch's batches."""
     bad_allowed: int
     """Distinct undecodable samples the epoch may skip (resample mode; an exact epoch skips none)."""
+    accumulate: int = 1
+    """Batches a rank trains an optimizer step on (--global-batch)."""
     ran: int = 0
     """Batches this rank has trained in this run's part of the epoch."""
     samples: int = 0
@@ -116,6 +125,20 @@ class Epoch:
         """The run's steps so far."""
         return self.start.steps + self.ran
 
+    @property
+    def optimizer_steps_before(self) -> int:
+        """A resumed epoch's optimizer steps before this run's part."""
+        return self.start.epoch_optimizer_steps if self.position is not None else 0
+
+    def optimizer_steps(self, ran: int) -> int:
+        """The epoch's optimizer steps once this run's part has taken `ran` batches (a last,
+        short step counted)."""
+        return self.optimizer_steps_before + math.ceil(ran / self.accumulate)
+
+    def at_step_end(self, ran: int) -> bool:
+        """Whether this run's `ran`-th batch ends an optimizer step (a checkpoint is taken only there)."""
+        return ran % self.accumulate == 0
+
 
 class EpochKeeper:
     """The bookkeeping of a run's epochs on one rank; `state_dict()`/`load_state_dict()` carry
@@ -142,6 +165,8 @@ class EpochKeeper:
             "samples_seen": progress.samples_seen,
             "bad_samples": progress.bad_samples,
             "bad_samples_distinct": progress.bad_samples_distinct,
+            "optimizer_steps": progress.optimizer_steps,
+            "epoch_optimizer_steps": progress.epoch_optimizer_steps,
             "position": position.to_state() if position else None,
         }
 
@@ -158,6 +183,8 @@ class EpochKeeper:
             position=position,
             bad_samples=state["bad_samples"],
             bad_samples_distinct=state["bad_samples_distinct"],
+            optimizer_steps=state.get("optimizer_steps", state["steps"]),  # before --global-batch: one batch a step
+            epoch_optimizer_steps=state.get("epoch_optimizer_steps", position.step if position else 0),
         )
 
     # -- an epoch --------------------------------------------------------------------------
@@ -172,12 +199,14 @@ class EpochKeeper:
             ranks_per_node=world.ranks_per_node,
         )  # fmt: skip
         check_plan(plan, self.manifest)
-        global_batch = world.world_size * cfg.batch_size
-        size = cfg.batches_per_epoch * global_batch if cfg.batches_per_epoch else self.num_samples
+        accumulate = cfg.accumulation(world.world_size)
+        batch_samples = world.world_size * cfg.batch_size
+        size = cfg.batches_per_epoch * batch_samples if cfg.batches_per_epoch else self.num_samples
         bad_allowed = cfg.bad_samples_allowed(sum(plan.samples_per_rank))
         if self.audit is None:
             self.audit = Audit(cfg.audit_dir, world, start.steps)
-        self.epoch = Epoch(index, plan, position, start, Ledger(self.shard_sizes), global_batch, size, bad_allowed)
+        ledger = Ledger(self.shard_sizes)
+        self.epoch = Epoch(index, plan, position, start, ledger, batch_samples, size, bad_allowed, accumulate)
         return self.epoch
 
     @property
@@ -220,7 +249,7 @@ class EpochKeeper:
         """Epochs done, fractional, once this run's `ran`-th step of the epoch is taken: the clock
         of the learning-rate schedule, the same on every rank at an epoch's boundaries."""
         epoch = self.current()
-        return epoch.index + min((epoch.done_before + ran * epoch.global_batch) / max(epoch.size, 1), 1.0)
+        return epoch.index + min((epoch.done_before + ran * epoch.batch_samples) / max(epoch.size, 1), 1.0)
 
     def lr(self, ran: int) -> float:
         """The learning rate of this run's `ran`-th step (1-based) of the epoch: warm-up's first step learns."""
@@ -232,7 +261,7 @@ class EpochKeeper:
         epoch, every = self.current(), self.cfg.checkpoint_every_steps
         if every is None or ran > epoch.plan.min_batches or ran >= epoch.plan.max_batches:
             return False
-        return (epoch.step_before + ran) % every == 0
+        return (epoch.step_before + ran) % every == 0 and epoch.at_step_end(ran)
 
     def notice_due(self, ran: int) -> bool:
         """Whether every rank asks for a notice after this run's `ran`-th step of the epoch
@@ -241,13 +270,14 @@ class EpochKeeper:
         epoch, every = self.current(), self.cfg.notice_every
         if every is None or ran > epoch.plan.min_batches or ran >= epoch.plan.max_batches:
             return False
-        return ran % every == 0
+        return ran % every == 0 and epoch.at_step_end(ran)
 
     def stop_due(self, ran: int) -> bool:
         """Whether --max-steps stops the run after this run's `ran`-th step of the epoch (a
         checkpoint is taken there: only where every rank is still in the loop)."""
         epoch, most = self.current(), self.cfg.max_steps
-        return most is not None and ran <= epoch.plan.min_batches and epoch.start.steps + ran >= most
+        reached = most is not None and epoch.start.steps + ran >= most
+        return reached and ran <= epoch.plan.min_batches and epoch.at_step_end(ran)
 
     def inside(self) -> Progress:
         """The run's progress after this rank's steps so far, inside the epoch (a collective in
@@ -261,7 +291,7 @@ class EpochKeeper:
     def _left(self, epoch: Epoch, counted: Tally | None) -> Progress:
         """The progress of an epoch stopped after `epoch.ran` steps: its position by `counted`
         (split mode), or by the batches, all full, that every rank took (resample)."""
-        done = counted.distinct if counted is not None else epoch.done_before + epoch.ran * epoch.global_batch
+        done = counted.distinct if counted is not None else epoch.done_before + epoch.ran * epoch.batch_samples
         here = Position(
             mode=epoch.plan.mode,
             epoch=epoch.index,
@@ -271,7 +301,7 @@ class EpochKeeper:
             partial=counted.partial if counted is not None else {},
             dataset=self.manifest.fingerprint("train"),
         )
-        start = epoch.start
+        start, taken = epoch.start, epoch.optimizer_steps(epoch.ran)
         return Progress(
             epoch=epoch.index,
             steps=epoch.steps,
@@ -279,6 +309,8 @@ class EpochKeeper:
             position=here,
             bad_samples=start.bad_samples,
             bad_samples_distinct=start.bad_samples_distinct,
+            optimizer_steps=start.optimizer_steps + taken - epoch.optimizer_steps_before,
+            epoch_optimizer_steps=taken,
         )
 
     def checkpointed(self, progress: Progress) -> None:
@@ -300,13 +332,14 @@ class EpochKeeper:
         """The epoch's end, every rank done: `samples` trained on all ranks, `bad` draws skipped and
         the `bad_distinct` samples among them. The next epoch starts from its beginning."""
         epoch = self.current()
-        start = epoch.start
+        start, taken = epoch.start, epoch.optimizer_steps(epoch.plan.max_batches)
         self.progress = Progress(
             epoch=epoch.index + 1,
             steps=start.steps + epoch.plan.max_batches,
             samples_seen=start.samples_seen + samples,
             bad_samples=start.bad_samples + bad,
             bad_samples_distinct=start.bad_samples_distinct + bad_distinct,
+            optimizer_steps=start.optimizer_steps + taken - epoch.optimizer_steps_before,
         )
         epoch.closed = True
         if self.audit is not None:
@@ -336,5 +369,7 @@ class EpochKeeper:
                 epoch=epoch.index + 1, steps=epoch.start.steps + epoch.plan.max_batches,
                 samples_seen=self.progress.samples_seen, bad_samples=self.progress.bad_samples,
                 bad_samples_distinct=self.progress.bad_samples_distinct,
+                optimizer_steps=epoch.start.optimizer_steps + epoch.optimizer_steps(epoch.plan.max_batches)
+                - epoch.optimizer_steps_before,
             )  # fmt: skip
         return self.inside()

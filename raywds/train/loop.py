@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 
 import torch
@@ -123,16 +123,20 @@ def train_epoch(
     after_step: Callable[[int, Batch, EpochResult], bool] | None = None,
     where: str = "",
     pg_timeout: float | None = None,
+    accumulate: int = 1,
 ) -> EpochResult:
-    """One pass; `lr(steps done)` sets the rate before each step, and `after_step(steps done,
-    batch, counts so far)` runs after it and may stop the epoch by returning True. With `uneven` (split mode)
-    Join lets ranks that run out early shadow the collectives of the rest."""
+    """One pass; `lr(batches done)` sets the rate before each optimizer step, and `after_step(batches
+    done, batch, counts so far)` runs after each batch and may stop the epoch by returning True.
+    With `uneven` (split mode) Join lets ranks that run out early shadow the collectives of the
+    rest. `accumulate`: batches an optimizer step adds the gradients of (--global-batch), each
+    but a step's last under DDP's no_sync; a rank's last, short step averages what it has."""
     model.train()
     loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
     r = EpochResult()
     start = time.perf_counter()
     joinable = uneven and isinstance(model, DistributedDataParallel)
     timer = StepTimer(world.device)
+    total = len(batches) if isinstance(batches, Sized) else None
     try:
         with Join([model]) if joinable else contextlib.nullcontext(), _iterating(batches) as it:  # type: ignore[list-item]
             while True:
@@ -141,16 +145,21 @@ def train_epoch(
                 r.waited(time.perf_counter() - asked, batch)  # time the step waited for the loader
                 if batch is None:
                     break
-                set_lr(optimizer, lr(r.num_steps))
+                first, in_step = r.num_steps % accumulate == 0, _in_step(r.num_steps, accumulate, total)
+                last = (r.num_steps + 1) % accumulate == 0 or r.num_steps + 1 == total
+                if first:  # the rate at the step's end, on the clock of samples: as one batch of them would
+                    set_lr(optimizer, lr(r.num_steps + in_step - 1))
+                    optimizer.zero_grad(set_to_none=True)
                 marks = [timer.mark()]
                 images, labels = compute.inputs(batch.images, batch.labels)
                 marks.append(timer.mark())
-                with compute.autocast():
+                with _no_sync(model, not last), compute.autocast():
                     loss = loss_fn(model(images), labels)
                 marks.append(timer.mark())
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                with _no_sync(model, not last):
+                    (loss / in_step if in_step > 1 else loss).backward()
+                if last:
+                    optimizer.step()
                 marks.append(timer.mark())
                 r.add(batch, loss.item())  # waits for the device: the marks are done
                 r.add_times(timer.between(marks), timer.own(marks[1], marks[3]))
@@ -168,6 +177,19 @@ def train_epoch(
         raise
     r.seconds = time.perf_counter() - start
     return r
+
+
+def _in_step(done: int, accumulate: int, total: int | None) -> int:
+    """Batches in the optimizer step that batch `done` (from 0) is part of: `accumulate`, or
+    fewer in a rank's last step."""
+    begun = done - done % accumulate
+    return min(accumulate, total - begun) if total is not None else accumulate
+
+
+def _no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager[None]:
+    """DDP's no_sync (no gradient all-reduce) for a batch that does not end its step."""
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync() if skip and no_sync is not None else contextlib.nullcontext()
 
 
 @torch.no_grad()

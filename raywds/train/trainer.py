@@ -151,6 +151,7 @@ class Trainer:
                 after_step=after_step,
                 where=f"in epoch {index + 1}",
                 pg_timeout=cfg.pg_timeout,
+                accumulate=epoch.accumulate,
             )
         finally:
             progress.close()
@@ -264,6 +265,8 @@ class Trainer:
             lr=lr_at(self.cfg, world, epoch.index + 1),
             stages=stage_times(world, result, self.cfg, self.manifest.base),
             steps_redone=int(redone),
+            optimizer_steps=epoch.optimizer_steps(epoch.plan.max_batches),
+            global_batch=self.cfg.global_batch or epoch.batch_samples,
         )
         return {**row}
 

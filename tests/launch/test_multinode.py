@@ -345,9 +345,10 @@ def test_a_preemption_notice_checkpoints_at_once_and_the_restart_trains_no_step_
 ) -> None:
     """A real notice: the worker node drained for preemption with a 25 s deadline (as a cloud's
     notice reaches Ray), its processes killed at the deadline. The run checkpoints at once, trains
-    no step past it, goes on alone from it, and every epoch stays exact."""
+    no step past it, goes on alone from it, and every epoch stays exact; with --global-batch 32,
+    the head alone takes two batches a step, and the optimizer as many steps an epoch as before."""
     cluster = both_nodes
-    flags = ("--resize-check-s", "2", "--node-wait-s", "20", "--notice-every", "2")
+    flags = ("--resize-check-s", "2", "--node-wait-s", "20", "--notice-every", "2", "--global-batch", "32")
     driver = Driver(cluster, *split_run(demo, tmp_path, "1..2", *flags, epochs=3))
     try:
         driver.wait_for(r"step \d+: checkpoint inside epoch 1 ")
@@ -374,5 +375,12 @@ def test_a_preemption_notice_checkpoints_at_once_and_the_restart_trains_no_step_
     epochs = [r for r in rows if r["kind"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [1, 2, 3]
     assert all(r["steps_redone"] == 0 for r in epochs), [r["steps_redone"] for r in epochs]
+    assert {r["global_batch"] for r in epochs} == {32}
+    steps = [r["optimizer_steps"] for r in epochs]  # the longest rank's: a split deal of 2 may give one a batch more
+    assert max(steps) - min(steps) <= 1, steps
+    alone = [
+        r for r in epochs if r["step"] - r["optimizer_steps"] > 0
+    ]  # epochs the head trained alone, at least partly
+    assert alone, "the head alone took two batches a step"
     assert "restarted: resuming from the checkpoint at step" in driver.output
     assert_every_epoch_exact(tmp_path / "audit", demo, 3)
