@@ -145,24 +145,7 @@ def train_epoch(
                 r.waited(time.perf_counter() - asked, batch)  # time the step waited for the loader
                 if batch is None:
                     break
-                first, in_step = r.num_steps % accumulate == 0, _in_step(r.num_steps, accumulate, total)
-                last = (r.num_steps + 1) % accumulate == 0 or r.num_steps + 1 == total
-                if first:  # the rate at the step's end, on the clock of samples: as one batch of them would
-                    set_lr(optimizer, lr(r.num_steps + in_step - 1))
-                    optimizer.zero_grad(set_to_none=True)
-                marks = [timer.mark()]
-                images, labels = compute.inputs(batch.images, batch.labels)
-                marks.append(timer.mark())
-                with _no_sync(model, not last), compute.autocast():
-                    loss = loss_fn(model(images), labels)
-                marks.append(timer.mark())
-                with _no_sync(model, not last):
-                    (loss / in_step if in_step > 1 else loss).backward()
-                if last:
-                    optimizer.step()
-                marks.append(timer.mark())
-                r.add(batch, loss.item())  # waits for the device: the marks are done
-                r.add_times(timer.between(marks), timer.own(marks[1], marks[3]))
+                _one_batch(model, batch, optimizer, lr, compute, loss_fn, timer, r, accumulate, total)
                 r.seconds = time.perf_counter() - start
                 if after_step is not None and after_step(r.num_steps, batch, r):
                     r.stopped = True
@@ -177,6 +160,40 @@ def train_epoch(
         raise
     r.seconds = time.perf_counter() - start
     return r
+
+
+def _one_batch(
+    model: nn.Module,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer,
+    lr: Callable[[int], float],
+    compute: Compute,
+    loss_fn: nn.Module,
+    timer: StepTimer,
+    r: EpochResult,
+    accumulate: int,
+    total: int | None,
+) -> None:
+    """Forward and backward of one batch into the optimizer step it is part of; the step is taken
+    at its last batch, the others under DDP's no_sync."""
+    first, in_step = r.num_steps % accumulate == 0, _in_step(r.num_steps, accumulate, total)
+    last = (r.num_steps + 1) % accumulate == 0 or r.num_steps + 1 == total
+    if first:  # the rate at the step's end, on the clock of samples: as one batch of them would
+        set_lr(optimizer, lr(r.num_steps + in_step - 1))
+        optimizer.zero_grad(set_to_none=True)
+    marks = [timer.mark()]
+    images, labels = compute.inputs(batch.images, batch.labels)
+    marks.append(timer.mark())
+    with _no_sync(model, not last), compute.autocast():
+        loss = loss_fn(model(images), labels)
+    marks.append(timer.mark())
+    with _no_sync(model, not last):
+        (loss / in_step if in_step > 1 else loss).backward()
+    if last:
+        optimizer.step()
+    marks.append(timer.mark())
+    r.add(batch, loss.item())  # waits for the device: the marks are done
+    r.add_times(timer.between(marks), timer.own(marks[1], marks[3]))
 
 
 def _in_step(done: int, accumulate: int, total: int | None) -> int:
