@@ -24,9 +24,11 @@ import hashlib
 import io
 import json
 import multiprocessing
+import os
 import random
+import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,7 +150,8 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     """Write one shard (to a temporary name, renamed into place); returns its journal record."""
     if job.done is not None and still_good(job.path, job.done):
         return {**job.done, "kept": True}
-    tmp = job.path.with_name(f".{job.path.name}.tmp")
+    # A name of this writer's own: a task Ray runs again after its node seemed lost may still be writing.
+    tmp = job.path.with_name(f".{job.path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     skipped = []
     num_samples = 0
     first_key = ""
@@ -225,22 +228,33 @@ def timm_info(manifest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _run(jobs: list[ShardJob], num_workers: int) -> Iterator[dict[str, Any]]:
-    if num_workers == 1:
-        yield from map(write_shard, jobs)
-        return
-    # fork where the OS has it: workers start at once, without importing PIL and raywds again.
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    # Not multiprocessing.Pool: its terminate() after a worker's error deadlocked about once in
-    # 200 runs (task handler stuck on the queue's lock), and a killed worker hangs it forever.
-    with ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context(method)) as pool:
-        futures = [pool.submit(write_shard, job) for job in jobs]
-        try:
-            for future in futures:
-                yield future.result()
-        finally:
-            for future in futures:
-                future.cancel()  # after an error, write no more shards than are under way
+Runner = Callable[[list[ShardJob]], Iterator[tuple[ShardJob, dict[str, Any]]]]
+"""Writes the shards of the jobs it is given (`write_shard` each), yielding each job with its
+record as it finishes, in any order: processes on this machine (`processes`), or Ray tasks
+across a cluster (raywds.launch.ray_convert)."""
+
+
+def processes(num_workers: int) -> Runner:
+    """A Runner of `num_workers` processes on this machine (this one alone for 1)."""
+
+    def run(jobs: list[ShardJob]) -> Iterator[tuple[ShardJob, dict[str, Any]]]:
+        if num_workers == 1:
+            yield from ((job, write_shard(job)) for job in jobs)
+            return
+        # fork where the OS has it: workers start at once, without importing PIL and raywds again.
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        # Not multiprocessing.Pool: its terminate() after a worker's error deadlocked about once in
+        # 200 runs (task handler stuck on the queue's lock), and a killed worker hangs it forever.
+        with ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context(method)) as pool:
+            futures = [pool.submit(write_shard, job) for job in jobs]
+            try:
+                for job, future in zip(jobs, futures):
+                    yield job, future.result()
+            finally:
+                for future in futures:
+                    future.cancel()  # after an error, write no more shards than are under way
+
+    return run
 
 
 def check_outside(src: Path, out: Path) -> None:
@@ -257,36 +271,95 @@ def check_outside(src: Path, out: Path) -> None:
 DEFAULTS = ConvertOptions()
 
 
-def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[str, Any]:
-    """Convert the tree at `src` into shards under `out`; returns the manifest it wrote."""
-    check_outside(src, out)
+def check_options(options: ConvertOptions) -> None:
     if options.max_side is not None and options.max_side < 8:
         raise DataError(f"--max-side {options.max_side} is too small; use at least 8, e.g. 256")
     if options.maxcount < 1 or options.maxsize < 1 or options.workers < 1:
         raise DataError(f"maxcount, maxsize and workers must be at least 1, got {options}")
-    found = scan(src, val_labels=options.val_labels, val_wnids=options.val_wnids)
-    done = prepare_output(out, fingerprint(found, options), prefix=options.prefix, overwrite=options.overwrite)
-    jobs: list[tuple[str, ShardJob]] = []
+
+
+@dataclass
+class Conversion:
+    """What a conversion writes, planned on one machine from the listing: which sample goes to
+    which shard, so that any runner writes the same shards."""
+
+    src: Path
+    out: Path
+    options: ConvertOptions
+    found: Found
+    jobs: list[tuple[str, ShardJob]]
+    """(split, job) in shard order; the names numbered from `first` per split."""
+
+
+def plan_jobs(
+    found: Found,
+    out: Path,
+    options: ConvertOptions,
+    done: dict[str, dict[str, Any]],
+    *,
+    first: dict[str, int] | None = None,
+    salt: str = "",
+) -> list[tuple[str, ShardJob]]:
+    """Each split's shards as jobs, numbered from `first[split]` (0), shuffled with the seed (and
+    `salt`, which an append adds so its own shuffle is new)."""
+    jobs = []
     for split, sources in found.splits.items():
-        for i, shard in enumerate(plan_shards(sources, split, options)):
+        start = (first or {}).get(split, 0)
+        for i, shard in enumerate(plan_shards(sources, split + salt, options), start):
             name = f"{options.prefix}-{split}-{i:06d}.tar"
             jobs.append((split, ShardJob(out / name, shard, options, done.get(name))))
+    return jobs
+
+
+def plan(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> Conversion:
+    """Scan `src` and plan its shards in `out` (which must be empty or hold this same conversion)."""
+    check_outside(src, out)
+    check_options(options)
+    found = scan(src, val_labels=options.val_labels, val_wnids=options.val_wnids)
+    done = prepare_output(out, fingerprint(found, options), prefix=options.prefix, overwrite=options.overwrite)
+    return Conversion(src, out, options, found, plan_jobs(found, out, options, done))
+
+
+def write_all(conversion: Conversion, run: Runner) -> dict[str, dict[str, Any]]:
+    """Every planned shard written (or kept from an earlier run), journalled as it finishes; the
+    records by shard name. One bar: shards done, files a second, bad files so far."""
+    jobs = [job for _, job in conversion.jobs]
     records: dict[str, dict[str, Any]] = {}
-    total_bytes = sum(s.num_bytes for _, job in jobs for s in job.sources)
     start = time.perf_counter()
-    files = 0
+    files = bad = 0
     with (
-        tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=None) as bar,
-        Journal(out) as journal,
+        tqdm(total=len(jobs), unit="shard", desc="convert", disable=None) as bar,
+        Journal(conversion.out) as journal,
     ):
-        for (_, job), record in zip(jobs, _run([job for _, job in jobs], options.workers)):
+        for job, record in run(jobs):
             records[job.path.name] = record
             if not record["kept"]:
                 journal.add(record)
             files += len(job.sources)
-            bar.update(sum(s.num_bytes for s in job.sources))
-            bar.set_postfix_str(f"{files / max(time.perf_counter() - start, 1e-9):.0f} files/s")
-    manifest: dict[str, Any] = {
+            bad += len(record["skipped"])
+            bar.update(1)
+            bar.set_postfix_str(f"{files / max(time.perf_counter() - start, 1e-9):.0f} files/s, {bad} bad")
+    for stale in conversion.out.glob(f".{conversion.options.prefix}-*.tmp"):
+        stale.unlink(missing_ok=True)  # left by a writer that was killed (a lost node's task)
+    return records
+
+
+def split_entry(jobs: list[tuple[str, ShardJob]], records: dict[str, dict[str, Any]], split: str) -> dict[str, Any]:
+    """A split's manifest entry from its jobs' records."""
+    shards = [records[job.path.name]["shard"] for s, job in jobs if s == split]
+    # Each shard's first key, which the loader checks as it opens the shard (a shard overwritten by
+    # another's bytes of the same size is refused before any of its samples is used).
+    first = {job.path.name: records[job.path.name].get("first_key", "") for s, job in jobs if s == split}
+    return {
+        "num_samples": sum(s["num_samples"] for s in shards),
+        "shards": shards,
+        "first_keys": {name: key for name, key in first.items() if key},
+    }
+
+
+def manifest_of(conversion: Conversion, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    options, found = conversion.options, conversion.found
+    return {
         "format": FORMAT,
         "prefix": options.prefix,
         "classes": found.classes,
@@ -295,26 +368,28 @@ def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> dict[st
         "maxsize": options.maxsize,
         "max_side_px": options.max_side,
         "jpeg_restarts": rewrites_jpegs(options),
-        "source": str(src.resolve()),
+        "source": str(conversion.src.resolve()),
         "layouts": found.layouts,
-        "splits": {},
+        "splits": {split: split_entry(conversion.jobs, records, split) for split in found.splits},
         "skipped": [s for r in records.values() for s in r["skipped"]],
         "ignored": {"count": len(found.ignored), "examples": found.ignored[:20]},
         "empty_classes": found.empty,
         "kept_from_earlier_run": sum(r["kept"] for r in records.values()),
     }
-    for split in found.splits:
-        shards = [records[job.path.name]["shard"] for s, job in jobs if s == split]
-        # Each shard's first key, which the loader checks as it opens the shard (a shard overwritten by
-        # another's bytes of the same size is refused before any of its samples is used).
-        first = {job.path.name: records[job.path.name].get("first_key", "") for s, job in jobs if s == split}
-        manifest["splits"][split] = {
-            "num_samples": sum(s["num_samples"] for s in shards),
-            "shards": shards,
-            "first_keys": {name: key for name, key in first.items() if key},
-        }
+
+
+def publish(out: Path, manifest: dict[str, Any]) -> None:
+    """`_info.json`, then the manifest (its columns and manifest.json), atomically and last."""
     write_json_atomic(out / TIMM_INFO, timm_info(manifest))
     write_manifest(out, manifest)
+
+
+def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS, *, run: Runner | None = None) -> dict[str, Any]:
+    """Convert the tree at `src` into shards under `out` (with `run`, else `options.workers`
+    processes here); returns the manifest it wrote."""
+    conversion = plan(src, out, options)
+    manifest = manifest_of(conversion, write_all(conversion, run or processes(options.workers)))
+    publish(out, manifest)
     return manifest
 
 

@@ -37,7 +37,9 @@ def _ours(out: Path, prefix: str) -> list[Path]:
     return [
         p
         for p in out.iterdir()
-        if p.name in names or (p.name.endswith(".tar") and p.name.lstrip(".").startswith(f"{prefix}-"))
+        if p.name in names
+        or (p.name.endswith(".tar") and p.name.lstrip(".").startswith(f"{prefix}-"))
+        or (p.name.endswith(".tmp") and p.name.startswith(f".{prefix}-"))
     ]
 
 
@@ -81,5 +83,7 @@ class Journal:
 
     def add(self, record: dict[str, Any]) -> None:
         """`record`: the shard's ShardInfo fields under "shard", and the images it skipped."""
-        self._file.write(json.dumps({k: record[k] for k in ("shard", "skipped", "first_key") if k in record}) + "\n")
+        self._file.write(
+            json.dumps({k: record[k] for k in ("shard", "skipped", "first_key", "node") if k in record}) + "\n"
+        )
         self._file.flush()
