@@ -78,17 +78,23 @@ def cmd_demo(options: DemoOptions) -> None:
 
 def cmd_convert(where: ConvertWhere, options: ConvertOptions) -> None:
     from raywds.data import stores
+    from raywds.data.append import append, appended_lines
     from raywds.data.convert import convert, summary
     from raywds.data.manifest import shard_url
     from raywds.data.upload import check_places, convert_to_bucket
 
     check_places(where.src, where.out)
-    if stores.is_url(where.out):
+    if where.ray:
+        from raywds.launch.ray_convert import convert_on_ray
+
+        manifest = convert_on_ray(Path(where.src), Path(where.out), options, where.address, append=where.append)
+    elif stores.is_url(where.out):
         staging = Path(where.staging) if where.staging else None
         manifest = convert_to_bucket(Path(where.src), where.out, options, staging=staging, endpoint=where.s3_endpoint)
     else:
-        manifest = convert(Path(where.src), Path(where.out), options)
-    print("\n".join(summary(manifest, shard_url(where.out, "manifest.json"))))
+        manifest = (append if where.append else convert)(Path(where.src), Path(where.out), options)
+    lines = summary(manifest, shard_url(where.out, "manifest.json"))
+    print("\n".join([*lines[:-1], *(appended_lines(manifest) if where.append else []), lines[-1]]))
 
 
 def cmd_verify(options: VerifyOptions) -> None:

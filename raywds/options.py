@@ -45,6 +45,14 @@ class ConvertWhere(S3Endpoint):
     """Output folder for the shards, or s3://BUCKET/PREFIX."""
     staging: str | None = None
     """With an s3:// OUT: the local folder to convert into first (default: in /tmp)."""
+    append: bool = False
+    """Add SRC's images to the dataset in OUT as new shards and a new manifest version (existing shards and labels
+    unchanged, new classes after the old; OUT's shard settings)."""
+    ray: bool = False
+    """Write the shards with Ray tasks on every node of the cluster (--address, RAY_ADDRESS, a running `ray start`,
+    else a local one): the same shards as without; SRC and OUT must be folders every node sees."""
+    address: str | None = None
+    """With --ray: the Ray cluster's address (default: RAY_ADDRESS, a running `ray start`, else a new local cluster)."""
 
 
 @dataclass(frozen=True, kw_only=True)

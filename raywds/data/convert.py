@@ -409,5 +409,9 @@ def summary(manifest: dict[str, Any], where: str) -> list[str]:
     if manifest["skipped"]:
         lines.append(f"skipped {len(manifest['skipped'])} unreadable images (listed in the manifest):")
         lines += [f"  {bad['path']}: {bad['reason']}" for bad in manifest["skipped"][:50]]
+    if manifest.get("written_on"):
+        nodes = manifest["written_on"]
+        each = ", ".join(f"{ip} ({count})" for ip, count in nodes.items())
+        lines.append(f"written by Ray tasks on {len(nodes)} node{'s' if len(nodes) > 1 else ''}: {each}")
     lines.append(f"raywds: wrote {where} ({len(manifest['classes'])} classes)")
     return lines

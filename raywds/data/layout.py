@@ -51,6 +51,8 @@ class Found:
     ignored: list[str] = field(default_factory=list)
     empty: dict[str, list[str]] = field(default_factory=dict)
     """Split -> the classes it holds no images of."""
+    added: list[str] = field(default_factory=list)
+    """Classes new to a dataset the scan adds to (scan's `known`), in index order after its own."""
 
 
 def is_image(path: Path) -> bool:
@@ -143,18 +145,23 @@ def flat_val_labels(
     return read_devkit_labels(labels_file, wnids, images), f"flat val, labels from {labels_file.name} + {wnids.name}"
 
 
-def scan(src: Path, *, val_labels: Path | None = None, val_wnids: Path | None = None) -> Found:
-    """Classes and images of every split under `src`."""
+def scan(
+    src: Path, *, val_labels: Path | None = None, val_wnids: Path | None = None, known: list[str] | None = None
+) -> Found:
+    """Classes and images of every split under `src`. With `known` (the classes of a dataset that
+    `src` adds to), those keep their indices, matched by name ignoring case, and `src`'s other
+    classes follow them in sorted order (`Found.added`)."""
     if not src.is_dir():
         raise DataError(f"input directory {src} does not exist; give the folder that holds train/ and val/")
     split_dirs = {s: src / s for s in SPLITS if (src / s).is_dir()} or {"train": src}
     first = split_dirs.get("train", next(iter(split_dirs.values())))
-    classes = sorted(p.name for p in first.iterdir() if p.is_dir())
-    if not classes:
+    here = sorted(p.name for p in first.iterdir() if p.is_dir())
+    if not here:
         raise DataError(f"{first} has no class folders; expected {first}/<class>/<image>.JPEG")
+    classes = here if known is None else _after(known, here)
     index = {name: i for i, name in enumerate(classes)}
     folded = {name.lower(): name for name in classes}
-    found = Found(classes=classes, splits={}, layouts={})
+    found = Found(classes=classes, splits={}, layouts={}, added=classes[len(known) :] if known is not None else [])
     for split, folder in split_dirs.items():
         pairs: list[tuple[Path, str]] = []
         class_dirs = sorted(p for p in folder.iterdir() if p.is_dir())
@@ -180,8 +187,24 @@ def scan(src: Path, *, val_labels: Path | None = None, val_wnids: Path | None = 
         if not pairs:
             raise DataError(f"no images (.jpg .jpeg .png .webp) under {folder}")
         found.splits[split] = _sources(pairs, src, index)
-        _warn_empty(found, split, first)
+        if known is None:  # (a dataset's own classes that `src` adds no images to are not empty)
+            _warn_empty(found, split, first)
     return found
+
+
+def _after(known: list[str], here: list[str]) -> list[str]:
+    """`known`, then the names in `here` that match none of them ignoring case, sorted; a name that
+    matches two known classes ignoring case is refused (which would it add to?)."""
+    folded: dict[str, list[str]] = {}
+    for name in known:
+        folded.setdefault(name.lower(), []).append(name)
+    for name in here:
+        if name not in known and len(folded.get(name.lower(), [])) > 1:
+            raise DataError(
+                f"class folder {name!r} matches {' and '.join(folded[name.lower()])} of the dataset ignoring case; "
+                "rename it to the one it adds to"
+            )
+    return [*known, *sorted(name for name in here if name.lower() not in folded)]
 
 
 def _warn_empty(found: Found, split: str, first: Path) -> None:

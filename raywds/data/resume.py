@@ -61,6 +61,22 @@ def prepare_output(out: Path, wanted: str, *, prefix: str, overwrite: bool) -> d
         write_json_atomic(state, {"fingerprint": wanted})
         (out / JOURNAL).write_text("")
         return {}
+    return _journalled(out)
+
+
+def prepare_append(out: Path, wanted: str) -> dict[str, dict[str, Any]]:
+    """For an append (fingerprint `wanted`) to the dataset in `out`: the journal records of the new
+    shards an interrupted run of this same append finished; else a fresh journal, and nothing of
+    the dataset's own is touched."""
+    state = out / STATE
+    if state.is_file() and json.loads(state.read_text()).get("fingerprint") == wanted:
+        return _journalled(out)
+    write_json_atomic(state, {"fingerprint": wanted})
+    (out / JOURNAL).write_text("")
+    return {}
+
+
+def _journalled(out: Path) -> dict[str, dict[str, Any]]:
     done = {}
     for line in (out / JOURNAL).read_text().splitlines():
         if line.strip():

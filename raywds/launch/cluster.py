@@ -173,9 +173,9 @@ def environ(values: dict[str, str]) -> Iterator[None]:
             os.environ.pop(k, None)
 
 
-def connect(address: str | None) -> None:
+def connect(address: str | None, *, training: bool = True) -> None:
     """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one.
-    Either way Ray Train's autoscaling coordinator starts now, while the caller gets its data ready."""
+    For `training`, Ray Train's autoscaling coordinator starts now, while the caller gets its data ready."""
     if ray.is_initialized():  # a driver that started Ray itself (a notebook's ray.init()): the same filter
         quiet_known_noise()
         return
@@ -188,7 +188,8 @@ def connect(address: str | None) -> None:
         # node before preempting it; nothing drains the nodes of a cluster this process started.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         stop_ray_with_the_kernel(ray.shutdown)  # in Jupyter: before the kernel signals the cluster's processes
-    start_autoscaling_coordinator()
+    if training:
+        start_autoscaling_coordinator()
 
 
 SLOW_IMPORTS = {"rfc3987_syntax": "rfc3987-syntax"}
@@ -293,6 +294,6 @@ def check_every_node_sees(path: str, what: str) -> None:
     if blind:
         raise ConfigError(
             f"{what} is on this machine only: node(s) {', '.join(blind)} cannot see {path}, "
-            "which the driver just wrote. Give a path that every node mounts (NFS, a shared disk) or a URI "
+            "which this machine sees. Give a path that every node mounts (NFS, a shared disk) or a URI "
             "(s3://, gs://, file:// on a shared mount)"
         )

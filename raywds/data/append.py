@@ -1,0 +1,163 @@
+"""`raywds convert NEWSRC OUT --append`: new images added to the dataset in OUT as new shards and a
+new version of its manifest; every shard already there is kept, byte for byte.
+
+    manifest = append(Path("new-images"), Path("shards"), options)
+
+NEWSRC is an image tree as `raywds convert` reads one (train/ and val/, or one ImageFolder). Its
+classes are matched to the dataset's by name (ignoring case, as val folders are to train's); the
+classes the dataset lacks get the indices after its own, in sorted order, so that no label of a
+shard already there changes (a sorted class list of the union would renumber them). The new
+shards are cut with the dataset's own settings (prefix, seed, --maxcount, --maxsize, --max-side,
+restart markers; those given are left aside), shuffled with the seed and the new version, and
+numbered on from each split's last shard. The manifest gains `version` (1 before the first
+append) and an `appended` entry per append: its version, source, listing fingerprint, new
+classes and shards. Appending the same listing twice is refused.
+
+An interrupted append, rerun with the same arguments, keeps the new shards it finished (its own
+fingerprint in OUT's `.raywds-convert.json`, its own journal); until the new manifest replaces the
+old one, atomically and last, readers see the dataset as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from raywds.data.convert import (
+    Conversion,
+    Runner,
+    check_options,
+    check_outside,
+    fingerprint,
+    plan_jobs,
+    processes,
+    publish,
+    split_entry,
+    write_all,
+)
+from raywds.data.layout import scan
+from raywds.data.manifest import MANIFEST
+from raywds.data.resume import prepare_append
+from raywds.data.shardoptions import ConvertOptions
+from raywds.errors import DataError
+
+
+def base_manifest(out: Path) -> tuple[dict[str, Any], str]:
+    """The manifest of the dataset in `out` and the sha256 of its bytes; one line where there is none."""
+    path = out / MANIFEST
+    if not path.is_file():
+        raise DataError(
+            f"--append adds to a dataset, and {out} holds no {MANIFEST}: convert the first images into it "
+            "without --append (an unfinished conversion: run it again to finish it first)"
+        )
+    data = path.read_bytes()
+    manifest = json.loads(data)
+    if not manifest.get("classes"):
+        raise DataError(f"{path} lists no classes: raywds cannot tell which label a folder of NEWSRC is")
+    return manifest, hashlib.sha256(data).hexdigest()
+
+
+def same_settings(options: ConvertOptions, base: dict[str, Any]) -> ConvertOptions:
+    """`options` with the dataset's own shard settings, so the new shards are cut as the old were."""
+    return dataclasses.replace(
+        options,
+        prefix=base["prefix"],
+        seed=base.get("seed", options.seed),
+        maxcount=base.get("maxcount", options.maxcount),
+        maxsize=base.get("maxsize", options.maxsize),
+        max_side=base.get("max_side_px"),
+        keep_jpeg_bytes=not base.get("jpeg_restarts", False),
+    )
+
+
+def plan_append(src: Path, out: Path, options: ConvertOptions) -> tuple[Conversion, dict[str, Any]]:
+    """The new shards planned, and the manifest they are added to."""
+    check_outside(src, out)
+    base, digest = base_manifest(out)
+    options = same_settings(options, base)
+    check_options(options)
+    found = scan(src, val_labels=options.val_labels, val_wnids=options.val_wnids, known=list(base["classes"]))
+    listing = fingerprint(found, options)
+    earlier = next((a for a in base.get("appended", []) if a["fingerprint"] == listing), None)
+    if earlier is not None:
+        raise DataError(
+            f"these images of {src} were appended to {out} already (version {earlier['version']}); "
+            "append only images that are new"
+        )
+    version = base.get("version", 1) + 1
+    done = prepare_append(out, hashlib.sha256(f"{listing} {digest}".encode()).hexdigest())
+    first = {split: len(info["shards"]) for split, info in base["splits"].items()}
+    jobs = plan_jobs(found, out, options, done, first=first, salt=f"-v{version}")
+    conversion = Conversion(src, out, options, found, jobs)
+    base = {**base, "version": version, "listing": listing}
+    return conversion, base
+
+
+def grown(base: dict[str, Any], conversion: Conversion, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The dataset's manifest with the new shards after each split's old ones."""
+    version, listing = base.pop("version"), base.pop("listing")
+    found = conversion.found
+    splits = {split: dict(info) for split, info in base["splits"].items()}
+    added = {}
+    for split in found.splits:
+        new = split_entry(conversion.jobs, records, split)
+        old = splits.get(split, {"num_samples": 0, "shards": [], "first_keys": {}})
+        splits[split] = {
+            "num_samples": old["num_samples"] + new["num_samples"],
+            "shards": [*old["shards"], *new["shards"]],
+            "first_keys": {**old.get("first_keys", {}), **new["first_keys"]},
+        }
+        added[split] = {"num_samples": new["num_samples"], "shards": [s["name"] for s in new["shards"]]}
+    skipped = [s for r in records.values() for s in r["skipped"]]
+    entry = {
+        "version": version,
+        "source": str(conversion.src.resolve()),
+        "fingerprint": listing,
+        "classes_added": found.added,
+        "splits": added,
+        "skipped": len(skipped),
+    }
+    return {
+        **base,
+        "classes": found.classes,
+        "splits": splits,
+        "layouts": {**base.get("layouts", {}), **found.layouts},
+        "skipped": [*base.get("skipped", []), *skipped],
+        "version": version,
+        "appended": [*base.get("appended", []), entry],
+        "kept_from_earlier_run": sum(r["kept"] for r in records.values()),
+    }
+
+
+def append(src: Path, out: Path, options: ConvertOptions, *, run: Runner | None = None) -> dict[str, Any]:
+    """Add the images of `src` to the dataset in `out` (with `run`, else `options.workers`
+    processes here); returns the new manifest."""
+    conversion, base = plan_append(src, out, options)
+    records = write_all(conversion, run or processes(conversion.options.workers))
+    manifest = grown(base, conversion, records)
+    publish(out, manifest)
+    return manifest
+
+
+def appended_lines(manifest: dict[str, Any]) -> list[str]:
+    """What `raywds convert --append` says of the append it made."""
+    entry = manifest["appended"][-1]
+    counts = ", ".join(
+        f"{info['num_samples']} {split} samples in {len(info['shards'])} new shards"
+        for split, info in entry["splits"].items()
+    )
+    lines = [f"appended {counts} as version {entry['version']}; the shards already there are unchanged"]
+    new = entry["classes_added"]
+    if new:
+        first = len(manifest["classes"]) - len(new)
+        named = ", ".join(f"{name} ({first + i})" for i, name in enumerate(new[:10])) + (
+            f" and {len(new) - 10} more" if len(new) > 10 else ""
+        )
+        lines.append(
+            f"{len(new)} new class{'es' if len(new) > 1 else ''} after the {first} there: {named}; "
+            "a model trained before has too few outputs for " + ("them" if len(new) > 1 else "it")
+        )
+    return lines
