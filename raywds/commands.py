@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from raywds.data.shardoptions import ConvertOptions, IndexOptions
-from raywds.errors import RaywdsError
+from raywds.errors import ConfigError, RaywdsError
 from raywds.launch.rayoptions import RayOptions
 from raywds.options import (
     AuditOptions,
@@ -80,19 +80,32 @@ def cmd_convert(where: ConvertWhere, options: ConvertOptions) -> None:
     from raywds.data import stores
     from raywds.data.append import append, appended_lines
     from raywds.data.convert import convert, summary
+    from raywds.data.listed import tree_at
     from raywds.data.manifest import shard_url
     from raywds.data.upload import check_places, convert_to_bucket
 
     check_places(where.src, where.out)
+    staging = Path(where.staging) if where.staging else None
     if where.ray:
         from raywds.launch.ray_convert import convert_on_ray
 
-        manifest = convert_on_ray(Path(where.src), Path(where.out), options, where.address, append=where.append)
+        manifest = convert_on_ray(
+            where.src,
+            where.out,
+            options,
+            where.address,
+            append=where.append,
+            endpoint=where.s3_endpoint,
+            staging=staging,
+        )
     elif stores.is_url(where.out):
-        staging = Path(where.staging) if where.staging else None
-        manifest = convert_to_bucket(Path(where.src), where.out, options, staging=staging, endpoint=where.s3_endpoint)
+        if where.append:
+            raise ConfigError(f"--append adds to a dataset in a folder, not in a bucket ({where.out}) yet")
+        tree = tree_at(where.src, where.s3_endpoint)
+        manifest = convert_to_bucket(tree, where.out, options, staging=staging, endpoint=where.s3_endpoint)
     else:
-        manifest = (append if where.append else convert)(Path(where.src), Path(where.out), options)
+        tree = tree_at(where.src, where.s3_endpoint)
+        manifest = (append if where.append else convert)(tree, Path(where.out), options)
     lines = summary(manifest, shard_url(where.out, "manifest.json"))
     print("\n".join([*lines[:-1], *(appended_lines(manifest) if where.append else []), lines[-1]]))
 

@@ -35,10 +35,12 @@ from raywds.data.convert import (
     plan_jobs,
     processes,
     publish,
+    source_of,
     split_entry,
     write_all,
 )
 from raywds.data.layout import scan
+from raywds.data.listed import Tree
 from raywds.data.manifest import MANIFEST
 from raywds.data.resume import prepare_append
 from raywds.data.shardoptions import ConvertOptions
@@ -73,7 +75,7 @@ def same_settings(options: ConvertOptions, base: dict[str, Any]) -> ConvertOptio
     )
 
 
-def plan_append(src: Path, out: Path, options: ConvertOptions) -> tuple[Conversion, dict[str, Any]]:
+def plan_append(src: Tree, out: Path, options: ConvertOptions) -> tuple[Conversion, dict[str, Any]]:
     """The new shards planned, and the manifest they are added to."""
     check_outside(src, out)
     base, digest = base_manifest(out)
@@ -114,7 +116,7 @@ def grown(base: dict[str, Any], conversion: Conversion, records: dict[str, dict[
     skipped = [s for r in records.values() for s in r["skipped"]]
     entry = {
         "version": version,
-        "source": str(conversion.src.resolve()),
+        "source": source_of(conversion.src),
         "fingerprint": listing,
         "classes_added": found.added,
         "splits": added,
@@ -132,7 +134,7 @@ def grown(base: dict[str, Any], conversion: Conversion, records: dict[str, dict[
     }
 
 
-def append(src: Path, out: Path, options: ConvertOptions, *, run: Runner | None = None) -> dict[str, Any]:
+def append(src: Tree, out: Path, options: ConvertOptions, *, run: Runner | None = None) -> dict[str, Any]:
     """Add the images of `src` to the dataset in `out` (with `run`, else `options.workers`
     processes here); returns the new manifest."""
     conversion, base = plan_append(src, out, options)

@@ -38,6 +38,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from raywds.data.layout import IMAGE_EXTENSIONS, Found, ImageFile, scan
+from raywds.data.listed import Tree
 from raywds.data.manifest import FORMAT, TIMM_INFO, ShardInfo, write_json_atomic, write_manifest
 from raywds.data.resume import JOURNAL, STATE, Journal, prepare_output, still_good  # noqa: F401 - the names of the files convert writes, for its callers
 from raywds.data.shardoptions import ConvertOptions
@@ -257,9 +258,16 @@ def processes(num_workers: int) -> Runner:
     return run
 
 
-def check_outside(src: Path, out: Path) -> None:
+def source_of(src: Tree) -> str:
+    """Where the images came from, as the manifest says: the folder's absolute path, or the URL."""
+    return str(src.resolve()) if isinstance(src, Path) else str(src)
+
+
+def check_outside(src: Tree, out: Path) -> None:
     """Refuse an output folder inside the source tree: the next scan would read the shards
     folder as a class of its own (or its files as ignored rubbish) and change the classes."""
+    if not isinstance(src, Path):
+        return  # a tree in a bucket: shards written to a folder cannot land in it
     source, output = src.resolve(), out.resolve()
     if output.is_relative_to(source):
         raise ConfigError(
@@ -283,7 +291,7 @@ class Conversion:
     """What a conversion writes, planned on one machine from the listing: which sample goes to
     which shard, so that any runner writes the same shards."""
 
-    src: Path
+    src: Tree
     out: Path
     options: ConvertOptions
     found: Found
@@ -311,7 +319,7 @@ def plan_jobs(
     return jobs
 
 
-def plan(src: Path, out: Path, options: ConvertOptions = DEFAULTS) -> Conversion:
+def plan(src: Tree, out: Path, options: ConvertOptions = DEFAULTS) -> Conversion:
     """Scan `src` and plan its shards in `out` (which must be empty or hold this same conversion)."""
     check_outside(src, out)
     check_options(options)
@@ -368,7 +376,7 @@ def manifest_of(conversion: Conversion, records: dict[str, dict[str, Any]]) -> d
         "maxsize": options.maxsize,
         "max_side_px": options.max_side,
         "jpeg_restarts": rewrites_jpegs(options),
-        "source": str(conversion.src.resolve()),
+        "source": source_of(conversion.src),
         "layouts": found.layouts,
         "splits": {split: split_entry(conversion.jobs, records, split) for split in found.splits},
         "skipped": [s for r in records.values() for s in r["skipped"]],
@@ -384,7 +392,7 @@ def publish(out: Path, manifest: dict[str, Any]) -> None:
     write_manifest(out, manifest)
 
 
-def convert(src: Path, out: Path, options: ConvertOptions = DEFAULTS, *, run: Runner | None = None) -> dict[str, Any]:
+def convert(src: Tree, out: Path, options: ConvertOptions = DEFAULTS, *, run: Runner | None = None) -> dict[str, Any]:
     """Convert the tree at `src` into shards under `out` (with `run`, else `options.workers`
     processes here); returns the manifest it wrote."""
     conversion = plan(src, out, options)

@@ -15,11 +15,13 @@ images in a split stays (so the indices still match) and is logged as a warning.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raywds.data.listed import Tree
 from raywds.errors import DataError
 
 SPLITS = ("train", "val")
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 class ImageFile:
     """One image to put in a shard."""
 
-    path: Path
+    path: Tree
     relpath: str
     class_name: str
     class_index: int
@@ -55,11 +57,11 @@ class Found:
     """Classes new to a dataset the scan adds to (scan's `known`), in index order after its own."""
 
 
-def is_image(path: Path) -> bool:
+def is_image(path: Tree) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS
 
 
-def _files(folder: Path, ignored: list[str], root: Path) -> list[Path]:
+def _files(folder: Tree, ignored: list[str], root: Tree) -> list[Tree]:
     images = []
     for path in sorted(folder.rglob("*")):
         if not path.is_file():
@@ -77,10 +79,10 @@ def safe_key(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", text)
 
 
-def read_kaggle_csv(path: Path) -> dict[str, str]:
+def read_kaggle_csv(path: Tree) -> dict[str, str]:
     """ImageId -> wnid from Kaggle's LOC_val_solution.csv."""
     labels = {}
-    with path.open(newline="") as f:
+    with io.StringIO(path.read_text(), newline="") as f:  # (a Path, or a file in a bucket: raywds.data.listed)
         for row in csv.DictReader(f):
             try:
                 labels[row["ImageId"]] = row["PredictionString"].split()[0]
@@ -89,18 +91,18 @@ def read_kaggle_csv(path: Path) -> dict[str, str]:
     return labels
 
 
-def read_wnids_by_id(path: Path) -> dict[int, str]:
+def read_wnids_by_id(path: Tree) -> dict[int, str]:
     """ILSVRC2012_ID -> wnid, from the devkit's meta.mat or a text file of wnids in ID order."""
     if path.suffix == ".mat":
         import scipy.io
 
-        synsets = scipy.io.loadmat(str(path), squeeze_me=True)["synsets"]
+        synsets = scipy.io.loadmat(io.BytesIO(path.read_bytes()), squeeze_me=True)["synsets"]
         return {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in synsets if int(s["num_children"]) == 0}
     wnids = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     return {i + 1: wnid for i, wnid in enumerate(wnids)}
 
 
-def read_devkit_labels(truth: Path, wnids: Path, images: list[Path]) -> dict[str, str]:
+def read_devkit_labels(truth: Tree, wnids: Tree, images: list[Tree]) -> dict[str, str]:
     """Image stem -> wnid: line N of the ground truth labels ILSVRC2012_val_N."""
     by_id = read_wnids_by_id(wnids)
     ids = [int(line) for line in truth.read_text().split()]
@@ -116,12 +118,12 @@ def read_devkit_labels(truth: Path, wnids: Path, images: list[Path]) -> dict[str
     return labels
 
 
-def _find(candidates: list[Path]) -> Path | None:
+def _find(candidates: list[Tree]) -> Tree | None:
     return next((p for p in candidates if p.is_file()), None)
 
 
 def flat_val_labels(
-    src: Path, images: list[Path], val_labels: Path | None, val_wnids: Path | None
+    src: Tree, images: list[Tree], val_labels: Path | None, val_wnids: Path | None
 ) -> tuple[dict[str, str], str]:
     """Labels for a flat val/ folder, from the given files or the usual places; (stem -> wnid, layout)."""
     devkit = src / "ILSVRC2012_devkit_t12" / "data"
@@ -146,7 +148,7 @@ def flat_val_labels(
 
 
 def scan(
-    src: Path, *, val_labels: Path | None = None, val_wnids: Path | None = None, known: list[str] | None = None
+    src: Tree, *, val_labels: Path | None = None, val_wnids: Path | None = None, known: list[str] | None = None
 ) -> Found:
     """Classes and images of every split under `src`. With `known` (the classes of a dataset that
     `src` adds to), those keep their indices, matched by name ignoring case, and `src`'s other
@@ -163,7 +165,7 @@ def scan(
     folded = {name.lower(): name for name in classes}
     found = Found(classes=classes, splits={}, layouts={}, added=classes[len(known) :] if known is not None else [])
     for split, folder in split_dirs.items():
-        pairs: list[tuple[Path, str]] = []
+        pairs: list[tuple[Tree, str]] = []
         class_dirs = sorted(p for p in folder.iterdir() if p.is_dir())
         if class_dirs:
             for class_dir in class_dirs:
@@ -207,7 +209,7 @@ def _after(known: list[str], here: list[str]) -> list[str]:
     return [*known, *sorted(name for name in here if name.lower() not in folded)]
 
 
-def _warn_empty(found: Found, split: str, first: Path) -> None:
+def _warn_empty(found: Found, split: str, first: Tree) -> None:
     """Log the classes without images in `split`: an empty class folder is most often a mistake."""
     have = {s.class_name for s in found.splits[split]}
     empty = [(i, name) for i, name in enumerate(found.classes) if name not in have]
@@ -224,7 +226,7 @@ def _warn_empty(found: Found, split: str, first: Path) -> None:
     )
 
 
-def _sources(pairs: list[tuple[Path, str]], src: Path, index: dict[str, int]) -> list[ImageFile]:
+def _sources(pairs: list[tuple[Tree, str]], src: Tree, index: dict[str, int]) -> list[ImageFile]:
     """Sources with keys unique in the split: the file stem, else class_stem, else numbered;
     each made safe as a whole, since a class name may hold a dot too."""
     used: set[str] = set()

@@ -15,6 +15,7 @@ upload is never mistaken for a dataset.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import tempfile
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from typing import Any
 
 from raywds.data import gcs, s3, stores
 from raywds.data.columns import COLUMNS
-from raywds.data.convert import ConvertOptions, convert
+from raywds.data.convert import ConvertOptions, ShardJob, convert, write_shard
 from raywds.data.http import ReadPolicy
+from raywds.data.listed import Tree
 from raywds.data.manifest import MANIFEST, TIMM_INFO
 from raywds.errors import DataError
 
@@ -40,12 +42,13 @@ def staging_folder(url: str) -> Path:
 
 
 def check_places(src: str, out: str) -> None:
-    """`raywds convert` reads a local tree and writes a folder or a bucket: one line otherwise."""
-    if stores.scheme(src) != stores.LOCAL:
+    """`raywds convert` reads an image tree from a folder or a bucket and writes a folder or a
+    bucket: one line otherwise."""
+    if stores.scheme(src) not in (stores.LOCAL, stores.S3, stores.GS):
         raise DataError(
-            f"convert reads an image tree from a local folder, and {src} is a {stores.scheme(src)} location: copy "
-            f"the tree down first; for WebDataset shards already there, `raywds index {src}` makes them trainable "
-            "as they are"
+            f"convert reads an image tree from a folder or an s3:// or gs:// prefix, and {src} is a "
+            f"{stores.scheme(src)} location: copy the tree down first; for WebDataset shards already there, "
+            f"`raywds index {src}` makes them trainable as they are"
         )
     if stores.scheme(out) not in (stores.LOCAL, stores.S3, stores.GS):
         raise DataError(
@@ -55,7 +58,7 @@ def check_places(src: str, out: str) -> None:
 
 
 def convert_to_bucket(
-    src: Path, url: str, options: ConvertOptions, *, staging: Path | None = None, endpoint: str | None = None
+    src: Tree, url: str, options: ConvertOptions, *, staging: Path | None = None, endpoint: str | None = None
 ) -> dict[str, Any]:
     """Convert `src` and upload the result under `url` (s3:// or gs://); returns the manifest, with
     the count of shards the bucket already held as `kept_in_bucket`."""
@@ -72,6 +75,38 @@ def convert_to_bucket(
     return manifest
 
 
+def bucket_at(url: str, endpoint: str | None = None) -> _S3 | _Gcs:
+    """The s3:// or gs:// prefix `url`, for putting shards and manifests under it."""
+    return _Gcs(url) if gcs.is_gs(url) else _S3(url, endpoint)
+
+
+def write_to_bucket(job: ShardJob, url: str, endpoint: str | None = None) -> dict[str, Any]:
+    """One shard written in this machine's temp folder, put under `url`, read back whole and
+    removed here (what a Ray task of `convert --ray` to a bucket does); its record. A shard the
+    bucket holds already as `job.done` describes it (size and sha256) is kept."""
+    bucket = bucket_at(url, endpoint)
+    try:
+        if job.done is not None and bucket.holds(job.done["shard"]):
+            return {**job.done, "kept": True}
+        with tempfile.TemporaryDirectory(prefix="raywds-shard-") as folder:
+            here = dataclasses.replace(job, path=Path(folder) / job.path.name, done=None)
+            record = write_shard(here)
+            shard = record["shard"]
+            bucket.put_file(here.path, shard)
+            _check_back(stores.join(url, shard["name"]), shard, endpoint, partial(bucket.delete, shard["name"]))
+    except s3.errors() as e:
+        raise DataError(s3.error_line(e, url, endpoint)) from None
+    return record
+
+
+def publish(folder: Path, url: str, endpoint: str | None = None) -> None:
+    """The manifest files the converter wrote in `folder` put under `url`, the manifest last."""
+    bucket = bucket_at(url, endpoint)
+    for name in (TIMM_INFO, COLUMNS, MANIFEST):  # as the converter wrote them into the staging folder
+        if (folder / name).is_file():  # (no columns from a conversion staged by an older raywds)
+            bucket.put_bytes(name, (folder / name).read_bytes())
+
+
 def _key(prefix: str, name: str) -> str:
     return f"{prefix.rstrip('/')}/{name}" if prefix.rstrip("/") else name
 
@@ -79,7 +114,7 @@ def _key(prefix: str, name: str) -> str:
 def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | None = None) -> int:
     """Put the shards of `manifest` from `folder` under `url`, then `folder`'s manifest files;
     returns how many shards were there already."""
-    bucket: _S3 | _Gcs = _Gcs(url) if gcs.is_gs(url) else _S3(url, endpoint)
+    bucket = bucket_at(url, endpoint)
     shards = [shard for info in manifest["splits"].values() for shard in info["shards"]]
     missing = [shard for shard in shards if not bucket.holds(shard)]
     if missing:
@@ -87,9 +122,7 @@ def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | Non
     for shard in missing:
         bucket.put_file(folder / shard["name"], shard)
         _check_back(stores.join(url, shard["name"]), shard, endpoint, partial(bucket.delete, shard["name"]))
-    for name in (TIMM_INFO, COLUMNS, MANIFEST):  # as the converter wrote them into the staging folder
-        if (folder / name).is_file():  # (no columns from a conversion staged by an older raywds)
-            bucket.put_bytes(name, (folder / name).read_bytes())
+    publish(folder, url, endpoint)
     return len(shards) - len(missing)
 
 

@@ -26,7 +26,9 @@ import ray
 
 from raywds.data import append as appending
 from raywds.data import convert as converting
+from raywds.data import listed, stores, upload
 from raywds.data.convert import ShardJob
+from raywds.data.manifest import MANIFEST
 from raywds.data.shardoptions import ConvertOptions
 from raywds.errors import DataError, RaywdsError
 from raywds.launch import cluster
@@ -40,17 +42,20 @@ IN_FLIGHT_PER_CPU = 2
 driver keeps the rest, so a conversion of millions of images never puts them all in Ray's store."""
 
 
-def _write(job: ShardJob) -> dict[str, Any]:
-    """One shard, on whichever node Ray chose; the record says which node."""
-    record = converting.write_shard(job)
+def _write(job: ShardJob, bucket: str | None, endpoint: str | None) -> dict[str, Any]:
+    """One shard, on whichever node Ray chose, into the folder or under the `bucket` prefix; the
+    record says which node."""
+    record = converting.write_shard(job) if bucket is None else upload.write_to_bucket(job, bucket, endpoint)
     return {**record, "node": ray.util.get_node_ip_address()}  # RAY
 
 
 class Tasks:
     """A Runner (raywds.data.convert) of Ray tasks, one a shard, each taking a CPU, spread over
-    the nodes; `nodes` counts the shards each node wrote (not those kept from an earlier run)."""
+    the nodes, writing into the jobs' folder or under a `bucket` prefix; `nodes` counts the shards
+    each node wrote (not those kept from an earlier run)."""
 
-    def __init__(self, in_flight: int | None = None):
+    def __init__(self, in_flight: int | None = None, *, bucket: str | None = None, endpoint: str | None = None):
+        self.bucket, self.endpoint = bucket, endpoint
         cpus = int(ray.cluster_resources().get("CPU", 1))  # RAY
         self.in_flight = in_flight or max(2, IN_FLIGHT_PER_CPU * cpus)
         self.nodes: Counter[str] = Counter()
@@ -65,7 +70,7 @@ class Tasks:
             while waiting or pending:
                 while waiting and len(pending) < self.in_flight:
                     job = waiting.pop()
-                    pending[self._remote.remote(job)] = job  # RAY
+                    pending[self._remote.remote(job, self.bucket, self.endpoint)] = job  # RAY
                 [ref], _ = ray.wait(list(pending), num_returns=1)  # RAY
                 job = pending.pop(ref)
                 record = _result(ref, job)
@@ -93,19 +98,39 @@ def _result(ref: Any, job: ShardJob) -> dict[str, Any]:
 
 
 def convert_on_ray(
-    src: Path, out: Path, options: ConvertOptions, address: str | None, *, append: bool = False
+    src: str,
+    out: str,
+    options: ConvertOptions,
+    address: str | None,
+    *,
+    append: bool = False,
+    endpoint: str | None = None,
+    staging: Path | None = None,
 ) -> dict[str, Any]:
-    """Convert `src` into `out` (or with `append`, add its images to the dataset there) with Ray
-    tasks on the cluster at `address` (RAY_ADDRESS, a running `ray start`, else a local one); both
-    must be folders every node sees. Returns the manifest, with `written_on` (node IP -> shards
-    written there)."""
-    converting.check_outside(src, out)
+    """Convert the tree at `src` (a folder every node sees, or an s3:// or gs:// prefix) into `out`
+    (a folder every node sees, or a prefix), or with `append` add its images to the dataset there,
+    with Ray tasks on the cluster at `address` (RAY_ADDRESS, a running `ray start`, else a local
+    one). Into a bucket, the driver journals in `staging` (a folder of its own by default) and
+    puts the manifest last. Returns the manifest, with `written_on` (node IP -> shards written)."""
+    tree = listed.tree_at(src, endpoint)
+    bucket = out if stores.is_url(out) else None
+    if bucket is not None and append:
+        raise DataError(
+            f"--append with --ray adds to a dataset in a folder every node sees, not in a bucket ({out}) yet: "
+            "append without --ray, or into a shared folder and upload it"
+        )
+    folder = (staging or upload.staging_folder(out)) if bucket is not None else Path(out)
+    converting.check_outside(tree, folder)
     cluster.connect(address, training=False)
-    out.mkdir(parents=True, exist_ok=True)
-    for path, what in ((src, "SRC"), (out, "OUT")):
-        if path.exists():  # (a missing SRC is the converter's own one line)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, what in ((tree, "SRC"), (folder, "OUT")):
+        if bucket is None and isinstance(path, Path) and path.exists():  # (a missing SRC: the converter's line)
             cluster.check_every_node_sees(os.path.abspath(path), what)
-    tasks = Tasks()
-    manifest = (appending.append if append else converting.convert)(src, out, options, run=tasks)
+    if bucket is not None:
+        upload.bucket_at(bucket, endpoint).delete(MANIFEST)  # no manifest while shards there may change
+    tasks = Tasks(bucket=bucket, endpoint=endpoint)
+    manifest = (appending.append if append else converting.convert)(tree, folder, options, run=tasks)
+    if bucket is not None:
+        upload.publish(folder, bucket, endpoint)
     manifest["written_on"] = dict(sorted(tasks.nodes.items()))
     return manifest

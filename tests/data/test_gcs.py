@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from support.runs import SUMMARY, command
 from support.s3proxy import S3Proxy
 
 from raywds.data import gcs, shardlists, stores
+from raywds.data.convert import ConvertOptions, convert
 from raywds.data.http import PIECE, ReadPolicy
 from raywds.data.manifest import read_manifest
 from raywds.errors import DataError, ShardError, ShardMismatch
@@ -527,3 +529,37 @@ def test_a_bucket_glob_star_stays_in_its_folder_as_a_local_one_does(bucket: Buck
         (tmp_path / key).write_bytes(b"x")
     assert shardlists.expand([str(tmp_path / "m" / "*.tar")]) == [str(tmp_path / "m" / n) for n in ("a.tar", "b.tar")]
     assert shardlists.expand([bucket.url("m/*.tar")]) == [bucket.url("m/a.tar"), bucket.url("m/b.tar")]
+
+
+def flat_val_tree(tree: Path, out: Path) -> Path:
+    """The tree with its val/ flat, labelled by Kaggle's LOC_val_solution.csv beside it (in ROOT)."""
+    shutil.copytree(tree / "train", out / "train")
+    rows = ["ImageId,PredictionString"]
+    (out / "val").mkdir()
+    for path in sorted((tree / "val").rglob("*.JPEG")):
+        shutil.copy(path, out / "val" / path.name)
+        rows.append(f"{path.stem},{path.parent.name} 1 2 3 4")
+    (out / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+    return out
+
+
+def test_convert_from_a_gs_prefix_writes_the_shards_a_local_copy_gives(
+    bucket: Bucket, tree: Path, tmp_path: Path
+) -> None:
+    """An image tree in a bucket (here with a flat val/ and Kaggle's labels file beside it) is listed
+    once and read object by object: the same shards, byte for byte, as from a local copy."""
+    local = flat_val_tree(tree, tmp_path / "tree")
+    bucket.server.upload_folder(bucket.name, "images", local)
+    here, there = tmp_path / "from-folder", tmp_path / "from-bucket"
+    convert(local, here, ConvertOptions(maxcount=40, seed=5))
+    out = raywds("convert", bucket.url("images"), str(there), "--maxcount", "40", "--seed", "5")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "val: 50 samples in 2 shards (flat val, labels from LOC_val_solution.csv)" in out.stdout
+    assert sorted(p.name for p in there.glob("*.tar")) == sorted(p.name for p in here.glob("*.tar"))
+    for shard in here.glob("*.tar"):
+        assert (there / shard.name).read_bytes() == shard.read_bytes(), shard.name
+    made = json.loads((there / "manifest.json").read_text())
+    assert made.pop("source") == bucket.url("images")
+    expected = json.loads((here / "manifest.json").read_text())
+    expected.pop("source")
+    assert made == expected

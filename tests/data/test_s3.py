@@ -15,7 +15,8 @@ from support.s3server import S3Server
 
 from raywds.data import s3 as store
 from raywds.data.columns import ShardTable
-from raywds.data.convert import ConvertOptions
+from raywds.data.convert import ConvertOptions, convert
+from raywds.data.listed import tree_at
 from raywds.data.manifest import read_manifest
 from raywds.data.upload import convert_to_bucket
 from raywds.data.verify import verify
@@ -124,3 +125,26 @@ def test_read_manifest_names_refused_credentials(s3: S3Server, monkeypatch: pyte
     with pytest.raises(DataError, match="no S3 credentials: set AWS_ACCESS_KEY_ID"):
         read_manifest(s3.url("m"))
     assert store.split("s3://b/k/x.tar") == ("b", "k/x.tar")
+
+
+def test_convert_from_an_s3_prefix_into_one_gives_the_shards_of_a_local_copy(
+    s3: S3Server, tree: Path, tmp_path: Path
+) -> None:
+    """An image tree in a bucket, converted into another prefix of it: listed once (a neighbour
+    prefix that starts with the same letters is not part of it), read object by object, the same
+    shards as the local converter makes from a local copy."""
+    client = s3.client()
+    for path in sorted(p for p in tree.rglob("*") if p.is_file()):
+        client.upload_file(str(path), s3.bucket, f"images/{path.relative_to(tree).as_posix()}")
+    client.put_object(Bucket=s3.bucket, Key="images-old/train/stray/x.JPEG", Body=b"not part of the tree")
+    here = tmp_path / "here"
+    convert(tree, here, OPTIONS)
+    manifest = convert_to_bucket(tree_at(s3.url("images")), s3.url("ds"), OPTIONS, staging=tmp_path / "stage")
+    assert manifest["source"] == s3.url("images") and manifest["classes"] == json.loads(
+        (here / "manifest.json").read_text()
+    )["classes"]
+    for shard in here.glob("*.tar"):
+        body = client.get_object(Bucket=s3.bucket, Key=f"ds/{shard.name}")["Body"].read()
+        assert body == shard.read_bytes(), shard.name
+    with pytest.raises(DataError, match=r"s3://.*/nothing holds no objects"):
+        tree_at(s3.url("nothing"))

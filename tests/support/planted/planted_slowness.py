@@ -48,13 +48,14 @@ def _plant(trainer: Any, seconds: float) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Plants the slow forward pass as soon as the trainer's module has run."""
+    """Plants the slow forward pass (or, given `module` and `plant`, anything) as soon as the
+    trainer's module (or `module`) has run."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def __init__(self, seconds: float, module: str = TRAINER, plant: Any = None):
+        self.seconds, self.module, self.plant = seconds, module, plant or _plant
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != TRAINER:
+        if name != self.module:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -64,7 +65,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run(module)
-            _plant(module, self.seconds)
+            self.plant(module, self.seconds)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -108,14 +109,71 @@ class Waiting:
             time.sleep(self.seconds)
 
 
-def environment(seconds: float) -> dict[str, str]:
-    """The environment that makes every raywds process started with it slow its forward passes."""
+CONVERTER = "raywds.data.convert"
+SHARD_ENV = "PLANTED_SLOW_SHARD_S"
+HOLD_ENV = "PLANTED_SHARD_HOLD_DIR"
+HELD_PREFIX = "held"
+"""Only shards named HELD_PREFIX-* are held (`--prefix held`): no other test's conversion on a node with HOLD_ENV."""
+HOLD_S = 120.0
+
+
+def _slow_shards(converter: Any, seconds: float) -> None:
+    """Each shard this process writes (`write_shard`, which `convert --ray`'s tasks call) takes `seconds` longer."""
+    real = converter.write_shard
+
+    @functools.wraps(real)
+    def write_shard(job: Any) -> Any:
+        time.sleep(seconds)
+        return real(job)
+
+    converter.write_shard = write_shard
+
+
+def _hold_shards(converter: Any, folder: str) -> None:
+    """After this process wrote one `held-*` shard, each next one marks `folder`/held-PID-NAME and
+    waits HOLD_S before it is written: a task under way when the test kills its node."""
+    real, written = converter.write_shard, []
+
+    @functools.wraps(real)
+    def write_shard(job: Any) -> Any:
+        if job.path.name.startswith(HELD_PREFIX + "-"):
+            if written:
+                Path(folder, f"held-{os.getpid()}-{job.path.name}").touch()
+                time.sleep(HOLD_S)
+            written.append(job.path.name)
+        return real(job)
+
+    converter.write_shard = write_shard
+
+
+def _plant_on_import(module: str, seconds: float, plant: Any) -> None:
+    if module in sys.modules:
+        plant(sys.modules[module], seconds)
+    else:
+        sys.meta_path.insert(0, _AfterImport(seconds, module, plant))
+
+
+def environment(seconds: float = 0.0, *, shard_s: float = 0.0, hold_dir: str | None = None) -> dict[str, str]:
+    """The environment that makes every raywds process started with it slow its forward passes
+    by `seconds`, write each shard of a conversion `shard_s` later, or hold its `held-*` shards
+    after the first (`hold_dir`, where it marks each)."""
     here = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, FORWARD_ENV: str(seconds)}
+    env = {"PYTHONPATH": path, FORWARD_ENV: str(seconds)}
+    if shard_s:
+        env[SHARD_ENV] = str(shard_s)
+    if hold_dir:
+        env[HOLD_ENV] = hold_dir
+    return env
 
 
 def from_environment() -> None:
     seconds = float(os.environ.get(FORWARD_ENV) or 0)
     if seconds:
         slow_forward(seconds)
+    shard_s = float(os.environ.get(SHARD_ENV) or 0)
+    if shard_s:
+        _plant_on_import(CONVERTER, shard_s, _slow_shards)
+    hold = os.environ.get(HOLD_ENV)
+    if hold:
+        _plant_on_import(CONVERTER, 0.0, lambda module, _: _hold_shards(module, hold))
