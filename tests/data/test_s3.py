@@ -140,9 +140,10 @@ def test_convert_from_an_s3_prefix_into_one_gives_the_shards_of_a_local_copy(
     here = tmp_path / "here"
     convert(tree, here, OPTIONS)
     manifest = convert_to_bucket(tree_at(s3.url("images")), s3.url("ds"), OPTIONS, staging=tmp_path / "stage")
-    assert manifest["source"] == s3.url("images") and manifest["classes"] == json.loads(
-        (here / "manifest.json").read_text()
-    )["classes"]
+    assert (
+        manifest["source"] == s3.url("images")
+        and manifest["classes"] == json.loads((here / "manifest.json").read_text())["classes"]
+    )
     for shard in here.glob("*.tar"):
         body = client.get_object(Bucket=s3.bucket, Key=f"ds/{shard.name}")["Body"].read()
         assert body == shard.read_bytes(), shard.name

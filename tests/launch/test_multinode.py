@@ -22,6 +22,8 @@ from support.netnodes import HEAD_IP, RANK, RAYWDS, SUMMARY, WORKER_IP, TwoNodes
 from support.planted import planted_slowness
 from support.raycluster import RAY, HeadNode
 
+from raywds.data.convert import ConvertOptions, convert
+from raywds.data.resume import JOURNAL
 from raywds.train.audit import NAME, kept
 
 SLOW_S = 0.1
@@ -48,14 +50,21 @@ def unseen(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster(user_cluster: HeadNode, unseen: Path) -> Iterator[TwoNodes]:
+def held(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the slow worker node's conversion tasks mark each `held-*` shard they hold
+    (planted_slowness: after its first, each waits 120 s, until the test kills the node)."""
+    return tmp_path_factory.mktemp("held")
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(user_cluster: HeadNode, unseen: Path, held: Path) -> Iterator[TwoNodes]:
     """The worker node starts as a slow node: each rank there computes 100 ms of CPU longer in each
     step (its Ray's environment), which the doctor must name (`slow_worker`); and it cannot see
     `unseen`, from its first start on, so that no test restarts it for that (each restart waits
     for the GCS to find the old node dead). The node-loss tests start it again at full speed."""
     netnodes.require()
     with netnodes.two_nodes(
-        "rwm-", worker_env=planted_slowness.environment(SLOW_S), worker_private=[str(unseen)]
+        "rwm-", worker_env=planted_slowness.environment(SLOW_S, hold_dir=str(held)), worker_private=[str(unseen)]
     ) as cluster:
         yield cluster
 
@@ -165,6 +174,46 @@ def test_a_storage_path_other_nodes_cannot_see_is_refused_before_training(
         out.stderr
     ), out.stderr[-3000:]
     assert "epoch 1/" not in out.stdout
+
+
+def test_convert_on_both_nodes_loses_the_worker_node_and_still_writes_the_local_converters_shards(
+    slow_worker: TwoNodes, tree: Path, held: Path, tmp_path: Path
+) -> None:
+    """`raywds convert --ray` on the two nodes: tasks on both; the worker node killed while one of
+    its tasks is under way (held there after it wrote a shard); Ray runs that task again on the
+    head and the conversion ends with every shard once, the local converter's bytes."""
+    out = tmp_path / "ray"
+    args = [str(RAYWDS), "convert", str(tree), str(out), "--ray", "--address", slow_worker.gcs_address]
+    driver = slow_worker.popen(
+        [*args, "--maxcount", "4", "--prefix", "held"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and driver.poll() is None:
+        journal = (out / JOURNAL).read_text() if (out / JOURNAL).exists() else ""
+        on_worker = [json.loads(line)["shard"]["name"] for line in journal.splitlines() if WORKER_IP in line]
+        if on_worker and list(held.glob("held-*")):
+            break
+        time.sleep(0.1)
+    assert driver.poll() is None, f"ended before a task was held on the worker node:\n{driver.communicate()[0][-3000:]}"
+    assert slow_worker.lose_worker() > 0
+    output = driver.communicate(timeout=240)[0]
+    assert driver.returncode == 0, output[-3000:]
+    assert re.search(
+        rf"written by Ray tasks on 2 nodes: {re.escape(HEAD_IP)} \(\d+\), {re.escape(WORKER_IP)} \(\d+\)", output
+    )
+    records = [json.loads(line) for line in (out / JOURNAL).read_text().splitlines()]
+    names = [r["shard"]["name"] for r in records]
+    assert len(names) == len(set(names)) == 30 + 13, "every shard once (120 train and 50 val samples in fours)"
+    [marker] = held.glob("held-*")
+    retried = marker.name.split("-", 2)[2]
+    assert next(r["node"] for r in records if r["shard"]["name"] == retried) == HEAD_IP, (
+        "the held task ran again on the head"
+    )
+    here = tmp_path / "local"
+    convert(tree, here, ConvertOptions(maxcount=4, prefix="held"))
+    for shard in here.glob("*.tar"):
+        assert (out / shard.name).read_bytes() == shard.read_bytes(), shard.name
+    assert not list(out.glob(".held-*")), "no temporary file is left"
 
 
 class Driver:
