@@ -144,11 +144,15 @@ def append(src: Tree, out: Path, options: ConvertOptions, *, run: Runner | None 
     return manifest
 
 
+def _shards(count: int) -> str:
+    return f"{count} new shard{'s' if count != 1 else ''}"
+
+
 def appended_lines(manifest: dict[str, Any]) -> list[str]:
     """What `raywds convert --append` says of the append it made."""
     entry = manifest["appended"][-1]
     counts = ", ".join(
-        f"{info['num_samples']} {split} samples in {len(info['shards'])} new shards"
+        f"{info['num_samples']} {split} samples in {_shards(len(info['shards']))}"
         for split, info in entry["splits"].items()
     )
     lines = [f"appended {counts} as version {entry['version']}; the shards already there are unchanged"]

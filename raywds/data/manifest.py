@@ -9,6 +9,7 @@ shard's first key, checked when the shard is opened.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -75,6 +76,12 @@ class Manifest:
             counts = sample_counts(self.shards(split))
             self.kept[key] = (counts.cumsum() - counts).tolist()
         return self.kept[key]
+
+    def first(self, split: str, count: int) -> Manifest:
+        """This manifest with only the first `count` shards of `split`: the dataset as it was
+        before an append added shards after them."""
+        shards = self.shards(split)[:count]
+        return dataclasses.replace(self, splits={**self.splits, split: shards}, kept={})
 
     def fingerprint(self, split: str) -> str:
         """A short hash of the split's shard names, counts and contents (kept: every checkpoint asks)."""

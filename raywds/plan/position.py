@@ -157,6 +157,19 @@ def check_same_shards(saved: dict[str, Any], manifest: Manifest) -> None:
         log.warning("%s; validation numbers before and after this resume are not comparable", text)
 
 
+def grown(saved: dict[str, Any], manifest: Manifest) -> int | None:
+    """Where the training shards are the checkpoint's with more after them (an append,
+    `raywds convert --append`) and the other splits the same or grown alike: how many training
+    shards the checkpoint had; else None (unchanged, or changed otherwise: `check_same_shards`)."""
+    now = shard_entries(manifest)
+    if set(saved) - set(now) or not all(isinstance(v, list) for v in (*saved.values(), *now.values())):
+        return None  # (past LISTED shards only fingerprints are kept: a grown split is a changed one)
+    if any(now[split][: len(before)] != before for split, before in saved.items()):
+        return None
+    before = saved.get("train", [])
+    return len(before) if len(now.get("train", [])) > len(before) else None
+
+
 def _summary(entries: Any) -> str:
     if isinstance(entries, dict):
         return f"{entries['fingerprint']} ({entries['shards']:,} shards)"

@@ -145,13 +145,41 @@ class EpochKeeper:
     its counters and the unfinished epoch's position through a checkpoint."""
 
     def __init__(self, cfg: TrainConfig, world: World, manifest: Manifest):
-        self.cfg, self.world, self.manifest = cfg, world, manifest
+        self.cfg, self.world = cfg, world
         self.mode = parse(cfg.mode)
-        self.num_samples = manifest.num_samples("train")
-        self.shard_sizes = sample_counts(manifest.shards("train"))
+        self.use(manifest)
+        self.later: Manifest | None = None
+        """The grown manifest the next epoch trains on, where a resume across an append finishes
+        the epoch it stopped in on the shards that epoch began with (`grew`)."""
         self.progress = Progress()
         self.epoch: Epoch | None = None
         self.audit: Audit | None = None
+
+    def use(self, manifest: Manifest) -> None:
+        """Plan the epochs from now on over `manifest`'s training shards."""
+        self.manifest = manifest
+        self.num_samples = manifest.num_samples("train")
+        self.shard_sizes = sample_counts(manifest.shards("train"))
+
+    def grew(self, state: dict[str, Any], shards_before: int) -> str:
+        """Resume `state` on a manifest an append grew: its training shards after the first
+        `shards_before` are new. An epoch the checkpoint stopped inside finishes on the shards it
+        began with; the next trains on all. Returns what to say of it."""
+        full, old = self.manifest, self.manifest.first("train", shards_before)
+        self.use(old)
+        self.load_state_dict(state)
+        new = full.num_samples("train") - old.num_samples("train")
+        epoch = self.progress.epoch + 1
+        shards = len(full.shards("train")) - shards_before
+        grown = (
+            f"the data grew since the checkpoint (an append): {new} training samples in "
+            f"{shards} new shard{'s' if shards > 1 else ''}"
+        )
+        if self.progress.position is None:
+            self.use(full)
+            return f"{grown}; epoch {epoch} trains on all of them"
+        self.later = full
+        return f"{grown}; epoch {epoch} finishes on the shards it began with, epoch {epoch + 1} trains on all"
 
     # -- Stateful --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -194,6 +222,9 @@ class EpochKeeper:
         cfg = self.cfg = cfg or self.cfg
         world, start = self.world, self.progress
         position = start.position if start.position and start.position.epoch == index else None
+        if self.later is not None and position is None:  # past the epoch a resume across an append finished
+            self.use(self.later)
+            self.later = None
         plan = epoch_plan(
             self.manifest, cfg, world.world_size, epoch=index, done=done_in(position, index),
             ranks_per_node=world.ranks_per_node,

@@ -5,6 +5,7 @@ The learning rate is a function of progress, so it needs no state of its own.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -12,8 +13,10 @@ from torch import nn
 
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
-from raywds.plan.position import check_same_shards, shard_entries
+from raywds.plan.position import check_same_shards, grown, shard_entries
 from raywds.train.epoch import EpochKeeper
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_state(
@@ -45,14 +48,30 @@ def check_unfinished(state: dict[str, Any], cfg: TrainConfig) -> None:
 
 def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, keeper: EpochKeeper) -> None:
     """Load a checkpoint's weights, optimizer and progress, after checking it was taken on these
-    classes and shards (and, inside an epoch, in this mode)."""
+    classes and shards (and, inside an epoch, in this mode). Shards an append added after the
+    checkpoint's are trained on from the next epoch that starts (EpochKeeper.grew)."""
     manifest = keeper.manifest
+    before = grown(state["shards"], manifest)
     if state["classes"] != manifest.classes:
+        saved = state["classes"]
+        if manifest.classes[: len(saved)] == saved:
+            new = len(manifest.classes) - len(saved)
+            raise ConfigError(
+                f"the data gained {new} class{'es' if new > 1 else ''} since the checkpoint (an append: "
+                f"{', '.join(manifest.classes[len(saved) :][:5])}…), and the checkpoint's model has "
+                f"{len(saved)} outputs: start a new run on the grown data"
+            )
         raise ConfigError(
             f"the checkpoint's {len(state['classes'])} classes differ from the data's "
             f"{len(manifest.classes)}; resume with the same --data"
         )
-    check_same_shards(state["shards"], manifest)
+    if before is None:
+        check_same_shards(state["shards"], manifest)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    keeper.load_state_dict(state)
+    if before is None:
+        keeper.load_state_dict(state)
+        return
+    said = keeper.grew(state, before)
+    if keeper.world.is_main:
+        log.info(said)

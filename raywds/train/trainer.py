@@ -68,8 +68,7 @@ class Trainer:
             run_dir.open_tensorboard()
         self.loaders: Loaders = loaders if loaders is not None else PerRank()
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
-        self.manifest = manifest if manifest is not None else manifest_of(cfg)
-        self.keeper = EpochKeeper(cfg, world, self.manifest)
+        self.keeper = EpochKeeper(cfg, world, manifest if manifest is not None else manifest_of(cfg))
         self.compute = Compute.for_run(cfg, world.device)
         self.model = self.compute.model(build_model(cfg.model, len(self.manifest.classes)))
         self.wrapped: nn.Module = self.model
@@ -87,6 +86,12 @@ class Trainer:
         self.metrics: Metrics = {}
         self.upcoming: tuple[Epoch, EpochLoader] | None = None
         """The next epoch, handed to the loader before this one's validation (`look_ahead`)."""
+
+    @property
+    def manifest(self) -> Manifest:
+        """The manifest the current epoch trains on (the keeper's: an append seen on resume
+        changes it at the next epoch)."""
+        return self.keeper.manifest
 
     def fit(self) -> Metrics:
         """Train until cfg.epochs or cfg.max_steps; returns the last metrics (the same on every rank)."""

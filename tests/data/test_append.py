@@ -75,7 +75,7 @@ def test_an_append_adds_shards_and_a_version_and_changes_no_old_byte_or_label(
     more = new_images(tree, tmp_path / "more")
     assert main(["convert", str(more), str(dataset), "--append", "--maxcount", "5"]) == 0
     out = capsys.readouterr().out
-    assert "appended 22 train samples in 2 new shards, 4 val samples in 1 new shards as version 2" in out
+    assert "appended 22 train samples in 2 new shards, 4 val samples in 1 new shard as version 2" in out
     assert "1 new class after the 10 there: aaa (10)" in out
 
     after = digests(dataset)
@@ -169,3 +169,50 @@ def test_a_split_epoch_over_the_grown_dataset_trains_every_sample_once(
     run_local(small_config(dataset, mode="split", epochs=1, audit_dir=str(audit), out=str(tmp_path / "run")))
     trained = epoch_keys(audit, 0, dataset)
     assert trained == Counter(tar_keys(dataset)) and sum(trained.values()) == 142
+
+
+def test_a_run_resumed_across_an_append_finishes_its_epoch_on_the_old_shards_then_trains_on_all(
+    tree: Path, dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stopped inside epoch 1, the data grows (new images of the classes there), the run resumes:
+    epoch 1 ends exactly on the 120 samples it began with, epoch 2 trains on all 132, each once."""
+    import dataclasses
+    import logging
+
+    from raywds.launch.local import run_local
+
+    old_keys = Counter(tar_keys(dataset))
+    audit, run = tmp_path / "audit", tmp_path / "run"
+    cfg = small_config(dataset, mode="split", epochs=2, max_steps=3, audit_dir=str(audit), out=str(run))
+    run_local(cfg)
+    more = tmp_path / "more" / "train" / "n90000004"
+    more.mkdir(parents=True)
+    for i, source in enumerate(sorted((tree / "train" / "n90000005").glob("*.JPEG"))):
+        more.joinpath(f"again_{i}.JPEG").write_bytes(source.read_bytes())
+    append(tmp_path / "more", dataset, OPTIONS)
+    with caplog.at_level(logging.INFO, logger="raywds"):
+        run_local(dataclasses.replace(cfg, max_steps=None, resume=str(run)))
+    said = "the data grew since the checkpoint (an append): 12 training samples in 1 new shard; "
+    assert said + "epoch 1 finishes on the shards it began with, epoch 2 trains on all" in caplog.text
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if "epoch_samples" in r and not r.get("inside_epoch")]
+    assert [(r["epoch_samples"], r["epoch_duplicates"], r["epoch_missing"]) for r in epochs] == [
+        (120, 0, 0),
+        (132, 0, 0),
+    ]
+    assert epoch_keys(audit, 0, dataset) == old_keys
+    assert epoch_keys(audit, 1, dataset) == Counter(tar_keys(dataset)) and sum(old_keys.values()) == 120
+
+
+def test_a_resume_across_an_append_of_new_classes_is_one_line(tree: Path, dataset: Path, tmp_path: Path) -> None:
+    import dataclasses
+
+    from raywds.errors import ConfigError
+    from raywds.launch.local import run_local
+
+    run = tmp_path / "run"
+    cfg = small_config(dataset, mode="split", epochs=2, max_steps=2, out=str(run))
+    run_local(cfg)
+    append(new_images(tree, tmp_path / "more"), dataset, OPTIONS)
+    with pytest.raises(ConfigError, match=r"the data gained 1 class since the checkpoint \(an append: aaa…\)"):
+        run_local(dataclasses.replace(cfg, max_steps=None, resume=str(run)))
