@@ -9,6 +9,16 @@ then again each in a fresh process, as `raywds convert` runs, so the time to imp
 raywds.data.convert counts too (and what it imports: it should not be torch); and times per
 image: header parse only (baseline), the draft-mode decode `convert` does, a full decode, and
 adding restart markers (`with_restarts`).
+
+    .venv/bin/python benchmarks/convert_bench.py --ray [--copies 8] [--workers 2] [--repeat 3]
+
+With `--ray`, instead: the same tree converted, each variant `--repeat` times in turn, by
+`raywds convert --workers N` (the baseline), `raywds convert --ray` on a private local cluster of
+N CPUs (`ray start --head`, its own temp dir, ports and token, started before and not timed) and
+on a two-node cluster (tests/support/netnodes.py: 1 CPU each, network namespaces, needs root),
+and litdata's optimize() with N workers (raw bytes; and also checking each image with PIL); a
+markdown table of the medians, the --ray shards checked byte for byte against the local ones,
+and the shards each node wrote. The clusters not in use are stopped (SIGSTOP) meanwhile.
 """
 
 from __future__ import annotations
