@@ -176,6 +176,18 @@ def test_a_storage_path_other_nodes_cannot_see_is_refused_before_training(
     assert "epoch 1/" not in out.stdout
 
 
+def test_convert_from_a_folder_another_node_cannot_see_is_one_line_before_any_task(
+    both_nodes: TwoNodes, unseen: Path, tmp_path: Path
+) -> None:
+    from raywds.data.demo import DemoSpec, write_tree
+
+    src = write_tree(unseen / "tree", DemoSpec(num_train_per_class=2, num_val_per_class=1, image_side_px=16))
+    out = both_nodes.run([str(RAYWDS), "convert", str(src), str(tmp_path / "out"), "--ray"], timeout=120)
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert f"raywds: error: SRC is on this machine only: node(s) {WORKER_IP} cannot see {src}" in out.stderr
+    assert not list((tmp_path / "out").glob("*.tar"))
+
+
 def test_convert_on_both_nodes_loses_the_worker_node_and_still_writes_the_local_converters_shards(
     slow_worker: TwoNodes, tree: Path, held: Path, tmp_path: Path
 ) -> None:

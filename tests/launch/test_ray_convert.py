@@ -61,6 +61,21 @@ def test_ray_tasks_write_the_local_converters_shards_and_append_as_it_does(
     same_dataset(here, there)
 
 
+def test_an_unreadable_image_under_strict_is_the_tasks_one_line_not_retried(
+    tree: Path, tmp_path: Path, local_ray: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    broken = tmp_path / "tree"
+    shutil.copytree(tree, broken)
+    victim = sorted((broken / "train" / "n90000003").glob("*.JPEG"))[0]
+    victim.write_bytes(victim.read_bytes()[:200])  # truncated
+    assert main(["convert", str(broken), str(tmp_path / "out"), "--ray", "--strict"]) == 1
+    err = capsys.readouterr().err
+    assert f"raywds: error: {victim}: not a readable image" in err and "without --strict it would be skipped" in err
+    assert "Traceback" not in err and not (tmp_path / "out" / "manifest.json").exists()
+
+
 def private_cluster(ray_temp: Path, **extra: str) -> dict[str, str]:
     """This process's environment (with the test bucket's AWS variables) for a CLI that starts a
     private local cluster, its token in `ray_temp`."""
