@@ -111,20 +111,23 @@ def timed(module, name):
         try:
             return real(*args, **kwargs)
         finally:
-            marks[name] = time.perf_counter() - start
+            marks[name] = marks.get(name, 0.0) + time.perf_counter() - start
     setattr(module, name, wrapper)
 import raywds.data.convert
 timed(raywds.data.convert, "convert")
 if "--ray" in sys.argv:
     import raywds.launch.cluster
     timed(raywds.launch.cluster, "connect")
+    timed(raywds.launch.cluster, "check_every_node_sees")
 from raywds.cli import main
 code = main(sys.argv[1:])
-print("BENCH", *(f"{k}={v:.4f}" for k, v in marks.items()))
+print("BENCH", *(f"{k}={v:.4f}" for k, v in marks.items()), f"end={time.time():.6f}")
 sys.exit(code)
 """
 """`raywds convert ARGS` as the console script runs it (raywds.cli.main), timing the conversion
-(raywds.data.convert.convert: scan, plan, shards, manifest) and, with --ray, ray.init."""
+(raywds.data.convert.convert: scan, plan, shards, manifest), with --ray ray.init and the check
+that every node sees SRC and OUT (a task on each node, where there are two or more), and saying
+when it returned (the rest, to the process's end, is Ray's shutdown at exit)."""
 
 LITDATA_JOB = """
 import io, sys, time
@@ -154,7 +157,7 @@ if __name__ == "__main__":
     fn = checked if check == "pil" else raw
     optimize(fn=fn, inputs=inputs, output_dir=out, num_workers=int(workers), chunk_bytes=int(chunk_bytes),
              verbose=False)
-    print(f"BENCH convert={time.perf_counter() - start:.4f}")
+    print(f"BENCH convert={time.perf_counter() - start:.4f} end={time.time():.6f}")
 """
 """litdata's optimize() on the tree's train/ images: {"image": the file's bytes, "label": class index}."""
 
@@ -186,15 +189,16 @@ def time_once(variant: Variant, out: Path, timeout: float) -> str:
     """Run `variant` once into `out` and record its times; its output."""
     start = time.perf_counter()
     done = variant.run(variant.command(out), timeout)
-    wall = time.perf_counter() - start
+    wall, finished = time.perf_counter() - start, time.time()
     output = done.stdout + done.stderr
     if done.returncode != 0:
         raise RuntimeError(f"{variant.name} exited {done.returncode}:\n{output[-4000:]}")
     variant.walls.append(wall)
     marks = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("BENCH "))
     for mark in marks:
-        name, seconds = mark.split("=")
-        variant.marks.setdefault(name, []).append(float(seconds))
+        name, value = mark.split("=")
+        seconds = finished - float(value) if name == "end" else float(value)
+        variant.marks.setdefault("exit" if name == "end" else name, []).append(seconds)
     nodes = re.search(r"^written by Ray tasks on .*$", done.stdout, re.M)
     if nodes:
         variant.nodes.append(nodes.group(0))
@@ -250,7 +254,8 @@ def litdata_available(env: dict[str, str]) -> str | None:
     """Why litdata cannot be run here, or None."""
     done = subprocess.run([sys.executable, "-c", "import litdata"], capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        return f"litdata is not installed ({done.stderr.strip().splitlines()[-1]}): `.venv/bin/pip install litdata`"
+        last = done.stderr.strip().splitlines()[-1]
+        return f"litdata is not installed ({last}): `.venv/bin/uv pip install --python .venv/bin/python litdata`"
     return None
 
 
@@ -268,13 +273,17 @@ def variants(args: argparse.Namespace, src: Path, root: Path, stack: ExitStack, 
     """The baseline first, then each variant that can run here (its cluster started now, into `stack`)."""
     n, here = args.workers, local_run(env)
     found = [Variant(f"`convert --workers {n}` (baseline)", raywds_line(src, args, "--workers", str(n)), here)]
+    started = time.perf_counter()
     head = stack.enter_context(local_cluster(root, n, env))
+    print(f"local cluster of {n} CPUs started in {time.perf_counter() - started:.1f} s (not counted)")
     ray_here = raywds_line(src, args, "--ray", "--address", head.gcs_address)
     found.append(
         Variant(f"`convert --ray`, local cluster of {n} CPUs", ray_here, local_run(head.env), (head.temp_dir,))
     )
+    started = time.perf_counter()
     two = stack.enter_context(two_node_cluster(root, env))
     if two is not None:
+        print(f"two-node cluster started in {time.perf_counter() - started:.1f} s (not counted)")
         ray_two = raywds_line(src, args, "--ray", "--address", two.gcs_address)
 
         def on_head(line: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -325,20 +334,25 @@ def cell(seconds: float | None) -> str:
 def report(found: list[Variant], num_files: int) -> None:
     """The markdown table of medians, then the shard checks and each node's shards."""
     base_wall, base_convert = median(found[0].walls), median(found[0].marks["convert"])
-    print("\n| variant | wall s | connect s | conversion s | files/s | speed vs baseline, wall | ... conversion |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    assert base_wall is not None and base_convert is not None
+    columns = "wall s | connect s | node check s | conversion s | exit s | files/s | speed (wall) | speed (conv.)"
+    print(f"\n| variant | {columns} |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for v in found:
-        wall, connect, conv = median(v.walls), median(v.marks.get("connect", [])), median(v.marks["convert"])
-        assert wall is not None and conv is not None and base_wall is not None and base_convert is not None
+        wall, conv = median(v.walls), median(v.marks["convert"])
+        assert wall is not None and conv is not None
+        steps = [cell(median(v.marks.get(name, []))) for name in ("connect", "check_every_node_sees")]
         print(
-            f"| {v.name} | {wall:.2f} | {cell(connect)} | {conv:.2f} | {num_files / conv:.0f} | "
-            f"{base_wall / wall:.2f}x | {base_convert / conv:.2f}x |"
+            f"| {v.name} | {wall:.2f} | {' | '.join(steps)} | {conv:.2f} | {cell(median(v.marks['exit']))} | "
+            f"{num_files / conv:.0f} | {base_wall / wall:.2f}x | {base_convert / conv:.2f}x |"
         )
     print(
         "\nwall: the whole command (interpreter, imports, connecting, conversion, Ray's shutdown at exit); "
         "the clusters were started before and are not counted. connect: ray.init to the running cluster. "
-        "conversion: raywds.data.convert.convert (scan, plan, shards, manifest), or litdata's optimize() call; "
-        "files/s from it. speed: the baseline's median seconds / the row's."
+        "node check: the task on each node that checks it sees SRC and OUT (only with 2+ nodes; it starts a "
+        "worker on each, which the conversion then uses). conversion: raywds.data.convert.convert (scan, plan, "
+        "shards, manifest), or litdata's optimize() call; files/s from it. exit: from the command's return to "
+        "its process's end. speed: the baseline's median seconds / the row's (>1: faster than the baseline)."
     )
     for v in found[1:]:
         if v.shards:
@@ -357,6 +371,7 @@ def ray_main(args: argparse.Namespace) -> None:
     try:
         src, reference, tmp = root / "src", root / "reference", root / "tmp"
         tmp.mkdir()
+        tempfile.tempdir = str(tmp)  # multiprocessing's pymp-* folders of the reference conversion
         env = {**os.environ, "TMPDIR": str(tmp), "DATA_OPTIMIZER_CACHE_FOLDER": str(tmp / "chunks")}
         env["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(tmp / "data")
         num_bytes = build_tree(images, args.copies, src)
@@ -375,6 +390,7 @@ def ray_main(args: argparse.Namespace) -> None:
             measure(found, reference, root, args.repeat, timeout=120 + num_files)
         report(found, num_files)
     finally:
+        tempfile.tempdir = None
         shutil.rmtree(root, ignore_errors=True)
     if not home_ray and (Path.home() / ".ray").exists():
         print(f"warning: {Path.home() / '.ray'} was created during the benchmark")
