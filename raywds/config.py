@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raywds.errors import ConfigError
+from raywds.fields import flag
 
 # The choices of each setting; the CLI's --help and choices come from these (raywds.flags).
 ModeName = Literal["resample", "split"]
@@ -20,6 +21,7 @@ Optimizer = Literal["sgd", "adamw"]
 Precision = Literal["auto", "bf16", "fp32"]
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]
 DecodeName = Literal["cpu", "device", "pil"]
+TrackerName = Literal["mlflow", "wandb", "tensorboard"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +122,12 @@ class TrainConfig(S3Endpoint):
     tensorboard: bool = False
     """Rank 0 also writes the epoch and progress rows of metrics.jsonl as TensorBoard scalars to
     RUN_DIR/tensorboard/ (needs the tensorboard extra: pip install 'raywds[tensorboard]')."""
+    tracking: list[TrackerName] | None = field(default=None, metadata=flag(append=True))
+    """Also send the config and each epoch's (and in-epoch checkpoint's) numbers to these (repeatable): mlflow
+    (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME), wandb (WANDB_PROJECT, WANDB_MODE), tensorboard (as --tensorboard);
+    one tracking run per training run, through resumes and restarts."""
+    tracking_checkpoint: bool = False
+    """With --tracking mlflow or wandb: send best/checkpoint.pt as an artifact at the run's end."""
     val_every: int = 1
     """Validate every this many epochs (and always after the last)."""
     checkpoint_every_steps: int | None = None
@@ -148,6 +156,9 @@ class TrainConfig(S3Endpoint):
         for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        for name in self.tracking or []:
+            if name not in typing.get_args(TrackerName):
+                raise ConfigError(f"tracking={name!r} is not one of {', '.join(typing.get_args(TrackerName))}")
         workers = self.loader_workers
         if workers != "auto" and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
             raise ConfigError(f"loader_workers={workers!r} must be 0 or more, or 'auto'")
@@ -218,6 +229,10 @@ class TrainConfig(S3Endpoint):
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def trackers(self) -> list[str]:
+        """What rank 0 sends the rows to: --tracking's, and tensorboard for --tensorboard (the older flag)."""
+        return list(dict.fromkeys([*(self.tracking or []), *(["tensorboard"] if self.tensorboard else [])]))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import raycluster, s3server, turns
+from support import mlflowserver, raycluster, s3server, turns
 from support.data import SMALL, UNEVEN_SIZES, made_shards, recut
 from support.runs import FORKSERVER_PRELOAD
 
@@ -58,6 +58,14 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from raywds.data.demo import prepare
 
     return prepare(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mlflowserver.MlflowServer]:
+    """One real MLflow tracking server for the session (tests/support/mlflowserver.py), started when a
+    test first asks for it (8-15 s); each test names an experiment of its own."""
+    with mlflowserver.mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,6 @@ def _run(cfg: TrainConfig, world: World) -> tuple[Metrics, RunDir | None]:
     finally:
         notices.close()
         if run_dir is not None:
-            run_dir.close()
+            run_dir.close(artifact=cfg.tracking_checkpoint)
         if world.distributed:
             dist.destroy_process_group()

@@ -88,6 +88,8 @@ def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDi
     if state is None:
         ray.train.report(metrics)  # RAY
         return
+    if run_dir is not None:  # the tracking runs' ids, which a restart from this checkpoint continues
+        state = {**state, "tracking": run_dir.tracking_ids()}
     with tempfile.TemporaryDirectory(prefix="raywds-ckpt-") as tmp:
         save_checkpoint(state, Path(tmp) / files.CHECKPOINT, durable=False)  # Ray copies it to the storage
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))  # RAY
@@ -114,10 +116,27 @@ def preemption_notice() -> Notice | None:
     return Notice("preemption", deadline, tuple(info.preempted_node_ids))
 
 
+TRACKING_PREFIXES = ("MLFLOW_", "WANDB_")
+SECRET_WORDS = ("KEY", "TOKEN", "PASSWORD", "SECRET")
+
+
+def tracking_env() -> dict[str, str]:
+    """The driver's MLFLOW_* and WANDB_* settings (where to track, the experiment, the project,
+    offline mode), which rank 0 on another machine needs to track the same way; not their
+    credentials (…KEY, …TOKEN, …PASSWORD, …SECRET), which each node keeps as the tool expects."""
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name.startswith(TRACKING_PREFIXES) and not any(word in name for word in SECRET_WORDS)
+    }
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Runs in every Ray Train worker: build the world from Ray's context, then train."""
     quiet_ray_reports()
     console.configure()
+    for name, value in config.get("tracking_env", {}).items():
+        os.environ.setdefault(name, value)  # the node's own setting wins
     cfg = TrainConfig.from_dict(config["config"])
     loaders = RayData(Plane(**config["plane"])) if config.get("plane") else None
     manifest = manifest_of(cfg, trusted=config["index"]) if config.get("index") else None  # the driver's index
@@ -145,7 +164,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         )
     finally:
         if run_dir is not None:
-            run_dir.close()
+            run_dir.close(artifact=cfg.tracking_checkpoint)
 
 
 def worker_error(failed: Exception) -> RaywdsError | None:
@@ -294,6 +313,7 @@ def make_trainer(
             "config": cfg.to_dict(),
             "plane": plane and dataclasses.asdict(plane),
             "index": index_of(cfg),
+            "tracking_env": tracking_env() if cfg.trackers() else {},
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=plan.ray_num_workers,  # type: ignore[arg-type]  # V2 takes (min, max); mypy sees V1's

@@ -28,8 +28,9 @@ from raywds.runs.folder import Metrics, RunDir
 
 log = logging.getLogger(__name__)
 
-FETCHED = (files.METRICS, files.BEST_ROW)
-"""What a restarted or resumed rank 0 needs of the run so far: the rows, and the top-1 to beat."""
+FETCHED = (files.METRICS, files.BEST_ROW, files.TRACKING)
+"""What a restarted or resumed rank 0 needs of the run so far: the rows, the top-1 to beat, the
+tracking runs' ids."""
 
 
 class BucketRunDir(RunDir):
@@ -42,9 +43,19 @@ class BucketRunDir(RunDir):
         super().__init__(local, append=True)
         self.sent: dict[str, tuple[int, int]] = {}
 
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    @property
+    def tracker_files(self) -> Path | None:
+        return None  # this folder is a copy removed at the end: W&B's files where W&B keeps them
+
     def append(self, row: Mapping[str, Any]) -> None:
         super().append(row)
         self.push(self.metrics_path)
+        if (self.path / files.TRACKING).is_file():
+            self.push(self.path / files.TRACKING)
         if self.events is not None:
             for events in sorted(self.events.folder.iterdir()):
                 self.push(events)
@@ -69,9 +80,9 @@ class BucketRunDir(RunDir):
             return
         self.sent[name] = (stat.st_size, stat.st_mtime_ns)
 
-    def close(self) -> None:
+    def close(self, *, artifact: bool = False) -> None:
         """Put what is left, then remove the local copy."""
-        super().close()
+        super().close(artifact=artifact)
         if (self.path / files.TENSORBOARD).is_dir():
             for events in sorted((self.path / files.TENSORBOARD).iterdir()):
                 self.push(events)

@@ -5,6 +5,8 @@ RUN_DIR/config.json            the resolved config (RAY_CONFIG beside a Ray run'
 RUN_DIR/checkpoint.pt          the latest checkpoint (a Ray run: in each checkpoint_* folder)
 RUN_DIR/best/checkpoint.pt     the best epoch's, with best/metrics.json, its row, written last
 RUN_DIR/tensorboard/           --tensorboard's event files
+RUN_DIR/tracking.json          --tracking mlflow/wandb: the tracking runs' ids (raywds.runs.tracking)
+RUN_DIR/wandb/                 --tracking wandb: W&B's own files
 RUN_DIR/.raywds-lock           held while a run trains into the folder (raywds.runs.lock)
 RUN_DIR/last.ckpt              the Lightning DataModule's checkpoints inside an epoch
 RUN_DIR/last-step              the step rank 0 trained last (after a restart: the steps trained again)
@@ -23,3 +25,4 @@ TENSORBOARD = "tensorboard"
 LOCK = ".raywds-lock"
 LIGHTNING_CHECKPOINT = "last.ckpt"
 LAST_STEP = "last-step"
+TRACKING = "tracking.json"

@@ -6,12 +6,15 @@ RUN_DIR/config.json     the resolved config (raywds-config.json beside a Ray run
 RUN_DIR/checkpoint.pt   the latest checkpoint (local runs; Ray keeps its own checkpoint folders)
 RUN_DIR/best/           the checkpoint with the best validation top-1, and its metrics.json
 RUN_DIR/tensorboard/    with --tensorboard: the rows' numbers as TensorBoard scalars (raywds.runs.tensorboard)
+RUN_DIR/tracking.json   with --tracking mlflow or wandb: the tracking runs' ids, reused by what continues the run
+RUN_DIR/wandb/          with --tracking wandb: W&B's own files (unless WANDB_DIR says elsewhere)
 RUN_DIR/last-step       the step rank 0 trained last, written at every step
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +24,9 @@ from raywds.config import TrainConfig
 from raywds.runs import files
 from raywds.runs.checkpoint import save_checkpoint
 from raywds.runs.tensorboard import EventWriter
+from raywds.runs.tracking import Trackers
+
+log = logging.getLogger(__name__)
 
 Metrics = dict[str, Any]
 
@@ -35,6 +41,7 @@ class RunDir:
         self.metrics_path = self.path / files.METRICS
         self.checkpoint_path = self.path / files.CHECKPOINT
         self.events: EventWriter | None = None
+        self.trackers: Trackers | None = None
         self.keep_events = append
         self._last_step: int | None = None
         """The open last-step file."""
@@ -49,8 +56,44 @@ class RunDir:
             self.keep_events = True  # opened again, it adds to this run's event files
         return self.events.folder
 
-    def close(self) -> None:
-        """Close the TensorBoard writer, if open (every row is on disk already)."""
+    def open_tracking(self, names: list[str], config: dict[str, Any], saved: dict[str, str] | None) -> None:
+        """Send each row from now on to the trackers in `names` (raywds.runs.tracking; tensorboard:
+        `open_tensorboard`), continuing the tracking runs of `saved` (a checkpoint's) or of this
+        folder's tracking.json."""
+        if "tensorboard" in names:
+            self.open_tensorboard()
+        others = [name for name in names if name != "tensorboard"]
+        if others and self.trackers is None:
+            self.trackers = Trackers.open(others, config, self.path, saved, name=self.name, files=self.tracker_files)
+
+    @property
+    def name(self) -> str:
+        """The run's name in trackers: its folder's."""
+        return self.path.name
+
+    @property
+    def tracker_files(self) -> Path | None:
+        """Where trackers keep files of their own (W&B's): in the run folder."""
+        return self.path
+
+    def tracking_ids(self) -> dict[str, str]:
+        """The tracking runs' ids, for each checkpoint to keep."""
+        return self.trackers.saved() if self.trackers is not None else {}
+
+    def note(self, key: str, text: str) -> None:
+        """A line of text for the trackers (the doctor's verdict): the latest one is kept."""
+        if self.trackers is not None:
+            self.trackers.note(key, text)
+
+    def close(self, *, artifact: bool = False) -> None:
+        """End the tracking runs (with best/checkpoint.pt as an artifact when asked), saying in a
+        line each what could not be sent; close the TensorBoard writer, if open (every row is on
+        disk already)."""
+        if self.trackers is not None:
+            best = self.path / files.BEST / files.CHECKPOINT if artifact else None
+            for line in self.trackers.close(best=best):
+                log.warning(f"tracking: {line}")
+            self.trackers = None
         if self.events is not None:
             self.events.close()
             self.events = None
@@ -83,6 +126,8 @@ class RunDir:
             f.write(json.dumps(row) + "\n")
         if self.events is not None:
             self.events.write(row)
+        if self.trackers is not None:
+            self.trackers.row(row)
 
     def record(self, metrics: Metrics, state: dict[str, Any]) -> None:
         """An epoch's (or an in-epoch checkpoint's) metrics, and best/ when top-1 improved."""
@@ -94,7 +139,7 @@ class RunDir:
         if state is None:
             return
         self.append(metrics)
-        save_checkpoint(state, self.checkpoint_path)
+        save_checkpoint({**state, "tracking": self.tracking_ids()}, self.checkpoint_path)
         self.keep_best(metrics, state)
 
     def keep_best(self, metrics: Metrics, state: dict[str, Any]) -> bool:

@@ -64,8 +64,8 @@ class Trainer:
     ):
         torch.manual_seed(cfg.seed)
         self.cfg, self.world, self.run_dir, self.workers = cfg, world, run_dir, Workers(cfg, world)
-        if run_dir is not None and cfg.tensorboard:  # first: a missing tensorboard stops the run before any work
-            run_dir.open_tensorboard()
+        if run_dir is not None and cfg.trackers():  # first: a missing client stops the run before any work
+            run_dir.open_tracking(cfg.trackers(), cfg.to_dict(), resume.get("tracking") if resume else None)
         self.loaders: Loaders = loaders if loaders is not None else PerRank()
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
         self.keeper = EpochKeeper(cfg, world, manifest if manifest is not None else manifest_of(cfg))
@@ -221,7 +221,10 @@ class Trainer:
             batches = self.loaders.val(self.manifest, self.loader_cfg, world)
             metrics.update(evaluate(self.model, batches, world, self.compute))
         if world.is_main:
-            log.info(epoch_line(metrics, cfg.epochs) + "\n  doctor: " + diagnose(metrics)[0])
+            verdict = diagnose(metrics)[0]
+            log.info(epoch_line(metrics, cfg.epochs) + "\n  doctor: " + verdict)
+            if self.run_dir is not None:
+                self.run_dir.note("doctor", f"epoch {epoch.index + 1}: {verdict}")
         self.emit(metrics)
 
     def epoch_metrics(self, epoch: Epoch, result: EpochResult) -> Metrics:

@@ -13,6 +13,7 @@ from types import ModuleType
 
 import pytest
 from support.data import epoch_keys, tar_keys
+from support.mlflowserver import MlflowServer
 from support.runs import assert_charts_hold, small_config
 
 from raywds.config import TrainConfig
@@ -190,15 +191,26 @@ def test_a_bad_sample_under_ray_is_one_line_naming_shard_and_sample(
 
 
 def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_record(
-    ray_train: ModuleType, uneven: Path, tmp_path: Path, local_ray: None
+    ray_train: ModuleType,
+    uneven: Path,
+    tmp_path: Path,
+    local_ray: None,
+    mlflow_server: MlflowServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """2 Ray Train workers in split mode on uneven shards, stopped after 3 steps of epoch 1, then
     resumed from that checkpoint for the rest of 3 epochs: every epoch exact over both runs, and the
     resumed run's record as a run's own (Ray's checkpoints, best/, progress rows, TensorBoard).
     The shards are named as a WebDataset user names shards (a brace list, a glob for validation),
     not by their manifest: webdataset's TarWriter wrote them, and the driver indexes them on first
-    use into the run's index cache, where the workers and the resumed run find the index."""
+    use into the run's index cache, where the workers and the resumed run find the index. With
+    --tracking mlflow, both runs (two run folders) are one MLflow run, its id kept in the checkpoint,
+    the driver's MLFLOW_* settings reaching rank 0 in its Ray worker."""
     import ray
+
+    experiment = f"ray-{uuid.uuid4().hex[:8]}"
+    for name, value in mlflow_server.env(experiment).items():
+        monkeypatch.setenv(name, value)
 
     audit = tmp_path / "audit"
     cfg = split_config(
@@ -210,6 +222,7 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
         max_steps=3,
         log_every=0.0,
         tensorboard=True,
+        tracking=["mlflow"],
     )
     first = ray_train.run(cfg, RayOptions(storage_path=str(tmp_path), name=f"stop-{uuid.uuid4().hex[:8]}"))
     assert first.plan == ray_train.WorkerPlan(2, use_gpu=False)
@@ -258,6 +271,12 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
     controllers = [t for t, name in started if name == "TrainController"]
     assert len(coordinator) == 1 and controllers, started
     assert coordinator[0] <= min(controllers), "the autoscaling coordinator was up before the first controller"
+    [tracked] = mlflow_server.runs(experiment)
+    seen = mlflow_server.client().get_metric_history(tracked.info.run_id, "samples_seen")
+    assert [m.step for m in seen] == [
+        3 * 16,
+        *[r["samples_seen"] for r in rows if r["kind"] in ("epoch", "checkpoint")],
+    ]
 
 
 def test_a_relative_local_path_reaches_the_workers_absolute(
