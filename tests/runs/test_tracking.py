@@ -132,3 +132,16 @@ def test_wandb_offline_holds_the_same_numbers_and_a_resume_reuses_the_run(
     assert [(h["samples_seen"], h["train_loss"]) for h in logged] == [
         (r["samples_seen"], pytest.approx(r["train_loss"])) for r in epochs
     ]
+
+
+def test_tracking_tensorboard_is_the_tensorboard_flag(shards: Path, tmp_path: Path) -> None:
+    from raywds.runs.folder import RunDir
+
+    assert small_config(shards, tracking=["tensorboard"]).trackers() == ["tensorboard"]
+    assert small_config(shards, tensorboard=True, tracking=["mlflow"]).trackers() == ["mlflow", "tensorboard"]
+    assert small_config(shards, tensorboard=True, tracking=["tensorboard"]).trackers() == ["tensorboard"]
+    run = RunDir(tmp_path / "run")
+    run.open_tracking(["tensorboard"], {}, None)
+    assert run.events is not None and run.trackers is None, "TensorBoard writes files itself, no thread"
+    run.close()
+    assert list((tmp_path / "run" / files.TENSORBOARD).glob("events.out.tfevents.*"))
