@@ -1,6 +1,7 @@
-"""An image tree in a bucket (s3:// or gs://), listed once, read as raywds.data.layout reads a folder.
+"""An image tree in a bucket (s3:// or gs://) or behind an HTTP server's directory listing, listed
+once, read as raywds.data.layout reads a folder.
 
-    root = Listed.of("s3://bucket/imagenet", endpoint=None)
+    root = Listed.of("s3://bucket/imagenet", endpoint=None)     # or http://host/imagenet/
     found = scan(root)                       # the same Found as for a local copy of the tree
     data = found.splits["train"][0].path.read_bytes()
 
@@ -9,17 +10,28 @@
 `read_bytes`, `read_text`). A bucket has no folders, only keys: a folder is a prefix some key
 has, so an empty class folder does not exist there. A Listed sent to another process (a Ray
 task) keeps its URL, size and endpoint, not the listing: it can be read there, not walked.
+
+Over HTTP the listing is the server's own pages, followed folder by folder (`crawl`): nginx's
+`autoindex_format json` gives each file's size; from an HTML listing (nginx's default
+autoindex, Apache's, `python -m http.server`'s) each file's size comes from a HEAD request, 16 at
+a time. Links that leave the folder (`../`, `?C=N;O=D` sort links, other hosts) are not followed.
 """
 
 from __future__ import annotations
 
+import html.parser
+import json
 import os
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from raywds.data import stores
 from raywds.errors import DataError
+
+READ_TIMEOUT_S = 60.0
 
 
 class Tree(Protocol):
@@ -53,6 +65,11 @@ class Listing:
     files: dict[str, int]
     folders: frozenset[str]
     endpoint: str | None
+    quoted: bool = False
+    """Whether a path below the root is %-quoted in its URL (http's)."""
+
+    def url(self, rel: str) -> str:
+        return self.root + (urllib.parse.quote(rel) if self.quoted else rel)
 
 
 class Listed:
@@ -65,14 +82,18 @@ class Listed:
     def of(cls, prefix: str, endpoint: str | None = None) -> Listed:
         """The tree under `prefix`, listed now; one line when nothing is there."""
         root = prefix.rstrip("/") + "/"
-        files = {url[len(root) :]: size for url, size, _ in stores.listing(root, endpoint) if not url.endswith("/")}
+        if stores.scheme(root) == stores.HTTP:
+            files = crawl(root)
+        else:
+            files = {url[len(root) :]: size for url, size, _ in stores.listing(root, endpoint) if not url.endswith("/")}
         if not files:
             raise DataError(f"{prefix} holds no objects; give the prefix that holds train/ and val/")
         folders = {""}
         for rel in files:
             parts = rel.split("/")[:-1]
             folders.update("/".join(parts[: i + 1]) for i in range(len(parts)))
-        return cls(Listing(root, files, frozenset(folders), endpoint), "", url=root.rstrip("/"))
+        listing = Listing(root, files, frozenset(folders), endpoint, quoted=stores.scheme(root) == stores.HTTP)
+        return cls(listing, "", url=root.rstrip("/"))
 
     # -- names ---------------------------------------------------------------------------------
     @property
@@ -118,7 +139,7 @@ class Listed:
     # -- what is there -------------------------------------------------------------------------
     def _at(self, rel: str) -> Listed:
         listing = self._walkable()
-        return Listed(listing, rel, url=listing.root + rel, size=listing.files.get(rel, -1))
+        return Listed(listing, rel, url=listing.url(rel), size=listing.files.get(rel, -1))
 
     def _walkable(self) -> Listing:
         if self._listing is None:
@@ -174,10 +195,80 @@ class Listed:
         self.__dict__.update(state)
 
 
+MAX_DEPTH = 8
+"""Folders below the root an HTTP listing is followed into (ImageNet's tree is 2 deep)."""
+HEADS_AT_ONCE = 16
+
+
+class _Links(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        href = dict(attrs).get("href")
+        if tag == "a" and href:
+            self.links.append(href)
+
+
+def _page(url: str) -> tuple[str, bytes]:
+    with urllib.request.urlopen(url, timeout=READ_TIMEOUT_S) as response:
+        return response.headers.get_content_type(), response.read()
+
+
+def _entries(folder: str) -> tuple[list[str], dict[str, int]]:
+    """The subfolders (full URLs) and files (URL -> size, -1 when the page does not say) of one
+    listing page."""
+    kind, body = _page(folder)
+    if kind == "application/json":  # nginx: autoindex_format json
+        items = json.loads(body)
+        folders = [folder + urllib.parse.quote(i["name"]) + "/" for i in items if i.get("type") == "directory"]
+        return folders, {
+            folder + urllib.parse.quote(i["name"]): int(i.get("size", -1)) for i in items if i.get("type") == "file"
+        }
+    parser = _Links()
+    parser.feed(body.decode(errors="replace"))
+    folders, files = [], {}
+    for href in parser.links:
+        url = urllib.parse.urljoin(folder, href.split("#", 1)[0])
+        if "?" in href or not url.startswith(folder) or url == folder:
+            continue  # a sort link, the parent folder, another place
+        if url.endswith("/"):
+            folders.append(url)
+        else:
+            files[url] = -1
+    return folders, files
+
+
+def crawl(root: str) -> dict[str, int]:
+    """Each file under the HTTP listing at `root`, by its path below it (unquoted), with its size."""
+    import concurrent.futures
+
+    try:
+        found: dict[str, int] = {}
+        waiting, seen = [(root, 0)], {root}
+        while waiting:
+            folder, depth = waiting.pop()
+            folders, files = _entries(folder)
+            found.update(files)
+            for sub in folders:
+                if sub not in seen and depth < MAX_DEPTH:
+                    seen.add(sub)
+                    waiting.append((sub, depth + 1))
+        unknown = [url for url, size in found.items() if size < 0]
+        with concurrent.futures.ThreadPoolExecutor(HEADS_AT_ONCE) as pool:
+            for url, (size, _) in zip(unknown, pool.map(stores.stat, unknown)):
+                found[url] = size
+    except (OSError, ValueError) as e:
+        raise DataError(f"{root}: could not read its listing ({type(e).__name__}: {e})") from None
+    return {urllib.parse.unquote(url[len(root) :]): size for url, size in found.items()}
+
+
 def tree_at(location: str, endpoint: str | None = None) -> Tree:
-    """The image tree at a folder, or under an s3:// or gs:// prefix (listed now)."""
+    """The image tree at a folder, under an s3:// or gs:// prefix, or behind an http(s):// listing
+    (listed now)."""
     from pathlib import Path
 
-    if stores.scheme(location) in (stores.S3, stores.GS):
+    if stores.scheme(location) in (stores.S3, stores.GS, stores.HTTP):
         return Listed.of(location, endpoint)
     return Path(stores.local_path(location))

@@ -42,13 +42,13 @@ def staging_folder(url: str) -> Path:
 
 
 def check_places(src: str, out: str) -> None:
-    """`raywds convert` reads an image tree from a folder or a bucket and writes a folder or a
-    bucket: one line otherwise."""
-    if stores.scheme(src) not in (stores.LOCAL, stores.S3, stores.GS):
+    """`raywds convert` reads an image tree from a folder, a bucket or an HTTP listing and writes a
+    folder or a bucket: one line otherwise."""
+    if stores.scheme(src) not in (stores.LOCAL, stores.S3, stores.GS, stores.HTTP):
         raise DataError(
-            f"convert reads an image tree from a folder or an s3:// or gs:// prefix, and {src} is a "
-            f"{stores.scheme(src)} location: copy the tree down first; for WebDataset shards already there, "
-            f"`raywds index {src}` makes them trainable as they are"
+            f"convert reads an image tree from a folder, an s3:// or gs:// prefix or an http(s):// listing, and "
+            f"{src} is a {stores.scheme(src)} location: copy the tree down first; for WebDataset shards already "
+            f"there, `raywds index {src}` makes them trainable as they are"
         )
     if stores.scheme(out) not in (stores.LOCAL, stores.S3, stores.GS):
         raise DataError(
