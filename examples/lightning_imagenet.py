@@ -25,13 +25,13 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 import raywds
 from raywds import ShardDataModule, TrainConfig
+from raywds.lightning.loggers import KeepTrackingIds, loggers
 
 # val_top1 and the rest are summed over ranks already (torchmetrics, one reduce): Lightning's advice
 # to average them again with sync_dist would make them wrong where ranks validate different counts.
@@ -144,8 +144,8 @@ def fit(cfg: TrainConfig, devices: int | str = "auto", accelerator: str = "auto"
         check_val_every_n_epoch=cfg.val_every,
         **QUIET,
     )
-    if cfg.tensorboard:
-        options["logger"] = TensorBoardLogger(cfg.out, name="tensorboard")
+    if cfg.trackers():  # --tracking mlflow|wandb|tensorboard (and --tensorboard): one run through resumes
+        options.update(logger=loggers(cfg), callbacks=[KeepTrackingIds()])
     t = L.Trainer(**{**options, **trainer})
     t.fit(model, datamodule=data, ckpt_path=cfg.resume)
     line = summary(data, model)

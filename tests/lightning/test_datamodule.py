@@ -126,3 +126,46 @@ def test_the_learning_rate_follows_raywds_trains_clock_with_batches_per_epoch(
     )  # fmt: skip
     trainer.fit(Probe(), datamodule=data)
     assert len(expected) == 6 and rates == pytest.approx(expected)
+
+
+def test_tracking_in_a_lightning_fit_is_one_mlflow_run_over_two_fits_into_one_folder(
+    shards: Path, tmp_path: Path, mlflow_server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--tracking mlflow` for a Lightning fit: Lightning's MLFlowLogger, its run's id kept in the
+    run folder, so a second fit into the same --out (a resume) continues the same run."""
+    import lightning.pytorch as L
+    import torch
+    from support.mlflowserver import MlflowServer
+    from torch import nn
+
+    from raywds.lightning import ShardDataModule
+    from raywds.lightning.loggers import KeepTrackingIds, loggers
+
+    assert isinstance(mlflow_server, MlflowServer)
+    for name, value in mlflow_server.env("lightning").items():
+        monkeypatch.setenv(name, value)
+
+    class Probe(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Flatten(), nn.LazyLinear(10))
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cfg = small_config(shards, epochs=1, out=str(tmp_path), tracking=["mlflow"])
+    for _ in range(2):
+        trainer = L.Trainer(
+            max_epochs=1, accelerator="cpu", devices=1, logger=loggers(cfg), callbacks=[KeepTrackingIds()],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=2, default_root_dir=str(tmp_path),
+        )  # fmt: skip
+        trainer.fit(Probe(), datamodule=ShardDataModule(cfg))
+    [run] = mlflow_server.runs("lightning")
+    history = mlflow_server.client().get_metric_history(run.info.run_id, "train_loss")
+    assert len(history) == 2 * 4, "8 batches a fit, logged every 2 steps, both fits in the one run"

@@ -1,0 +1,81 @@
+"""`--tracking` for a Lightning fit: Lightning's own loggers for the tools the config names, one
+tracking run per training run, its id kept in RUN_DIR/tracking.json as `raywds train` keeps it.
+
+    trainer = L.Trainer(logger=loggers(cfg), callbacks=[KeepTrackingIds()], ...)
+
+MLflow (`MLFlowLogger`: MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, default `raywds`), W&B
+(`WandbLogger`: WANDB_PROJECT, default `raywds`, WANDB_MODE, files in RUN_DIR/wandb/) and
+TensorBoard (`TensorBoardLogger` in RUN_DIR/tensorboard/, also for `--tensorboard`). A fit resumed
+from a checkpoint into the same --out continues the same tracking runs; Lightning logs at its
+global step, which a resume continues. Lightning's loggers call their servers on the training
+thread: a tracking server that is down fails or slows the fit as Lightning does, unlike `raywds
+train`'s own tracking (raywds.runs.tracking).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from raywds.config import TrainConfig
+from raywds.errors import ConfigError
+from raywds.runs import files
+
+
+def _saved(cfg: TrainConfig) -> dict[str, str]:
+    path = Path(cfg.out) / files.TRACKING
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def loggers(cfg: TrainConfig) -> list[Any] | bool:
+    """Lightning loggers for `cfg.trackers()` (False, Lightning's "none", when there are none)."""
+    saved, made = _saved(cfg), list[Any]()
+    for tool in cfg.trackers():
+        try:
+            if tool == "mlflow":
+                from lightning.pytorch.loggers import MLFlowLogger
+
+                made.append(
+                    MLFlowLogger(
+                        experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME") or "raywds",
+                        tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"),
+                        run_name=Path(cfg.out).name,
+                        run_id=saved.get("mlflow"),
+                    )
+                )
+            elif tool == "wandb":
+                from lightning.pytorch.loggers import WandbLogger
+
+                project = os.environ.get("WANDB_PROJECT") or "raywds"
+                made.append(WandbLogger(project=project, id=saved.get("wandb"), resume="allow", save_dir=cfg.out))
+            else:
+                from lightning.pytorch.loggers import TensorBoardLogger
+
+                made.append(TensorBoardLogger(cfg.out, name=files.TENSORBOARD))
+        except ModuleNotFoundError as e:
+            raise ConfigError(f"--tracking {tool} needs the {e.name} package: pip install 'raywds[{tool}]'") from None
+    return made or False
+
+
+class KeepTrackingIds(pl.Callback):
+    """Rank 0 writes its loggers' tracking run ids to RUN_DIR/tracking.json once the fit starts
+    (MLflow's run exists by then), for the next fit into the same folder to continue."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        ids = {}
+        for logger in trainer.loggers:
+            name = type(logger).__name__
+            if name == "MLFlowLogger":
+                ids["mlflow"] = getattr(logger, "run_id")  # noqa: B009 - MLFlowLogger's, not Logger's
+            elif name == "WandbLogger":
+                ids["wandb"] = logger.version
+        if ids:
+            root = Path(trainer.default_root_dir)
+            root.mkdir(parents=True, exist_ok=True)
+            (root / files.TRACKING).write_text(json.dumps(ids) + "\n")
