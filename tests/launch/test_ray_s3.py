@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from support.data import audited, tar_keys
+from support.mlflowserver import MlflowServer
 from support.raycluster import token_env, write_token
 from support.runs import small_config
 from support.s3server import S3Server
@@ -63,18 +64,23 @@ def kill_rank1_in(audit: Path, epoch: int, killed: list[int], deadline_s: float 
 
 
 def test_a_ray_run_in_a_bucket_survives_a_killed_worker_exactly_and_keeps_its_record_there(
-    s3: S3Server, shards: Path, tmp_path: Path, ray_temp: Path
+    s3: S3Server, shards: Path, tmp_path: Path, ray_temp: Path, mlflow_server: MlflowServer
 ) -> None:
+    """Rank 1 SIGKILLed as it starts epoch 3 of a run whose data and folder are in the bucket: Ray
+    restarts the group from the last checkpoint, every epoch stays exact, the record stays in the
+    bucket; with --tracking mlflow the restarted group logs to the same MLflow run (its id in the
+    checkpoint Ray restarts from, and in the bucket's tracking.json)."""
     upload(shards, json.loads((shards / "manifest.json").read_text()), s3.url("data"))
     audit = tmp_path / "audit"
     config = config_file(tmp_path, s3.url("data"), audit, epochs=3, loader_workers=1)
+    experiment = f"killed-{s3.bucket}"
     killed: list[int] = []
     killer = threading.Thread(target=kill_rank1_in, args=(audit, 2, killed), daemon=True)
     killer.start()
     run = subprocess.run(
         [*RAYWDS, "ray", "--data", s3.url("data"), "--config", str(config), "--num-workers", "2", "--tensorboard"]
-        + ["--storage-path", s3.url("runs"), "--name", "r1", "--max-failures", "1"],
-        env=ray_env(ray_temp),
+        + ["--storage-path", s3.url("runs"), "--name", "r1", "--max-failures", "1", "--tracking", "mlflow"],
+        env={**ray_env(ray_temp), **mlflow_server.env(experiment)},
         capture_output=True,
         text=True,
         timeout=420,
@@ -97,7 +103,12 @@ def test_a_ray_run_in_a_bucket_survives_a_killed_worker_exactly_and_keeps_its_re
     assert len(rank1 - set(killed)) == 1, f"rank 1 ran in two processes, the killed one and its replacement: {rank1}"
 
     held = objects(s3, "runs/r1/")
-    assert {"metrics.jsonl", "raywds-config.json", "best/checkpoint.pt", "best/metrics.json"} <= held
+    assert {"metrics.jsonl", "raywds-config.json", "best/checkpoint.pt", "best/metrics.json", "tracking.json"} <= held
+    [tracked] = mlflow_server.runs(experiment)
+    epochs_logged = mlflow_server.client().get_metric_history(tracked.info.run_id, "epoch")
+    assert {1, 3} <= {int(m.value) for m in epochs_logged}, "before the kill and after the restart: one run"
+    saved = s3.client().get_object(Bucket=s3.bucket, Key="runs/r1/tracking.json")["Body"].read()
+    assert json.loads(saved) == {"mlflow": tracked.info.run_id}
     assert any(name.startswith("tensorboard/events.out.tfevents.") for name in held)
     assert any(name.startswith("checkpoint_") for name in held), "Ray's own checkpoints are in the bucket"
     rows = [
