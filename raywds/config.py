@@ -71,6 +71,13 @@ class TrainConfig(S3Endpoint):
     """Smallest area fraction RandomResizedCrop may take for training."""
     label_smoothing: float = 0.0
     """Label smoothing of the training loss (0.1 in the ImageNet recipes)."""
+    model_ema: bool = False
+    """Keep an exponential moving average of the weights, validated beside them (val_top1_ema) and
+    checkpointed, as torchvision's reference recipe does (raywds.train.ema)."""
+    model_ema_steps: int = 32
+    """With --model-ema: update the average every this many optimizer steps."""
+    model_ema_decay: float = 0.99998
+    """With --model-ema: the decay before torchvision's adjustment for global batch, steps and epochs."""
     precision: Precision = "auto"
     """`auto` (bf16 autocast on CUDA, float32 on CPU), `bf16` or `fp32`."""
     memory_format: MemoryFormat = "auto"
@@ -164,6 +171,11 @@ class TrainConfig(S3Endpoint):
             raise ConfigError(f"loader_workers={workers!r} must be 0 or more, or 'auto'")
         if self.lr is not None and self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be positive (or None for the default)")
+        if not 0 < self.model_ema_decay < 1 or self.model_ema_steps < 1:
+            raise ConfigError(
+                f"model_ema_decay={self.model_ema_decay} must lie in (0, 1) and model_ema_steps="
+                f"{self.model_ema_steps} be at least 1"
+            )
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"label_smoothing={self.label_smoothing} must lie in [0, 1)")
         if not 0 < self.crop_scale_min <= 1:

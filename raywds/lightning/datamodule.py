@@ -63,6 +63,11 @@ class ShardDataModule(pl.LightningDataModule):
             raise ConfigError(
                 "global_batch is raywds train's: with Lightning, accumulate with Trainer(accumulate_grad_batches=...)"
             )
+        if cfg.model_ema:
+            raise ConfigError(
+                "model_ema is raywds train's: with Lightning, average the weights with its "
+                "WeightAveraging callback (lightning.pytorch.callbacks)"
+            )
         if cfg.loader_workers == "auto":  # no epoch is measured here: start as raywds train does
             cfg = dataclasses.replace(cfg, loader_workers=first(len(os.sched_getaffinity(0))).workers)
         self.cfg = cfg

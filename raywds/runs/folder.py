@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 Metrics = dict[str, Any]
 
 
+def best_top1(row: Mapping[str, Any]) -> float:
+    """What best/ is chosen by: the row's validation top-1, or its --model-ema average's where better
+    (the checkpoint holds both weights)."""
+    return max(float(row.get("val_top1", -1.0)), float(row.get("val_top1_ema", -1.0)))
+
+
 class RunDir:
     """`append` keeps the metrics (and TensorBoard event files) of the run being resumed;
     otherwise metrics.jsonl starts empty."""
@@ -149,7 +155,7 @@ class RunDir:
             return False
         best = self.path / files.BEST
         record = self.path / files.BEST_ROW
-        if record.is_file() and json.loads(record.read_text()).get("val_top1", -1.0) >= metrics["val_top1"]:
+        if record.is_file() and best_top1(json.loads(record.read_text())) >= best_top1(metrics):
             return False
         best.mkdir(exist_ok=True)
         save_checkpoint(state, best / files.CHECKPOINT)

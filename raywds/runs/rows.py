@@ -56,6 +56,10 @@ class EpochRow(TypedDict):
     val_top1: NotRequired[float]
     val_top5: NotRequired[float]
     val_samples: NotRequired[int]
+    val_loss_ema: NotRequired[float]
+    """--model-ema's average, validated on the same samples (raywds.train.ema)."""
+    val_top1_ema: NotRequired[float]
+    val_top5_ema: NotRequired[float]
 
 
 class CheckpointRow(TypedDict):

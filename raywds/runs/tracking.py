@@ -45,6 +45,7 @@ EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}
 EPOCH_METRICS = (
     "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "data_wait_max", "samples_seen",
     "epoch", "optimizer_steps", "global_batch", "steps_redone", "bad_samples", "epoch_duplicates", "epoch_missing",
+    "val_loss_ema", "val_top1_ema", "val_top5_ema",
 )  # fmt: skip
 """An epoch row's numbers that the trackers get (the val_ ones on epochs that validated)."""
 CHECKPOINT_METRICS = ("samples_seen", "epoch_samples_done")

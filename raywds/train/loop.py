@@ -210,25 +210,35 @@ def _no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager[
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[Batch], world: World, compute: Compute) -> dict[str, float]:
-    """Exact validation: each rank sums its share, then one all_reduce, so uneven ranks never block."""
-    model.eval()
+def evaluate(
+    model: nn.Module, batches: Iterable[Batch], world: World, compute: Compute, *, ema: nn.Module | None = None
+) -> dict[str, float]:
+    """Exact validation: each rank sums its share, then one all_reduce, so uneven ranks never block.
+    With `ema` (--model-ema's average) the same batches validate it too (`val_top1_ema`, ...)."""
+    models = [model] if ema is None else [model, ema]
+    for each in models:
+        each.eval()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
-    totals = torch.zeros(4, dtype=torch.float64, device=world.device)  # top1, top5, loss, count
+    totals = torch.zeros(len(models), 4, dtype=torch.float64, device=world.device)  # top1, top5, loss, count
     for batch in batches:
         images, labels = compute.inputs(batch.images, batch.labels)
-        with compute.autocast():
-            logits = model(images).float()
-        k = min(5, logits.shape[1])
-        top = logits.topk(k, dim=1).indices
-        hits = top.eq(labels[:, None])
-        totals += torch.tensor(
-            [hits[:, 0].sum().item(), hits.any(dim=1).sum().item(), loss_fn(logits, labels).item(), len(labels)],
-            dtype=torch.float64,
-            device=world.device,
-        )
+        for row, each in enumerate(models):
+            with compute.autocast():
+                logits = each(images).float()
+            k = min(5, logits.shape[1])
+            hits = logits.topk(k, dim=1).indices.eq(labels[:, None])
+            totals[row] += torch.tensor(
+                [hits[:, 0].sum().item(), hits.any(dim=1).sum().item(), loss_fn(logits, labels).item(), len(labels)],
+                dtype=torch.float64,
+                device=world.device,
+            )
     if world.distributed:
         dist.all_reduce(totals)
-    top1, top5, loss, count = totals.tolist()
-    count = max(count, 1.0)
-    return {"val_top1": top1 / count, "val_top5": top5 / count, "val_loss": loss / count, "val_samples": int(count)}
+    metrics: dict[str, float] = {}
+    for row, suffix in zip(totals.tolist(), ["", "_ema"]):
+        top1, top5, loss, count = row
+        count = max(count, 1.0)
+        metrics.update({f"val_top1{suffix}": top1 / count, f"val_top5{suffix}": top5 / count})
+        metrics.update({f"val_loss{suffix}": loss / count})
+    metrics["val_samples"] = int(max(totals[0, 3].item(), 1.0))
+    return metrics

@@ -20,12 +20,17 @@ log = logging.getLogger(__name__)
 
 
 def checkpoint_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, keeper: EpochKeeper, cfg: TrainConfig
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keeper: EpochKeeper,
+    cfg: TrainConfig,
+    ema: nn.Module | None = None,
 ) -> dict[str, Any]:
-    """The weights, the optimizer, the epoch keeper's counters and position, and what they were
-    trained on (the shards, the classes, the config)."""
+    """The weights (and --model-ema's average), the optimizer, the epoch keeper's counters and
+    position, and what they were trained on (the shards, the classes, the config)."""
     return {
         "model": model.state_dict(),
+        **({"model_ema": ema.state_dict()} if ema is not None else {}),
         "optimizer": optimizer.state_dict(),
         **keeper.state_dict(),
         "shards": shard_entries(keeper.manifest),
@@ -46,7 +51,13 @@ def check_unfinished(state: dict[str, Any], cfg: TrainConfig) -> None:
         )
 
 
-def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, keeper: EpochKeeper) -> None:
+def restore(
+    state: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keeper: EpochKeeper,
+    ema: nn.Module | None = None,
+) -> None:
     """Load a checkpoint's weights, optimizer and progress, after checking it was taken on these
     classes and shards (and, inside an epoch, in this mode). Shards an append added after the
     checkpoint's are trained on from the next epoch that starts (EpochKeeper.grew)."""
@@ -69,6 +80,11 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
         check_same_shards(state["shards"], manifest)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if ema is not None:  # a checkpoint from before --model-ema starts the average from these weights
+        if "model_ema" in state:
+            ema.load_state_dict(state["model_ema"])
+        else:
+            log.info("the checkpoint holds no --model-ema average: it starts from the resumed weights")
     if before is None:
         keeper.load_state_dict(state)
         return

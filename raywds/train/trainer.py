@@ -26,6 +26,7 @@ from raywds.runs.rows import EpochRow, checkpoint_row
 from raywds.train.autoworkers import Workers
 from raywds.train.compute import Compute
 from raywds.train.doctor import diagnose
+from raywds.train.ema import ModelEma
 from raywds.train.epoch import Epoch, EpochKeeper
 from raywds.train.ledger import gathered, per_rank, sum_and_max, tally
 from raywds.train.loop import EpochResult, evaluate, train_epoch
@@ -78,8 +79,9 @@ class Trainer:
         if cfg.compile:
             self.wrapped = torch.compile(self.wrapped)  # type: ignore[assignment]
         self.optimizer = make_optimizer(self.model, cfg, world)
+        self.ema = ModelEma.for_run(self.model, cfg, world)
         if resume is not None:
-            restore(resume, self.model, self.optimizer, self.keeper)
+            restore(resume, self.model, self.optimizer, self.keeper, self.ema)
         self.notices = notices
         self.noticed: Notice | None = None
         self.redone = self.steps_redone() if resume is not None else 0
@@ -133,6 +135,8 @@ class Trainer:
 
         def after_step(step: int, batch: Batch, so_far: EpochResult) -> bool:
             keeper.mark(batch)
+            if self.ema is not None and epoch.at_step_end(step):
+                self.ema.after_step(self.model, epoch.start.optimizer_steps + step // epoch.accumulate, index)
             if self.run_dir is not None:
                 self.run_dir.mark(epoch.steps)
             progress.update(step, so_far, keeper.lr(step), self.manifest.base)
@@ -219,7 +223,8 @@ class Trainer:
         validate = (epoch.index + 1) % cfg.val_every == 0 or epoch.index + 1 == cfg.epochs
         if validate and "val" in self.manifest.splits:  # a train-only manifest trains without validation
             batches = self.loaders.val(self.manifest, self.loader_cfg, world)
-            metrics.update(evaluate(self.model, batches, world, self.compute))
+            ema = self.ema.same_on_every_rank(world) if self.ema is not None else None
+            metrics.update(evaluate(self.model, batches, world, self.compute, ema=ema))
         if world.is_main:
             verdict = diagnose(metrics)[0]
             log.info(epoch_line(metrics, cfg.epochs) + "\n  doctor: " + verdict)
@@ -284,7 +289,7 @@ class Trainer:
             self.report(metrics, self.state() if self.world.is_main else None)
 
     def state(self) -> dict[str, Any]:
-        return checkpoint_state(self.model, self.optimizer, self.keeper, self.workers.asked)
+        return checkpoint_state(self.model, self.optimizer, self.keeper, self.workers.asked, self.ema)
 
 
 def train(
