@@ -25,6 +25,23 @@ def test_decoding_on_the_device_is_refused_in_one_line(shards: Path) -> None:
         ShardDataModule(small_config(shards, decode="device"))
 
 
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ({"global_batch": 32}, "global_batch is raywds train's: with Lightning, accumulate with Trainer("),
+        (
+            {"model_ema": True},
+            "model_ema is raywds train's: with Lightning, average the weights with its WeightAveraging",
+        ),
+    ],
+)
+def test_raywds_trains_own_settings_are_refused_in_one_line(shards: Path, setting: dict, said: str) -> None:
+    from raywds.lightning import ShardDataModule
+
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        ShardDataModule(small_config(shards, **setting))
+
+
 def test_auto_loader_workers_start_at_the_cores_less_one(shards: Path) -> None:
     import os
 
