@@ -62,7 +62,11 @@ class TrainConfig(S3Endpoint):
     lr: float | None = None
     """Peak learning rate; None means 0.1 x global batch / 256 for sgd, 1e-3 for adamw."""
     weight_decay: float = 5e-5
-    """Weight decay."""
+    """Weight decay of the weights (not of norms' parameters and biases: --norm-weight-decay, --bias-weight-decay)."""
+    norm_weight_decay: float = 0.0
+    """Weight decay of the norm layers' parameters (torchvision's reference applies --weight-decay unless told)."""
+    bias_weight_decay: float = 0.0
+    """Weight decay of the other layers' biases (torchvision's reference applies --weight-decay unless told)."""
     warmup_epochs: float = 0.5
     """Linear warm-up length before the cosine decay."""
     image_size: int = 224

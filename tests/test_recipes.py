@@ -51,13 +51,25 @@ def test_config_file_overrides_the_recipe_and_flags_override_both(tmp_path: Path
     assert set(RECIPES) == {"imagenet-resnet50", "imagenet-resnet18", "demo"}
 
 
-def test_no_weight_decay_on_norms_and_biases() -> None:
+def test_no_weight_decay_on_norms_and_biases_unless_told_as_torchvisions_reference_is_told() -> None:
+    from torchvision.models import resnet18
+
     model = DemoNet(10)
     optimizer = make_optimizer(model, TrainConfig(data="x", weight_decay=1e-4), World())
-    decayed, free = optimizer.param_groups
+    decayed, *free = optimizer.param_groups
     assert decayed["weight_decay"] == 1e-4 and all(p.ndim > 1 for p in decayed["params"])
-    assert free["weight_decay"] == 0.0 and any(p.ndim == 1 for p in free["params"])
-    assert len(decayed["params"]) + len(free["params"]) == len(list(model.parameters()))
+    assert all(g["weight_decay"] == 0.0 for g in free) and any(p.ndim == 1 for g in free for p in g["params"])
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+    net = resnet18(num_classes=10)  # 20 BatchNorms (40 parameters), one bias (fc's), 21 weights
+    cfg = TrainConfig(data="x", weight_decay=1e-4, norm_weight_decay=1e-5, bias_weight_decay=2e-5)
+    weights, norms, biases = make_optimizer(net, cfg, World()).param_groups
+    assert [(len(g["params"]), g["weight_decay"]) for g in (weights, norms, biases)] == [
+        (21, 1e-4),
+        (40, 1e-5),
+        (1, 2e-5),
+    ]
+    assert biases["params"][0] is net.fc.bias and norms["params"][0] is net.bn1.weight
 
 
 def test_the_cuda_path_bf16_and_channels_last_runs_on_the_cpu(shards: Path) -> None:
