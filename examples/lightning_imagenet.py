@@ -30,8 +30,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 import raywds
-from raywds import ShardDataModule, TrainConfig
-from raywds.lightning.loggers import KeepTrackingIds, loggers
+from raywds import KeepTrackingIds, ShardDataModule, TrainConfig, tracking_loggers
 
 # val_top1 and the rest are summed over ranks already (torchmetrics, one reduce): Lightning's advice
 # to average them again with sync_dist would make them wrong where ranks validate different counts.
@@ -145,7 +144,7 @@ def fit(cfg: TrainConfig, devices: int | str = "auto", accelerator: str = "auto"
         **QUIET,
     )
     if cfg.trackers():  # --tracking mlflow|wandb|tensorboard (and --tensorboard): one run through resumes
-        options.update(logger=loggers(cfg), callbacks=[KeepTrackingIds()])
+        options.update(logger=tracking_loggers(cfg), callbacks=[KeepTrackingIds()])
     t = L.Trainer(**{**options, **trainer})
     t.fit(model, datamodule=data, ckpt_path=cfg.resume)
     line = summary(data, model)

@@ -30,11 +30,14 @@ _PUBLIC = {
     "fit_on_ray": "raywds.launch.ray_train:run",
     "run_on_ray": "raywds.launch.ownloop",
     "ShardDataModule": "raywds.lightning.datamodule",
+    "KeepTrackingIds": "raywds.lightning.loggers",
+    "tracking_loggers": "raywds.lightning.loggers:loggers",
     "prepare_demo": "raywds.data.demo:prepare",
     "add_flags": "raywds.flags",
     "given": "raywds.flags",
 }
 __all__ = [
+    "KeepTrackingIds",
     "RayOptions",
     "RaywdsError",
     "ShardDataModule",
@@ -50,6 +53,7 @@ __all__ = [
     "resolve",
     "run_on_ray",
     "summary_line",
+    "tracking_loggers",
 ]
 
 if TYPE_CHECKING:
@@ -62,6 +66,8 @@ if TYPE_CHECKING:
     from raywds.launch.ray_train import run as fit_on_ray
     from raywds.launch.rayoptions import RayOptions
     from raywds.lightning.datamodule import ShardDataModule
+    from raywds.lightning.loggers import KeepTrackingIds
+    from raywds.lightning.loggers import loggers as tracking_loggers
     from raywds.train.model import build_model
     from raywds.train.optim import make_optimizer
     from raywds.train.progress import summary_line

@@ -50,6 +50,9 @@ EPOCH_METRICS = (
 """An epoch row's numbers that the trackers get (the val_ ones on epochs that validated)."""
 CHECKPOINT_METRICS = ("samples_seen", "epoch_samples_done")
 """An in-epoch checkpoint row's: how far the epoch is, at the checkpoint cadence."""
+START_WAIT_S = 10.0
+"""How long a run's start waits for its tracking runs to exist (MLflow makes the id), so that the
+first checkpoint already holds their ids; past it the run goes on and they start in the background."""
 CLOSE_WAIT_S = 15.0
 """How long the end of a run waits for a tool's unsent calls."""
 RETRY_MAX_S = 30.0
@@ -143,6 +146,7 @@ class Mlflow:
         except ImportError as e:
             raise missing("mlflow", e) from None
         self.client, self.run_id, self.sender = MlflowClient(), run_id, sender
+        self.started = threading.Event()
         self.sender.put(lambda: self._start(config, name))
 
     def _start(self, config: Mapping[str, Any], name: str) -> None:
@@ -165,6 +169,7 @@ class Mlflow:
             client.log_batch(self.run_id, params=items[i : i + 100])
         for key, value in changed.items():  # a parameter cannot change: the resumed run's value is a tag
             client.set_tag(self.run_id, key, value)
+        self.started.set()
 
     def row(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -201,6 +206,7 @@ class Wandb:
             raise missing("wandb", e) from None
         self.wandb, self.sender = wandb, sender
         self.run: Any = None
+        self.started = threading.Event()
         self.run_id = run_id or secrets.token_hex(4)  # (W&B's own ids are 8 letters and digits too)
         self.sender.put(lambda: self._start(config, name, folder))
 
@@ -213,6 +219,7 @@ class Wandb:
         self.run.config.update(dict(config), allow_val_change=True)  # a resume's config, where it changed
         self.run.define_metric("samples_seen")
         self.run.define_metric("*", step_metric="samples_seen")
+        self.started.set()
 
     def row(self, step: int, values: dict[str, float]) -> None:
         self.sender.put(lambda: self.run.log({**values, "samples_seen": step}))
@@ -272,6 +279,9 @@ class Trackers:
             else:
                 raise ConfigError(f"--tracking {tool}: not one of {', '.join(TRACKERS)}")
         trackers = cls(tools, senders, ids_path)
+        deadline = time.monotonic() + START_WAIT_S
+        for tool in tools.values():
+            tool.started.wait(max(0.0, deadline - time.monotonic()))
         trackers.keep_ids()
         return trackers
 
