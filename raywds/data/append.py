@@ -75,7 +75,17 @@ def same_settings(options: ConvertOptions, base: dict[str, Any]) -> ConvertOptio
     )
 
 
-def plan_append(src: Tree, out: Path, options: ConvertOptions) -> tuple[Conversion, dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class Append:
+    """An append planned: its shards, the manifest they are added to, its version and listing fingerprint."""
+
+    conversion: Conversion
+    base: dict[str, Any]
+    version: int
+    listing: str
+
+
+def plan_append(src: Tree, out: Path, options: ConvertOptions) -> Append:
     """The new shards planned, and the manifest they are added to."""
     check_outside(src, out)
     base, digest = base_manifest(out)
@@ -93,14 +103,12 @@ def plan_append(src: Tree, out: Path, options: ConvertOptions) -> tuple[Conversi
     done = prepare_append(out, hashlib.sha256(f"{listing} {digest}".encode()).hexdigest())
     first = {split: len(info["shards"]) for split, info in base["splits"].items()}
     jobs = plan_jobs(found, out, options, done, first=first, salt=f"-v{version}")
-    conversion = Conversion(src, out, options, found, jobs)
-    base = {**base, "version": version, "listing": listing}
-    return conversion, base
+    return Append(Conversion(src, out, options, found, jobs), base, version, listing)
 
 
-def grown(base: dict[str, Any], conversion: Conversion, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def grown(planned: Append, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The dataset's manifest with the new shards after each split's old ones."""
-    version, listing = base.pop("version"), base.pop("listing")
+    conversion, base, version, listing = planned.conversion, planned.base, planned.version, planned.listing
     found = conversion.found
     splits = {split: dict(info) for split, info in base["splits"].items()}
     added = {}
@@ -137,9 +145,9 @@ def grown(base: dict[str, Any], conversion: Conversion, records: dict[str, dict[
 def append(src: Tree, out: Path, options: ConvertOptions, *, run: Runner | None = None) -> dict[str, Any]:
     """Add the images of `src` to the dataset in `out` (with `run`, else `options.workers`
     processes here); returns the new manifest."""
-    conversion, base = plan_append(src, out, options)
-    records = write_all(conversion, run or processes(conversion.options.workers))
-    manifest = grown(base, conversion, records)
+    planned = plan_append(src, out, options)
+    options = planned.conversion.options
+    manifest = grown(planned, write_all(planned.conversion, run or processes(options.workers)))
     publish(out, manifest)
     return manifest
 

@@ -117,15 +117,16 @@ def convert_on_ray(
     if bucket is not None and append:
         raise DataError(
             f"--append with --ray adds to a dataset in a folder every node sees, not in a bucket ({out}) yet: "
-            "append without --ray, or into a shared folder and upload it"
+            "append into a shared folder, then upload it"
         )
     folder = (staging or upload.staging_folder(out)) if bucket is not None else Path(out)
     converting.check_outside(tree, folder)
     cluster.connect(address, training=False)
     folder.mkdir(parents=True, exist_ok=True)
-    for path, what in ((tree, "SRC"), (folder, "OUT")):
-        if bucket is None and isinstance(path, Path) and path.exists():  # (a missing SRC: the converter's line)
-            cluster.check_every_node_sees(os.path.abspath(path), what)
+    # The tasks read SRC and (but into a bucket) write OUT on every node; a missing SRC is the converter's line.
+    seen = [(tree, "SRC")] if isinstance(tree, Path) and tree.exists() else []
+    for path, what in [*seen, *([(folder, "OUT")] if bucket is None else [])]:
+        cluster.check_every_node_sees(os.path.abspath(path), what)
     if bucket is not None:
         upload.bucket_at(bucket, endpoint).delete(MANIFEST)  # no manifest while shards there may change
     tasks = Tasks(bucket=bucket, endpoint=endpoint)

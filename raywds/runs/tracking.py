@@ -245,8 +245,10 @@ class Wandb:
 class Trackers:
     """The tools a run sends to (not TensorBoard, which writes files as rows come: raywds.runs.folder)."""
 
-    def __init__(self, tools: dict[str, Any], senders: list[Sender], ids: Path):
+    def __init__(self, tools: dict[str, Any], senders: list[Sender], ids: Path, written: dict[str, str]):
         self.tools, self.senders, self.ids = tools, senders, ids
+        self.written = written
+        """What tracking.json holds now (written only when the ids change)."""
 
     @classmethod
     def open(
@@ -263,7 +265,8 @@ class Trackers:
         `name`, default the folder's), continuing the tracking runs of `saved` (a checkpoint's
         ids) or of the folder's tracking.json; W&B keeps its files in `files` (else its default)."""
         ids_path = folder / files_of_run.TRACKING
-        known = {**(saved or {}), **(json.loads(ids_path.read_text()) if ids_path.is_file() else {})}
+        on_disk = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
+        known = {**(saved or {}), **on_disk}
         name = name or folder.name
         tools: dict[str, Any] = {}
         senders = []
@@ -278,7 +281,7 @@ class Trackers:
                 tools[tool] = Wandb(known.get(tool), config, name, files, sender)
             else:
                 raise ConfigError(f"--tracking {tool}: not one of {', '.join(TRACKERS)}")
-        trackers = cls(tools, senders, ids_path)
+        trackers = cls(tools, senders, ids_path, on_disk)
         deadline = time.monotonic() + START_WAIT_S
         for tool in tools.values():
             tool.started.wait(max(0.0, deadline - time.monotonic()))
@@ -291,8 +294,9 @@ class Trackers:
 
     def keep_ids(self) -> None:
         ids = self.saved()
-        if ids and (not self.ids.is_file() or json.loads(self.ids.read_text()) != ids):
+        if ids and ids != self.written:
             self.ids.write_text(json.dumps(ids) + "\n")
+            self.written = ids
 
     def row(self, row: Mapping[str, Any]) -> None:
         got = numbers(row)
