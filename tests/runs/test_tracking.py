@@ -118,6 +118,8 @@ def test_wandb_offline_holds_the_same_numbers_and_a_resume_reuses_the_run(
 ) -> None:
     run = tmp_path / "run"
     env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "raywds-tests", "WANDB_SILENT": "true"}
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # wandb-core's logs: not in ~/.cache
+        env[name] = str(tmp_path / name.lower())
     cfg = small_config(shards, epochs=2, max_steps=10, tracking=["wandb"], out=str(run), mode="split")
     train(cfg, env, monkeypatch)
     run_id = json.loads((run / files.TRACKING).read_text())["wandb"]
