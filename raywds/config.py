@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from raywds.errors import ConfigError
 from raywds.fields import flag
+from raywds.recipes import RECIPES
 
 # The choices of each setting; the CLI's --help and choices come from these (raywds.flags).
 ModeName = Literal["resample", "split"]
@@ -22,6 +23,10 @@ Precision = Literal["auto", "bf16", "fp32"]
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]
 DecodeName = Literal["cpu", "device", "pil"]
 TrackerName = Literal["mlflow", "wandb", "tensorboard"]
+AutoAugmentName = Literal["ta_wide", "ra", "augmix", "imagenet"]
+
+PROGRESSIVE_STEP_PX = 32
+"""--progressive-resize's sizes go up in steps of this many pixels (FFCV's schedule)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,11 +75,39 @@ class TrainConfig(S3Endpoint):
     warmup_epochs: float = 0.5
     """Linear warm-up length before the cosine decay."""
     image_size: int = 224
-    """Side of the square crop the model sees."""
+    """Side of the square crop the model sees, in training and validation (unless --train-crop-size,
+    --val-crop-size or --progressive-resize say otherwise)."""
+    train_crop_size: int | None = None
+    """Side of the training crop (default --image-size)."""
+    val_resize_size: int | None = None
+    """Validation images' short side is resized to this before the centre crop (default val crop / 0.875)."""
+    val_crop_size: int | None = None
+    """Side of the validation centre crop (default --image-size)."""
+    progressive_resize: str | None = field(default=None, metadata=flag(metavar="MIN:MAX"))
+    """Train at MIN px crops first, growing in steps of 32 px to MAX over --progressive-epochs (FFCV's
+    progressive resizing: small early epochs decode at a reduced DCT scale); the batch size and lr stay."""
+    progressive_epochs: str | None = field(default=None, metadata=flag(metavar="START:END"))
+    """With --progressive-resize: MIN up to epoch START, MAX from epoch END on, linear between
+    (epochs counted from 1; default 1:--epochs)."""
     crop_scale_min: float = 0.08
     """Smallest area fraction RandomResizedCrop may take for training."""
     label_smoothing: float = 0.0
     """Label smoothing of the training loss (0.1 in the ImageNet recipes)."""
+    auto_augment: AutoAugmentName | None = None
+    """An augmentation policy applied to each training crop in the loader workers, torchvision's:
+    ta_wide (TrivialAugmentWide), ra (RandAugment), augmix (AugMix), imagenet (AutoAugment's)."""
+    ra_magnitude: int = 9
+    """With --auto-augment ra: RandAugment's magnitude."""
+    augmix_severity: int = 3
+    """With --auto-augment augmix: AugMix's severity."""
+    random_erase: float = 0.0
+    """Probability of erasing a random rectangle of each training crop (torchvision's RandomErasing,
+    filled with the mean pixel: 0 after normalising)."""
+    mixup_alpha: float = 0.0
+    """Mix each training batch with itself rolled by one, lambda ~ Beta(alpha, alpha), on the device
+    (with --cutmix-alpha: one of the two per batch); 0 is off."""
+    cutmix_alpha: float = 0.0
+    """Paste a box of each batch's rolled copy into it, its area ~ Beta(alpha, alpha), on the device; 0 is off."""
     model_ema: bool = False
     """Keep an exponential moving average of the weights, validated beside them (val_top1_ema) and
     checkpointed, as torchvision's reference recipe does (raywds.train.ema)."""
@@ -180,6 +213,8 @@ class TrainConfig(S3Endpoint):
                 f"model_ema_decay={self.model_ema_decay} must lie in (0, 1) and model_ema_steps="
                 f"{self.model_ema_steps} be at least 1"
             )
+        self._check_augment()
+        self._check_sizes()
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"label_smoothing={self.label_smoothing} must lie in [0, 1)")
         if not 0 < self.crop_scale_min <= 1:
@@ -209,6 +244,77 @@ class TrainConfig(S3Endpoint):
                 raise ConfigError(f"{name}={value} must be at least 1 (or None)")
         if self.batches_per_epoch is not None and self.mode == "split":
             raise ConfigError("batches_per_epoch applies to resample mode; split mode's epoch is the whole split once")
+
+    def _check_augment(self) -> None:
+        if not 0 <= self.random_erase <= 1:
+            raise ConfigError(f"random_erase={self.random_erase} must lie in [0, 1]")
+        if self.mixup_alpha < 0 or self.cutmix_alpha < 0:
+            raise ConfigError(f"mixup_alpha={self.mixup_alpha} and cutmix_alpha={self.cutmix_alpha} must be 0 or more")
+        if self.auto_augment is not None and self.auto_augment not in typing.get_args(AutoAugmentName):
+            raise ConfigError(
+                f"auto_augment={self.auto_augment!r} is not one of {', '.join(typing.get_args(AutoAugmentName))}"
+            )
+        if self.decode == "device" and (self.auto_augment or self.random_erase):
+            raise ConfigError(
+                "--auto-augment and --random-erase change the decoded crop in the loader workers: "
+                "use --decode cpu or pil with them, not device"
+            )
+
+    def _check_sizes(self) -> None:
+        for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value} must be at least 1 (or None)")
+        if self.val_resize_size is not None and self.val_resize_size < self.val_crop:
+            raise ConfigError(f"val_resize_size={self.val_resize_size} is smaller than the val crop ({self.val_crop})")
+        if self.progressive_epochs is not None and self.progressive_resize is None:
+            raise ConfigError("progressive_epochs applies with progressive_resize (--progressive-resize MIN:MAX)")
+        if self.progressive_resize is not None:
+            if self.train_crop_size is not None:
+                raise ConfigError("--train-crop-size and --progressive-resize both set the training crop: give one")
+            _ = self.progression  # parses both: one line on a bad one
+
+    @property
+    def progression(self) -> tuple[int, int, float, float] | None:
+        """--progressive-resize and --progressive-epochs as (MIN, MAX, START, END), or None."""
+        if self.progressive_resize is None:
+            return None
+        low, high = _pair(self.progressive_resize, "progressive_resize", int)
+        start, end = _pair(self.progressive_epochs or f"1:{self.epochs}", "progressive_epochs", float)
+        if not PROGRESSIVE_STEP_PX <= low <= high:
+            raise ConfigError(
+                f"progressive_resize={self.progressive_resize}: MIN:MAX with {PROGRESSIVE_STEP_PX} <= MIN <= MAX"
+            )
+        if not 1 <= start <= end:
+            raise ConfigError(f"progressive_epochs={self.progressive_epochs}: START:END with 1 <= START <= END")
+        return low, high, start, end
+
+    def train_size(self, epoch: int) -> int:
+        """The training crop's side in epoch `epoch` (from 0): --progressive-resize's schedule
+        (FFCV's: linear from MIN at START to MAX at END, in steps of 32 px from MIN), else
+        --train-crop-size, else --image-size."""
+        ramp = self.progression
+        if ramp is None:
+            return self.train_crop_size or self.image_size
+        low, high, start, end = ramp
+        at = low + (high - low) * min(max((epoch + 1 - start) / max(end - start, 1e-9), 0.0), 1.0)
+        if epoch + 1 >= end:
+            return high
+        return min(high, low + PROGRESSIVE_STEP_PX * round((at - low) / PROGRESSIVE_STEP_PX))
+
+    @property
+    def train_sizes(self) -> list[int]:
+        """Every epoch's training crop side."""
+        return [self.train_size(epoch) for epoch in range(self.epochs)]
+
+    @property
+    def val_crop(self) -> int:
+        return self.val_crop_size or self.image_size
+
+    @property
+    def val_resize(self) -> int:
+        """The short side validation images are resized to before the centre crop."""
+        return self.val_resize_size or round(self.val_crop / 0.875)
 
     @property
     def loader_worker_count(self) -> int:
@@ -256,6 +362,15 @@ class TrainConfig(S3Endpoint):
         return cls(**values)
 
 
+def _pair(text: str, name: str, kind: type[Any]) -> tuple[Any, Any]:
+    """'A:B' as two numbers of `kind`, or one line saying what was expected."""
+    try:
+        a, b = text.split(":")
+        return kind(a), kind(b)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} must be two numbers as A:B") from None
+
+
 def check_known(values: dict[str, Any], where: str) -> None:
     """Refuse keys that are not TrainConfig fields, naming `where` they came from."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -269,40 +384,6 @@ def choices() -> dict[str, tuple[str, ...]]:
     """Each field whose type is a Literal, and its allowed values."""
     hints = typing.get_type_hints(TrainConfig)
     return {name: typing.get_args(hint) for name, hint in hints.items() if typing.get_origin(hint) is Literal}
-
-
-IMAGENET: dict[str, Any] = dict(
-    optimizer="sgd",
-    lr=None,
-    weight_decay=5e-5,
-    warmup_epochs=5.0,
-    epochs=90,
-    label_smoothing=0.1,
-    image_size=224,
-    crop_scale_min=0.08,
-    batch_size=256,
-    loader_workers=8,
-)
-"""Goyal et al. / torchvision's reference, with label smoothing and a cosine schedule."""
-RECIPES: dict[str, dict[str, Any]] = {
-    "imagenet-resnet50": {"model": "resnet50", **IMAGENET},
-    "imagenet-resnet18": {"model": "resnet18", **IMAGENET},
-    # Reaches high accuracy on the generated demo data in a few CPU minutes.
-    "demo": dict(
-        model="demo",
-        optimizer="adamw",
-        lr=3e-3,
-        weight_decay=5e-5,
-        warmup_epochs=0.5,
-        epochs=6,
-        image_size=56,
-        crop_scale_min=0.35,
-        batch_size=32,
-        loader_workers=1,
-        worker_shuffle_buffer=500,
-        out="runs/demo",
-    ),
-}
 
 
 def read_config_file(path: str) -> dict[str, Any]:

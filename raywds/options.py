@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from raywds.config import RECIPES, ModeName, S3Endpoint, TrainConfig, check_known, resolve
+from raywds.config import ModeName, S3Endpoint, TrainConfig, check_known, resolve
 from raywds.data.shardoptions import ConvertOptions, IndexOptions
 from raywds.fields import flag
 from raywds.launch.rayoptions import RayOptions
+from raywds.recipes import RECIPES
 from raywds.serve import BACKENDS, ServerOptions
 
 DEMO_DIR = "runs/demo"

@@ -19,6 +19,7 @@ goes through the plane too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -181,6 +182,8 @@ class RayData:
         """`shards` read, shuffled (`shuffle`) and decoded (`epoch`'s training crops, None:
         validation's) by read tasks of whole batches."""
         decoder = val_decoder(cfg) if epoch is None else train_decoder(cfg, epoch)
+        if epoch is None:  # validation's crops, in the blocks' sizes too
+            cfg = dataclasses.replace(cfg, image_size=cfg.val_crop_size)
         self.plane.apply(held_bytes=HELD * cfg.batch_size * cfg.image_size**2 * 3)
         source = ShardSource(
             manifest, split, shards, cfg, exact=exact, decoder=decoder, left_out=left_out, shuffle=shuffle

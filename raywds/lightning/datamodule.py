@@ -68,6 +68,11 @@ class ShardDataModule(pl.LightningDataModule):
                 "model_ema is raywds train's: with Lightning, average the weights with its "
                 "WeightAveraging callback (lightning.pytorch.callbacks)"
             )
+        if cfg.mixup_alpha or cfg.cutmix_alpha:
+            raise ConfigError(
+                "mixup_alpha and cutmix_alpha mix batches on the device in raywds train: with Lightning, apply "
+                "torchvision.transforms.v2.MixUp/CutMix in your LightningModule's training_step"
+            )
         if cfg.loader_workers == "auto":  # no epoch is measured here: start as raywds train does
             cfg = dataclasses.replace(cfg, loader_workers=first(len(os.sched_getaffinity(0))).workers)
         self.cfg = cfg
@@ -131,8 +136,9 @@ class ShardDataModule(pl.LightningDataModule):
                 f"batch ({sum(plan.samples_per_rank)} samples left): resume it on fewer ranks"
             )
         batches = self.loaders.train(
-            self.manifest, self.loader_cfg, world, plan, epoch=epoch.index, position=epoch.position
-        )
+            self.manifest, self.loader_cfg.at(self.cfg, epoch.index), world, plan, epoch=epoch.index,
+            position=epoch.position,
+        )  # fmt: skip
         return Batches(batches, epoch.step_before + len(batches))
 
     def val_dataloader(self) -> Iterable[Batch]:

@@ -231,12 +231,13 @@ def _resampled(img: Image.Image, box: Box, r: int, origin: tuple[int, int], flip
     return tensor.flip(-1) if flip else tensor
 
 
-def val_crop(data: bytes, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Resize the short side to size / 0.875 (bilinear, antialiased), then the centre size x size:
-    torchvision's Resize and CenterCrop on the decoded tensor, the same sizes and pixels; into `out` when given."""
+def val_crop(data: bytes, size: int, resize: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Resize the short side to `resize` (default size / 0.875; bilinear, antialiased), then the
+    centre size x size: torchvision's Resize and CenterCrop on the decoded tensor, the same sizes
+    and pixels; into `out` when given."""
     image = whole_image(data)
     _, h, w = image.shape
-    short = round(size / 0.875)
+    short = resize or round(size / 0.875)
     new_h, new_w = (int(short * h / w), short) if w <= h else (short, int(short * w / h))
     if (new_h, new_w) != (h, w):
         image = _resized(image, (new_h, new_w))
@@ -267,11 +268,12 @@ def _transformed(
         return transform(image)
 
 
-def reference_val(size: int) -> Callable[[bytes], torch.Tensor]:
+def reference_val(size: int, resize: int | None = None) -> Callable[[bytes], torch.Tensor]:
+    """The `pil` decoder's validation crop: torchvision's Resize(resize) and CenterCrop(size)."""
     from torchvision import transforms
 
     transform = transforms.Compose(
-        [transforms.Resize(round(size / 0.875)), transforms.CenterCrop(size), transforms.PILToTensor()]
+        [transforms.Resize(resize or round(size / 0.875)), transforms.CenterCrop(size), transforms.PILToTensor()]
     )
     return functools.partial(_transformed, transform)
 

@@ -153,16 +153,16 @@ class Decoding:
     """The crops take `out=`, the batch slot to write into (raywds.loader.blocks.Slots)."""
     train_crop: Callable[[int, tuple[float, float]], Callable[..., Any]]
     """(size, scale) -> the training crop: crop(data, rng=generator)."""
-    val_crop: Callable[[int], Callable[[bytes], Any]]
-    """size -> the validation centre crop: crop(data)."""
+    val_crop: Callable[[int, int], Callable[[bytes], Any]]
+    """(size, resize) -> the validation centre crop of an image resized to `resize` on its short side: crop(data)."""
 
 
 def _crop(fn: Callable[..., Any]) -> Callable[[int, tuple[float, float]], Callable[..., Any]]:
     return lambda size, scale: bind(fn, size=size, scale=scale)
 
 
-def _centre(size: int) -> Callable[[bytes], Any]:
-    return bind(val_crop, size=size)
+def _centre(size: int, resize: int) -> Callable[[bytes], Any]:
+    return bind(val_crop, size=size, resize=resize)
 
 
 DECODINGS: dict[str, Decoding] = {

@@ -1,5 +1,5 @@
 """The loader's own config: the slice of the run's TrainConfig that the per-rank loader and the
-Ray Data plane read (14 of its fields), built once per epoch by whoever trains (the trainer, the
+Ray Data plane read (18 of its fields), built once per epoch by whoever trains (the trainer, the
 Lightning DataModule), as torchtitan hands each component its own config. The fields keep
 TrainConfig's names, so `--batch-size` is `batch_size` in both.
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from raywds.config import TrainConfig
 from raywds.loader.readers import ReadPolicy
@@ -23,6 +24,9 @@ class LoaderConfig:
     loader_workers: int
     """DataLoader worker processes (0: the training process reads); `auto` is resolved before."""
     image_size: int
+    """The training crop's side this epoch (raywds.config.TrainConfig.train_size)."""
+    val_crop_size: int
+    val_resize_size: int
     crop_scale_min: float
     decode: str
     """The --decode name (raywds.loader.decodings parses it where a worker decodes)."""
@@ -35,12 +39,23 @@ class LoaderConfig:
     cache_dir: str | None
     s3_endpoint: str | None
     verify_hashes: bool
+    auto_augment: str | None = None
+    ra_magnitude: int = 9
+    augmix_severity: int = 3
+    random_erase: float = 0.0
 
     @classmethod
-    def of(cls, cfg: TrainConfig) -> LoaderConfig:
-        """`cfg`'s slice for the loader."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "loader_workers"]
-        return cls(loader_workers=cfg.loader_worker_count, **{name: getattr(cfg, name) for name in names})
+    def of(cls, cfg: TrainConfig, epoch: int = 0) -> LoaderConfig:
+        """`cfg`'s slice for the loader in epoch `epoch` (from 0: its training crop size)."""
+        sizes: dict[str, Any] = dict(
+            image_size=cfg.train_size(epoch), val_crop_size=cfg.val_crop, val_resize_size=cfg.val_resize
+        )
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in {"loader_workers", *sizes}]
+        return cls(loader_workers=cfg.loader_worker_count, **sizes, **{name: getattr(cfg, name) for name in names})
+
+    def at(self, cfg: TrainConfig, epoch: int) -> LoaderConfig:
+        """This slice in epoch `epoch` of `cfg` (its training crop size: --progressive-resize)."""
+        return dataclasses.replace(self, image_size=cfg.train_size(epoch))
 
     @property
     def slots(self) -> int:

@@ -22,6 +22,7 @@ import webdataset as wds
 
 from raywds.errors import ConfigError, DataError
 from raywds.loader import crops, decodings
+from raywds.loader.augment import Augment
 from raywds.loader.blocks import Slots
 from raywds.loader.clock import Spent
 from raywds.loader.decodings import decoding
@@ -75,8 +76,12 @@ what its batch carries (raywds.loader.crops)."""
 
 
 def train_decoder(cfg: LoaderConfig, epoch: int) -> Decoder:
-    """`--decode`'s training crop, each sample's drawn from its own generator (crops.crop_rng)."""
+    """`--decode`'s training crop, each sample's drawn from its own generator (crops.crop_rng),
+    then its augmentations (raywds.loader.augment), drawn from another."""
     crop = decoding(cfg.decode).train_crop(cfg.image_size, (cfg.crop_scale_min, 1.0))
+    augment = Augment.of(cfg)
+    if augment is not None:
+        return bind(_augmented, crop, augment, cfg.seed, epoch)
     return bind(_seeded, crop, cfg.seed, epoch)
 
 
@@ -84,9 +89,17 @@ def _seeded(crop: Callable[..., Any], seed: int, epoch: int, data: bytes, sample
     return crop(data, rng=crops.crop_rng(seed, epoch, sample_id), **out)
 
 
+def _augmented(
+    crop: Callable[..., Any], augment: Augment, seed: int, epoch: int, data: bytes, sample_id: int, **out: Any
+) -> Any:
+    """The crop, augmented; written back into its batch slot (`out`) where it has one."""
+    image = augment(_seeded(crop, seed, epoch, data, sample_id, **out), seed=seed, epoch=epoch, sample_id=sample_id)
+    return image if not out else out["out"].copy_(image)
+
+
 def val_decoder(cfg: LoaderConfig) -> Decoder:
     """The validation centre crop (no randomness: the sample id is not needed)."""
-    return bind(_unseeded, decoding(cfg.decode).val_crop(cfg.image_size))
+    return bind(_unseeded, decoding(cfg.decode).val_crop(cfg.val_crop_size, cfg.val_resize_size))
 
 
 def _unseeded(fn: Callable[..., Any], data: bytes, sample_id: int, **out: Any) -> Any:

@@ -28,6 +28,11 @@ rank, round of draws, task)."""
 CROP = "crop"
 """A training sample's random crop and flip, per (seed, epoch, sample id): the same crop
 whichever loader worker, rank or Ray Data task decodes the sample, in whatever order."""
+AUGMENT = "augment"
+"""A training crop's augmentations (--auto-augment, --random-erase), per (seed, epoch, sample id),
+drawn apart from the crop's: turning them on changes no crop."""
+MIX = "mix"
+"""A training batch's mixup or cutmix, per (seed, epoch, the batch's first sample id)."""
 
 
 def seed(tag: str, *parts: object) -> str:

@@ -49,6 +49,8 @@ class EpochRow(TypedDict):
     step every global_batch / (ranks x --batch-size) of them."""
     global_batch: int
     """Samples an optimizer step saw (--global-batch, else ranks x --batch-size)."""
+    image_size_px: int
+    """The side of the training crops the model was given this epoch (--progressive-resize changes it)."""
     steps_redone: int
     """Steps trained again in this epoch after a restart: those past the checkpoint it resumed
     (0 when the checkpoint was taken on a notice, or nothing restarted)."""

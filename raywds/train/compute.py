@@ -6,7 +6,8 @@ from pinned memory on CUDA), turned into floats and normalised there.
 On CUDA the defaults are bf16 autocast, channels_last and cudnn.benchmark; on the CPU, float32
 and the default layout. Every choice can be forced, so the CUDA path's plumbing runs on a CPU.
 With `--compile` the batch dimension of every input is marked dynamic, so an epoch's shorter
-last batch (split mode) runs the graph compiled for the full ones instead of compiling another.
+last batch (split mode) runs the graph compiled for the full ones instead of compiling another;
+with `--progressive-resize` its height and width too, so a new epoch's crop size does not compile again.
 `auto` picks contiguous instead of channels_last for a compiled model on crops under
 COMPILED_CHANNELS_LAST_MIN_PX: torch 2.11's inductor then fails in the first backward pass on an
 H100 (a ResNet's last feature maps are 1x1 and cuDNN returns a weight gradient in the other layout).
@@ -39,6 +40,9 @@ class Compute:
     channels_last: bool
     dynamic_batch: bool = False
     """Mark each input's batch dimension dynamic for torch.compile (set with cfg.compile)."""
+    dynamic_size: bool = False
+    """Mark its height and width dynamic too (with cfg.compile and --progressive-resize): one graph
+    for every epoch's crop size, not a compile at each new size."""
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, device: str) -> Compute:
@@ -46,7 +50,8 @@ class Compute:
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if cuda else "fp32")
         layout = cfg.memory_format
         if layout == "auto":
-            small_compiled = cfg.compile and cfg.image_size < COMPILED_CHANNELS_LAST_MIN_PX
+            smallest = min([*cfg.train_sizes, cfg.val_crop])
+            small_compiled = cfg.compile and smallest < COMPILED_CHANNELS_LAST_MIN_PX
             layout = "channels_last" if cuda and not small_compiled else "contiguous"
         if cuda:
             torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels
@@ -55,6 +60,7 @@ class Compute:
             torch.bfloat16 if precision == "bf16" else None,
             layout == "channels_last",
             dynamic_batch=cfg.compile,
+            dynamic_size=cfg.compile and cfg.progressive_resize is not None,
         )
 
     def model(self, model: nn.Module) -> nn.Module:
@@ -79,6 +85,9 @@ class Compute:
             # graph (torch.compile would otherwise specialise on the first size and recompile for the
             # next). `maybe_`: a model that needs a fixed size still compiles, specialised, not fails.
             torch._dynamo.maybe_mark_dynamic(x, 0)
+            if self.dynamic_size:
+                torch._dynamo.maybe_mark_dynamic(x, 2)
+                torch._dynamo.maybe_mark_dynamic(x, 3)
         return x, labels.to(self.device, non_blocking=True)
 
     @contextlib.contextmanager

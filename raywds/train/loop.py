@@ -61,6 +61,8 @@ class EpochResult:
     on a CPU, device time on a GPU: raywds.train.timing): compared across ranks only."""
     loader: Spent = Spent()
     """What the rank's loader workers spent making the batches it trained on (raywds.loader.clock)."""
+    image_px: int = 0
+    """The side of the images the model was given (the last batch's)."""
 
     def waited(self, seconds: float, batch: Batch | None) -> None:
         self.data_wait_s += seconds
@@ -124,12 +126,15 @@ def train_epoch(
     where: str = "",
     pg_timeout: float | None = None,
     accumulate: int = 1,
+    mix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> EpochResult:
     """One pass; `lr(batches done)` sets the rate before each optimizer step, and `after_step(batches
     done, batch, counts so far)` runs after each batch and may stop the epoch by returning True.
     With `uneven` (split mode) Join lets ranks that run out early shadow the collectives of the
     rest. `accumulate`: batches an optimizer step adds the gradients of (--global-batch), each
-    but a step's last under DDP's no_sync; a rank's last, short step averages what it has."""
+    but a step's last under DDP's no_sync; a rank's last, short step averages what it has.
+    `mix(images, labels, ids)` (--mixup-alpha, --cutmix-alpha: raywds.train.mixup) mixes each batch
+    on the device into soft targets."""
     model.train()
     loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
     r = EpochResult()
@@ -145,7 +150,7 @@ def train_epoch(
                 r.waited(time.perf_counter() - asked, batch)  # time the step waited for the loader
                 if batch is None:
                     break
-                _one_batch(model, batch, optimizer, lr, compute, loss_fn, timer, r, accumulate, total)
+                _one_batch(model, batch, optimizer, lr, compute, (loss_fn, mix), timer, r, accumulate, total)
                 r.seconds = time.perf_counter() - start
                 if after_step is not None and after_step(r.num_steps, batch, r):
                     r.stopped = True
@@ -168,7 +173,7 @@ def _one_batch(
     optimizer: torch.optim.Optimizer,
     lr: Callable[[int], float],
     compute: Compute,
-    loss_fn: nn.Module,
+    loss: tuple[nn.Module, Callable[..., tuple[torch.Tensor, torch.Tensor]] | None],
     timer: StepTimer,
     r: EpochResult,
     accumulate: int,
@@ -181,18 +186,20 @@ def _one_batch(
     if first:  # the rate at the step's end, on the clock of samples: as one batch of them would
         set_lr(optimizer, lr(r.num_steps + in_step - 1))
         optimizer.zero_grad(set_to_none=True)
-    marks = [timer.mark()]
+    marks, (loss_fn, mix) = [timer.mark()], loss
     images, labels = compute.inputs(batch.images, batch.labels)
+    images, targets = mix(images, labels, batch.ids) if mix is not None else (images, labels)
+    r.image_px = images.shape[-1]
     marks.append(timer.mark())
     with _no_sync(model, not last), compute.autocast():
-        loss = loss_fn(model(images), labels)
+        value = loss_fn(model(images), targets)
     marks.append(timer.mark())
     with _no_sync(model, not last):
-        (loss / in_step if in_step > 1 else loss).backward()
+        (value / in_step if in_step > 1 else value).backward()
     if last:
         optimizer.step()
     marks.append(timer.mark())
-    r.add(batch, loss.item())  # waits for the device: the marks are done
+    r.add(batch, value.item())  # waits for the device: the marks are done
     r.add_times(timer.between(marks), timer.own(marks[1], marks[3]))
 
 

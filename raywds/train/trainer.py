@@ -5,6 +5,7 @@ the world and call `train(cfg, world, ...)`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from raywds.train.ema import ModelEma
 from raywds.train.epoch import Epoch, EpochKeeper
 from raywds.train.ledger import gathered, per_rank, sum_and_max, tally
 from raywds.train.loop import EpochResult, evaluate, train_epoch
+from raywds.train.mixup import Mix
 from raywds.train.model import build_model
 from raywds.train.notice import Notice, Notices
 from raywds.train.optim import lr_at, make_optimizer
@@ -80,6 +82,7 @@ class Trainer:
             self.wrapped = torch.compile(self.wrapped)  # type: ignore[assignment]
         self.optimizer = make_optimizer(self.model, cfg, world)
         self.ema = ModelEma.for_run(self.model, cfg, world)
+        self.mix = Mix.for_run(cfg, len(self.manifest.classes))
         if resume is not None:
             restore(resume, self.model, self.optimizer, self.keeper, self.ema)
         self.notices = notices
@@ -108,7 +111,7 @@ class Trainer:
     def begin(self, index: int) -> tuple[Epoch, EpochLoader]:
         """Plan epoch `index` and hand it to the loader (its workers start making its batches)."""
         self.cfg = cfg = self.workers.config(index)  # --loader-workers auto: the epoch's count, chosen now
-        self.loader_cfg = LoaderConfig.of(cfg)
+        self.loader_cfg = LoaderConfig.of(cfg, index)
         epoch = self.keeper.begin(index, cfg)
         batches = self.loaders.train(
             self.manifest, self.loader_cfg, self.world, epoch.plan, epoch=index, position=epoch.position
@@ -161,6 +164,7 @@ class Trainer:
                 where=f"in epoch {index + 1}",
                 pg_timeout=cfg.pg_timeout,
                 accumulate=epoch.accumulate,
+                mix=functools.partial(self.mix, epoch=index) if self.mix is not None else None,
             )
         finally:
             progress.close()
@@ -280,6 +284,7 @@ class Trainer:
             steps_redone=int(redone),
             optimizer_steps=epoch.optimizer_steps(epoch.plan.max_batches),
             global_batch=self.cfg.global_batch or epoch.batch_samples,
+            image_size_px=result.image_px or self.cfg.train_size(epoch.index),
         )
         return {**row}
 

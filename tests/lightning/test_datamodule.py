@@ -33,6 +33,7 @@ def test_decoding_on_the_device_is_refused_in_one_line(shards: Path) -> None:
             {"model_ema": True},
             "model_ema is raywds train's: with Lightning, average the weights with its WeightAveraging",
         ),
+        ({"cutmix_alpha": 1.0}, "mix batches on the device in raywds train: with Lightning, apply torchvision"),
     ],
 )
 def test_raywds_trains_own_settings_are_refused_in_one_line(shards: Path, setting: dict, said: str) -> None:
