@@ -11,7 +11,8 @@ import pytest
 import torch
 from support.runs import SUMMARY, command
 
-from raywds.config import RECIPES, TrainConfig, resolve
+from raywds.config import TrainConfig, resolve
+from raywds.recipes import RECIPES
 from raywds.errors import ConfigError
 from raywds.train.compute import Compute
 from raywds.train.model import DemoNet
@@ -45,10 +46,70 @@ def test_config_file_overrides_the_recipe_and_flags_override_both(tmp_path: Path
     with pytest.raises(ConfigError, match=r"config file .*bad.json has unknown keys \['batch-size'\]"):
         resolve("d", config_file=str(tmp_path / "bad.json"))
     with pytest.raises(
-        ConfigError, match="unknown recipe 'resnet'; recipes are imagenet-resnet50, imagenet-resnet18, demo"
+        ConfigError,
+        match="unknown recipe 'resnet'; recipes are imagenet-resnet50, imagenet-resnet18, imagenet-resnet34, ",
     ):
         resolve("d", recipe="resnet")
-    assert set(RECIPES) == {"imagenet-resnet50", "imagenet-resnet18", "demo"}
+    assert set(RECIPES) == {
+        *(f"imagenet-resnet{n}" for n in (18, 34, 50)),
+        *(f"imagenet-resnet{n}-v2" for n in (50, 101, 152)),
+        "demo",
+    }
+
+
+TORCHVISION_V2 = {
+    # torchvision's new recipe for its IMAGENET1K_V2 ResNets, flag by flag (pytorch/vision #3995):
+    # torchrun --nproc_per_node=8 train.py --model resnet50 --batch-size 128 --lr 0.5
+    # --lr-scheduler cosineannealinglr --lr-warmup-epochs 5 --lr-warmup-method linear --auto-augment ta_wide
+    # --epochs 600 --random-erase 0.1 --weight-decay 0.00002 --norm-weight-decay 0.0 --label-smoothing 0.1
+    # --mixup-alpha 0.2 --cutmix-alpha 1.0 --train-crop-size 176 --model-ema --val-resize-size 232
+    # --ra-sampler --ra-reps 4
+    "batch_size": 128,
+    "lr": 0.5,
+    "warmup_epochs": 5.0,
+    "auto_augment": "ta_wide",
+    "epochs": 600,
+    "random_erase": 0.1,
+    "weight_decay": 2e-5,
+    "norm_weight_decay": 0.0,
+    "label_smoothing": 0.1,
+    "mixup_alpha": 0.2,
+    "cutmix_alpha": 1.0,
+    "train_crop_size": 176,
+    "model_ema": True,
+    "val_resize_size": 232,
+    # the reference's defaults where the command is silent:
+    "val_crop_size": 224,
+    "model_ema_steps": 32,
+    "model_ema_decay": 0.99998,
+    "bias_weight_decay": 2e-5,  # --bias-weight-decay unset: biases take --weight-decay
+    "crop_scale_min": 0.08,
+    "ra_magnitude": 9,
+    "optimizer": "sgd",
+}
+
+
+@pytest.mark.parametrize("model", ["resnet50", "resnet101", "resnet152"])
+def test_the_v2_recipes_values_are_torchvisions(model: str) -> None:
+    """Every value of the command torchvision published, on 8 GPUs: the global batch of 8 x 128 on
+    any number of ranks; the sizes reach the loader (train 176, val 232 then 224)."""
+    from raywds.loader.settings import LoaderConfig
+
+    cfg = resolve("shards/", recipe=f"imagenet-{model}-v2")
+    assert cfg.model == model
+    assert {k: getattr(cfg, k) for k in TORCHVISION_V2} == TORCHVISION_V2
+    assert cfg.global_batch == 8 * 128 and cfg.accumulation(world_size=4) == 2 and cfg.peak_lr(8) == 0.5
+    sizes = LoaderConfig.of(cfg, epoch=0)
+    assert (sizes.image_size, sizes.val_resize_size, sizes.val_crop_size) == (176, 232, 224)
+
+
+def test_val_sizes_default_to_the_crop_over_0_875_and_are_checked() -> None:
+    cfg = TrainConfig(data="x", image_size=160)
+    assert (cfg.train_size(0), cfg.val_crop, cfg.val_resize) == (160, 160, 183)
+    cfg = TrainConfig(data="x", train_crop_size=176, val_crop_size=224)
+    assert (cfg.train_size(0), cfg.val_crop, cfg.val_resize) == (176, 224, 256)
+    with pytest.raises(ConfigError, match="val_resize_size=200 is smaller than the val crop"):
+        TrainConfig(data="x", val_resize_size=200)
 
 
 def test_no_weight_decay_on_norms_and_biases_unless_told_as_torchvisions_reference_is_told() -> None:

@@ -210,6 +210,7 @@ def test_val_crop_matches_the_reference() -> None:
     for img in (photo(500, 375), photo(375, 500, seed=1)):
         data = encoded(img)
         assert mean_abs(val_crop(data, 224), reference_val(224)(data)) < 1.5
+        assert mean_abs(val_crop(data, 224, 232), reference_val(224, 232)(data)) < 1.5
 
 
 @pytest.mark.parametrize("shape", [(500, 375), (375, 500), (256, 300), (333, 257)])
@@ -222,10 +223,13 @@ def test_val_crop_is_torchvisions_resize_and_centre_crop_on_the_decoded_image(sh
     for fmt, mode in (("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB")):
         data = encoded(photo(*shape), fmt, mode)
         image = crops.jpeg_tensor(data) if fmt == "JPEG" else F.pil_to_tensor(Image.open(io.BytesIO(data)))
-        want = F.center_crop(F.resize(image, [256], antialias=True), [224, 224])
-        got = val_crop(data, 224)
-        assert got.shape == want.shape == (3, 224, 224)
-        assert torch.equal(got, want), f"{shape} {fmt} {mode}: {(got.int() - want.int()).abs().max()} levels apart"
+        for resize in (None, 232):  # the default (224 / 0.875 = 256) and --val-resize-size 232
+            want = F.center_crop(F.resize(image, [resize or 256], antialias=True), [224, 224])
+            got = val_crop(data, 224, resize)
+            assert got.shape == want.shape == (3, 224, 224)
+            assert torch.equal(got, want), (
+                f"{shape} {fmt} {mode} {resize}: {(got.int() - want.int()).abs().max()} apart"
+            )
 
 
 def test_device_decode_equals_the_cpu_path_and_normalises(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -13,8 +13,8 @@ from scipy import stats
 from support.runs import small_config
 from torchvision.transforms import v2
 
-from raywds.runs.folder import RunDir
 from raywds.plan import seeds
+from raywds.runs.folder import RunDir
 from raywds.train.mixup import Mix
 from raywds.train.trainer import train
 from raywds.world import World
