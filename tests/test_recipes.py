@@ -12,8 +12,8 @@ import torch
 from support.runs import SUMMARY, command
 
 from raywds.config import TrainConfig, resolve
-from raywds.recipes import RECIPES
 from raywds.errors import ConfigError
+from raywds.recipes import RECIPES
 from raywds.train.compute import Compute
 from raywds.train.model import DemoNet
 from raywds.train.optim import make_optimizer

@@ -102,10 +102,13 @@ def _skipped(m: Metrics) -> str:
     return (f"  skipped {' and '.join(parts)}" if parts else "") + retried
 
 
-def epoch_line(m: Metrics, epochs: int) -> str:
+def epoch_line(m: Metrics, epochs: int, *, size: bool = False) -> str:
+    """The epoch's line; with `size` (--progressive-resize) the crop side it trained at."""
     val = f"  val top-1 {m['val_top1']:.3f}  top-5 {m['val_top5']:.3f}" if "val_top1" in m else ""
+    ema = f"  (EMA {m['val_top1_ema']:.3f})" if "val_top1_ema" in m else ""
+    px = f"  at {m['image_size_px']} px" if size and "image_size_px" in m else ""
     return (
-        f"epoch {m['epoch']}/{epochs}  loss {m['train_loss']:.3f}{val}  images/s {m['images_per_s']:.1f}"
+        f"epoch {m['epoch']}/{epochs}  loss {m['train_loss']:.3f}{val}{ema}{px}  images/s {m['images_per_s']:.1f}"
         f"  data wait {100 * m['data_wait_max']:.0f}%{_skipped(m)}"
     )
 

@@ -231,7 +231,8 @@ class Trainer:
             metrics.update(evaluate(self.model, batches, world, self.compute, ema=ema))
         if world.is_main:
             verdict = diagnose(metrics)[0]
-            log.info(epoch_line(metrics, cfg.epochs) + "\n  doctor: " + verdict)
+            line = epoch_line(metrics, cfg.epochs, size=cfg.progressive_resize is not None)
+            log.info(line + "\n  doctor: " + verdict)
             if self.run_dir is not None:
                 self.run_dir.note("doctor", f"epoch {epoch.index + 1}: {verdict}")
         self.emit(metrics)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -64,7 +65,7 @@ def test_the_schedule_is_checked_in_one_line() -> None:
 
 
 def test_each_epoch_trains_at_its_planned_size_on_every_sample_once(
-    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Split mode, 32 -> 64 -> 96 px over three epochs, compiled: each epoch row's image_size_px is
     the side of the images the model was given, every sample once per epoch, validation at its
@@ -87,6 +88,9 @@ def test_each_epoch_trains_at_its_planned_size_on_every_sample_once(
     assert [r["image_size_px"] for r in epochs] == [32, 64, 96]
     assert all((r["epoch_samples"], r["epoch_distinct"], r["epoch_duplicates"]) == (120, 120, 0) for r in epochs)
     assert final["val_samples"] == 50
+    assert re.search(
+        r"^epoch 2/3  loss [\d.]+  val top-1 [\d.]+  top-5 [\d.]+  at 64 px  images/s", "\n".join(caplog.messages), re.M
+    )
     assert graphs == 1, dict(counters["stats"])
 
 
