@@ -254,11 +254,6 @@ class TrainConfig(S3Endpoint):
             raise ConfigError(
                 f"auto_augment={self.auto_augment!r} is not one of {', '.join(typing.get_args(AutoAugmentName))}"
             )
-        if self.decode == "device" and (self.auto_augment or self.random_erase):
-            raise ConfigError(
-                "--auto-augment and --random-erase change the decoded crop in the loader workers: "
-                "use --decode cpu or pil with them, not device"
-            )
 
     def _check_sizes(self) -> None:
         for name in ("train_crop_size", "val_resize_size", "val_crop_size"):

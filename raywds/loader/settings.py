@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from raywds.config import TrainConfig
+from raywds.errors import ConfigError
+from raywds.loader.augment import Augment
+from raywds.loader.decodings import decoding
 from raywds.loader.readers import ReadPolicy
 from raywds.plan.modes import loader_slots
 
@@ -47,6 +50,11 @@ class LoaderConfig:
     @classmethod
     def of(cls, cfg: TrainConfig, epoch: int = 0) -> LoaderConfig:
         """`cfg`'s slice for the loader in epoch `epoch` (from 0: its training crop size)."""
+        if Augment.of(cfg) is not None and not decoding(cfg.decode).in_workers:
+            raise ConfigError(
+                "--auto-augment and --random-erase change the decoded crop in the loader workers: "
+                f"use --decode cpu or pil with them, not {cfg.decode}"
+            )
         sizes: dict[str, Any] = dict(
             image_size=cfg.train_size(epoch), val_crop_size=cfg.val_crop, val_resize_size=cfg.val_resize
         )

@@ -136,8 +136,8 @@ def test_a_samples_augmentations_depend_on_its_seed_alone_and_a_resumed_epoch_dr
 
 
 def test_augmentations_are_refused_where_the_device_decodes() -> None:
-    with pytest.raises(ConfigError, match="not device"):
-        small_config("shards/", decode="device", auto_augment="ta_wide")
+    with pytest.raises(ConfigError, match="use --decode cpu or pil with them, not device"):
+        LoaderConfig.of(small_config("shards/", decode="device", auto_augment="ta_wide"))
     with pytest.raises(ConfigError, match="random_erase"):
         small_config("shards/", random_erase=1.5)
     with pytest.raises(ConfigError, match="auto_augment"):
