@@ -59,10 +59,13 @@ def mean_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     "width,height,fmt,mode,size,tolerance",
     [
-        # mean absolute difference in grey levels; two different crops differ by 35 to 55
+        # mean absolute difference in grey levels over the seeds (each seed's under twice it); two
+        # different crops differ by 35 to 55. At a reduced DCT scale the box's corners are rounded
+        # to the smaller image's pixels (crops.scaled_box): on this noisy photo 6.6 on average, 13
+        # at most (1.3 and 3.4 on real photos at 128 px with PIL's fractional box, 0.26 ms slower a crop).
         (500, 375, "JPEG", "RGB", 224, 0.5),  # ImageNet-sized: whole-image decode_jpeg, tensor resize (measured 0.01)
-        (1600, 1200, "JPEG", "RGB", 224, 3.0),  # large: DCT-scaled decode for the larger crops (1.5 on average)
-        (500, 375, "JPEG", "RGB", 64, 5.0),  # low resolution: DCT scaling for most crops (3.2 on average)
+        (1600, 1200, "JPEG", "RGB", 224, 8.0),  # large: DCT-scaled decode for the larger crops (6.6 on average)
+        (500, 375, "JPEG", "RGB", 64, 8.0),  # low resolution: DCT scaling for most crops (6.7 on average)
         (500, 375, "JPEG", "L", 224, 0.5),  # grayscale JPEG -> RGB
         (500, 375, "JPEG", "CMYK", 224, 0.5),  # CMYK JPEG: through PIL
         (500, 375, "PNG", "RGB", 224, 0.5),  # not a JPEG: through PIL
@@ -73,13 +76,16 @@ def test_cpu_crop_matches_the_reference_for_the_same_seed(
 ) -> None:
     data = encoded(photo(width, height), fmt, mode)
     fast, ref = train_crop, reference_train(size, SCALE)
+    apart = []
     for seed in range(12):
         a = seeded(lambda d: fast(d, size, SCALE), data, seed)
         b = seeded(ref, data, seed)
         assert a.dtype == b.dtype == torch.uint8 and a.shape == b.shape == (3, size, size)
-        assert mean_abs(a, b) < tolerance, f"seed {seed}: the fast crop must show what the reference crop shows"
+        apart.append(mean_abs(a, b))
+        assert apart[-1] < 2 * tolerance, f"seed {seed}: the fast crop must show what the reference crop shows"
         other = seeded(ref, data, seed + 100)
         assert mean_abs(a, other) > 20, "the test image must tell different crops apart"
+    assert sum(apart) / len(apart) < tolerance
 
 
 def test_the_region_decoders_crop_is_the_whole_images_crop(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,6 +153,22 @@ def test_large_crops_decode_at_reduced_scale(monkeypatch: pytest.MonkeyPatch, jp
         and reduction((0, 0, 448, 448), 224) == 2
     )
     assert reduction((0, 0, 2000, 2000), 224) == 8
+
+
+def test_a_scaled_box_is_the_box_at_its_scale_within_half_a_pixel() -> None:
+    """Each corner of a crop box, in the 1/r image decoded from (y0, x0), is where it falls there
+    rounded to that image's pixels: never more than half of one of them off, inside the image."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        r = int(rng.choice([2, 4, 8]))
+        top, left = int(rng.integers(0, 800)), int(rng.integers(0, 800))
+        h, w = int(rng.integers(2 * r, 900)), int(rng.integers(2 * r, 900))
+        y0, x0 = top // r - int(rng.integers(0, 2)), left // r - int(rng.integers(0, 2))
+        rows, cols = -(-(top + h) // r) - y0 + 1, -(-(left + w) // r) - x0 + 1
+        y, x, bh, bw = crops.scaled_box((top, left, h, w), r, (y0, x0), (rows, cols))
+        assert abs(y - (top / r - y0)) <= 0.5 and abs(x - (left / r - x0)) <= 0.5
+        assert abs(y + bh - ((top + h) / r - y0)) <= 0.5 and abs(x + bw - ((left + w) / r - x0)) <= 0.5
+        assert 0 <= y and y + bh <= rows and 0 <= x and x + bw <= cols
 
 
 def coordinates(width: int, height: int) -> bytes:
