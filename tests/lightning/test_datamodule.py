@@ -146,6 +146,7 @@ def test_the_learning_rate_follows_raywds_trains_clock_with_batches_per_epoch(
     assert len(expected) == 6 and rates == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_tracking_in_a_lightning_fit_is_one_mlflow_run_over_two_fits_into_one_folder(
     shards: Path, tmp_path: Path, mlflow_server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -35,6 +35,7 @@ def train(cfg: TrainConfig, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
     run_local(cfg)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_and_resumed_is_one_mlflow_run_with_one_history(
     mlflow_server: MlflowServer, shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -65,6 +66,7 @@ def test_a_run_stopped_and_resumed_is_one_mlflow_run_with_one_history(
     assert [a.path for a in client.list_artifacts(only.info.run_id, "best")] == ["best/checkpoint.pt"]
 
 
+@pytest.mark.slow
 def test_a_server_gone_mid_run_does_not_stop_training_and_the_end_says_what_was_not_sent(
     shards: Path, tmp_path: Path
 ) -> None:

@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import psutil
+import pytest
 from support.data import epoch_keys, tar_keys
 from support.planted import planted_slowness
 
@@ -47,6 +48,7 @@ def wait_for_step(out: Path, step: int, process: subprocess.Popen[str], within_s
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_torchrun_rank_checkpoints_every_rank_and_the_resume_is_exact(
     uneven: Path, tmp_path: Path
 ) -> None:
@@ -89,6 +91,7 @@ def test_sigterm_to_one_torchrun_rank_checkpoints_every_rank_and_the_resume_is_e
     assert [r["epoch"] for r in epochs] == [1, 2] and [r["steps_redone"] for r in epochs] == [0, 0]
 
 
+@pytest.mark.slow
 def test_a_run_killed_without_notice_counts_the_steps_it_trains_again(uneven: Path, tmp_path: Path) -> None:
     out, audit = tmp_path / "run", tmp_path / "audit"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **planted_slowness.environment(0.2)}
