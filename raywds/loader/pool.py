@@ -23,6 +23,7 @@ had read cannot be told apart from what it had not.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -61,12 +62,28 @@ class Relay(IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         global _current
-        sent = self.inbox.recv()
+        sent = _wait(self.inbox)
         if sent is None:
             return
         build, index, count = sent
         _current = (index, count)
         yield from build(self.blocks)
+
+
+PARENT_CHECK_S = 1.0
+"""How often a waiting worker looks whether the process that started it is still there."""
+
+
+def _wait(inbox: Connection) -> Any:
+    """The next pipeline down `inbox`, or None once the process that started this worker is gone
+    (SIGKILLed, OOM-killed): the pipe would never close, as this worker holds its other end too
+    (forked with it), and without the check it would wait for ever. torch's own worker loop
+    checks the same way (its ManagerWatchdog) once the pass ends."""
+    parent = os.getppid()
+    while not inbox.poll(PARENT_CHECK_S):
+        if os.getppid() != parent:
+            return None
+    return inbox.recv()
 
 
 class Member:

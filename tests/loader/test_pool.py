@@ -4,6 +4,7 @@ worker replaced alone, and the trainer handing the next epoch over before it val
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -165,3 +166,45 @@ def test_a_pool_of_no_workers_or_one_makes_the_same_epoch(shards: Path, workers:
     finally:
         loaders.close()
     assert kept == summary(train_loader(manifest, loader_cfg, World(), plan, epoch=0))
+
+
+KEEPS_A_POOL = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from support.runs import small_config
+from raywds.data.manifest import read_manifest
+from raywds.loader.loader import PerRank
+from raywds.loader.settings import LoaderConfig
+from raywds.plan.modes import epoch_plan
+from raywds.world import World
+
+cfg = small_config(sys.argv[1], batch_size=8, image_size=24, loader_workers=2)
+manifest, loaders = read_manifest(sys.argv[1]), PerRank()
+list(loaders.train(manifest, LoaderConfig.of(cfg), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0))
+print(*loaders.pools["train"].pids, *loaders.pools["val"].pids, flush=True)  # val's are warmed by now
+time.sleep(600)
+"""
+
+
+def test_the_workers_of_a_killed_rank_do_not_outlive_it(shards: Path) -> None:
+    """A rank SIGKILLed between epochs (a lost node's process, the OOM killer) leaves its waiting
+    loader workers behind it: they held the pipe's other end too, so they waited for ever (a
+    killed test run's workers were found sleeping 39 minutes later). Now each ends within seconds."""
+    import subprocess
+    import sys
+
+    tests = str(Path(__file__).parents[1])
+    rank = subprocess.Popen([sys.executable, "-c", KEEPS_A_POOL, str(shards), tests], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        assert rank.stdout is not None
+        pids = [int(p) for p in rank.stdout.readline().split()]
+        assert len(pids) == 4 and all(not gone(p, within_s=0.2) for p in pids), "the workers wait for the next epoch"
+        rank.kill()
+        rank.wait()
+        assert all(gone(p, within_s=15) for p in pids), "a killed rank's loader workers must end"
+    finally:
+        rank.kill()
+        for pid in pids:  # this test's own workers, should they have stayed
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
