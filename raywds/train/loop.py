@@ -150,7 +150,7 @@ def train_epoch(
                 r.waited(time.perf_counter() - asked, batch)  # time the step waited for the loader
                 if batch is None:
                     break
-                _one_batch(model, batch, optimizer, lr, compute, (loss_fn, mix), timer, r, accumulate, total)
+                _one_batch(model, batch, optimizer, lr, compute, loss_fn, timer, r, accumulate, total, mix)
                 r.seconds = time.perf_counter() - start
                 if after_step is not None and after_step(r.num_steps, batch, r):
                     r.stopped = True
@@ -173,11 +173,12 @@ def _one_batch(
     optimizer: torch.optim.Optimizer,
     lr: Callable[[int], float],
     compute: Compute,
-    loss: tuple[nn.Module, Callable[..., tuple[torch.Tensor, torch.Tensor]] | None],
+    loss_fn: nn.Module,
     timer: StepTimer,
     r: EpochResult,
     accumulate: int,
     total: int | None,
+    mix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
     """Forward and backward of one batch into the optimizer step it is part of; the step is taken
     at its last batch, the others under DDP's no_sync."""
@@ -186,7 +187,7 @@ def _one_batch(
     if first:  # the rate at the step's end, on the clock of samples: as one batch of them would
         set_lr(optimizer, lr(r.num_steps + in_step - 1))
         optimizer.zero_grad(set_to_none=True)
-    marks, (loss_fn, mix) = [timer.mark()], loss
+    marks = [timer.mark()]
     images, labels = compute.inputs(batch.images, batch.labels)
     images, targets = mix(images, labels, batch.ids) if mix is not None else (images, labels)
     r.image_px = images.shape[-1]
