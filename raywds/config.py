@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -199,7 +200,8 @@ class TrainConfig(S3Endpoint):
                 raise ConfigError(f"{name}={value} must be at least 1")
         for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+                words = ", ".join(a for a in allowed if a is not None)
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {words}")
         for name in self.tracking or []:
             if name not in typing.get_args(TrackerName):
                 raise ConfigError(f"tracking={name!r} is not one of {', '.join(typing.get_args(TrackerName))}")
@@ -250,10 +252,6 @@ class TrainConfig(S3Endpoint):
             raise ConfigError(f"random_erase={self.random_erase} must lie in [0, 1]")
         if self.mixup_alpha < 0 or self.cutmix_alpha < 0:
             raise ConfigError(f"mixup_alpha={self.mixup_alpha} and cutmix_alpha={self.cutmix_alpha} must be 0 or more")
-        if self.auto_augment is not None and self.auto_augment not in typing.get_args(AutoAugmentName):
-            raise ConfigError(
-                f"auto_augment={self.auto_augment!r} is not one of {', '.join(typing.get_args(AutoAugmentName))}"
-            )
 
     def _check_sizes(self) -> None:
         for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
@@ -292,9 +290,11 @@ class TrainConfig(S3Endpoint):
         if ramp is None:
             return self.train_crop_size or self.image_size
         low, high, start, end = ramp
-        at = low + (high - low) * min(max((epoch + 1 - start) / max(end - start, 1e-9), 0.0), 1.0)
         if epoch + 1 >= end:
             return high
+        if epoch + 1 <= start:
+            return low
+        at = low + (high - low) * (epoch + 1 - start) / (end - start)
         return min(high, low + PROGRESSIVE_STEP_PX * round((at - low) / PROGRESSIVE_STEP_PX))
 
     @property
@@ -375,10 +375,17 @@ def check_known(values: dict[str, Any], where: str) -> None:
 
 
 @functools.cache
-def choices() -> dict[str, tuple[str, ...]]:
-    """Each field whose type is a Literal, and its allowed values."""
+def choices() -> dict[str, tuple[str | None, ...]]:
+    """Each field whose type is a Literal, or a Literal or None, and its allowed values (None among
+    them for the second)."""
     hints = typing.get_type_hints(TrainConfig)
-    return {name: typing.get_args(hint) for name, hint in hints.items() if typing.get_origin(hint) is Literal}
+    allowed: dict[str, tuple[str | None, ...]] = {}
+    for name, hint in hints.items():
+        kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        words = [k for k in kinds if k is not type(None)]
+        if len(words) == 1 and typing.get_origin(words[0]) is Literal:
+            allowed[name] = (*typing.get_args(words[0]), *((None,) if len(kinds) > 1 else ()))
+    return allowed
 
 
 def read_config_file(path: str) -> dict[str, Any]:
