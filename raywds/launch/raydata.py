@@ -19,7 +19,6 @@ goes through the plane too.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -182,8 +181,7 @@ class RayData:
         """`shards` read, shuffled (`shuffle`) and decoded (`epoch`'s training crops, None:
         validation's) by read tasks of whole batches."""
         decoder = val_decoder(cfg) if epoch is None else train_decoder(cfg, epoch)
-        if epoch is None:  # validation's crops, in the blocks' sizes too
-            cfg = dataclasses.replace(cfg, image_size=cfg.val_crop_size)
+        cfg = cfg.validating if epoch is None else cfg  # validation's crop size, in the blocks' sizes too
         self.plane.apply(held_bytes=HELD * cfg.batch_size * cfg.image_size**2 * 3)
         source = ShardSource(
             manifest, split, shards, cfg, exact=exact, decoder=decoder, left_out=left_out, shuffle=shuffle

@@ -77,7 +77,8 @@ class ShardDataModule(pl.LightningDataModule):
             cfg = dataclasses.replace(cfg, loader_workers=first(len(os.sched_getaffinity(0))).workers)
         self.cfg = cfg
         self.loader_cfg = LoaderConfig.of(cfg)
-        """The loader's slice of the config, built once (its worker count is fixed here)."""
+        """The loader's slice of the config for validation (its worker count is fixed here); each
+        training epoch takes its own, at the epoch's crop size."""
         self.manifest = manifest_of(cfg)
         self.num_classes = len(self.manifest.classes)
         self.num_samples = self.manifest.num_samples("train")
@@ -136,7 +137,7 @@ class ShardDataModule(pl.LightningDataModule):
                 f"batch ({sum(plan.samples_per_rank)} samples left): resume it on fewer ranks"
             )
         batches = self.loaders.train(
-            self.manifest, self.loader_cfg.at(self.cfg, epoch.index), world, plan, epoch=epoch.index,
+            self.manifest, LoaderConfig.of(self.cfg, epoch.index), world, plan, epoch=epoch.index,
             position=epoch.position,
         )  # fmt: skip
         return Batches(batches, epoch.step_before + len(batches))

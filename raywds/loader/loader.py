@@ -172,11 +172,9 @@ def _loader(
     clock: Clock | None = None,
     labels: Labels | None = None,
     pool: Pool | None = None,
-    size: int | None = None,
 ) -> Pass:
-    """The pass of `made`'s pipeline over the stages, by `pool`'s workers (or a pool of its own);
-    its images `size` px square (default: the epoch's training crop)."""
-    size = size or cfg.image_size
+    """The pass of `made`'s pipeline over the stages, by `pool`'s workers (or a pool of its own)."""
+    size = cfg.image_size
     build = bind(
         made,
         stages=stages,
@@ -309,9 +307,8 @@ def val_loader(manifest: Manifest, cfg: LoaderConfig, world: World, pool: Pool |
     stages = _read_stages(bind(worker_urls, urls, world.rank), manifest, "val", cfg, skips, where, names)
     decode = val_decoder(cfg)
     return _loader(
-        stages, decode, cfg, world, where, partial=True, skips=skips, labels=labels_of(manifest), pool=pool,
-        size=cfg.val_crop_size,
-    )  # fmt: skip
+        stages, decode, cfg.validating, world, where, partial=True, skips=skips, labels=labels_of(manifest), pool=pool
+    )
 
 
 class Loaders(Protocol):

@@ -1,5 +1,6 @@
 """The loader's own config: the slice of the run's TrainConfig that the per-rank loader and the
-Ray Data plane read (18 of its fields), built once per epoch by whoever trains (the trainer, the
+Ray Data plane read (20 fields: the crop sizes resolved for the epoch, the rest as TrainConfig has
+them), built once per epoch by whoever trains (the trainer, the
 Lightning DataModule), as torchtitan hands each component its own config. The fields keep
 TrainConfig's names, so `--batch-size` is `batch_size` in both.
 
@@ -61,9 +62,10 @@ class LoaderConfig:
         names = [f.name for f in dataclasses.fields(cls) if f.name not in {"loader_workers", *sizes}]
         return cls(loader_workers=cfg.loader_worker_count, **sizes, **{name: getattr(cfg, name) for name in names})
 
-    def at(self, cfg: TrainConfig, epoch: int) -> LoaderConfig:
-        """This slice in epoch `epoch` of `cfg` (its training crop size: --progressive-resize)."""
-        return dataclasses.replace(self, image_size=cfg.train_size(epoch))
+    @property
+    def validating(self) -> LoaderConfig:
+        """This slice for a validation pass: its images are the val crop's size."""
+        return dataclasses.replace(self, image_size=self.val_crop_size)
 
     @property
     def slots(self) -> int:
