@@ -11,6 +11,7 @@ with its options is in raywds.commands.
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import traceback
@@ -19,13 +20,14 @@ from typing import Any
 from raywds import console
 from raywds.commands import COMMANDS
 from raywds.errors import RaywdsError, one_line
-from raywds.flags import add_flags, values
-from raywds.options import COMMAND_FLAGS, MainOptions
+from raywds.flags import Parser, add_flags, values
+from raywds.options import COMMAND_FLAGS, MainOptions, check_together
 
 
+@functools.cache  # built once a process: parsing leaves it as it was
 def build_parser() -> argparse.ArgumentParser:
     """Every command's flags, each made from a documented dataclass field (raywds.options)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="raywds", description="Train image classifiers from WebDataset shards, on one machine or a Ray cluster."
     )
     add_flags(parser, MainOptions)
@@ -39,9 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def command_options(args: argparse.Namespace) -> list[Any]:
     """The options the parsed command takes, made here once: one typed object per group of its
-    flags (raywds.options.COMMAND_FLAGS), in that order (`cmd_ray(source, training, ray)`)."""
+    flags (raywds.options.COMMAND_FLAGS), in that order (`cmd_ray(source, training, ray)`); each
+    value checked as its field declares, and what they decide together, before any command starts."""
     _, parts = COMMAND_FLAGS[args.command]
-    return [part.build(values(args, part.cls, skip=part.skip, only=part.only)) for part in parts]
+    options = [part.build(values(args, part.cls, skip=part.skip, only=part.only)) for part in parts]
+    check_together(options)
+    return options
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

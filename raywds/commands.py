@@ -248,12 +248,20 @@ def cmd_doctor(options: DoctorOptions) -> None:
     print("\n".join(diagnose(rows[-1] if options.epoch is None else rows[options.epoch - 1])))
 
 
+def _preprocessed(cfg: Any) -> Any:
+    """The config with the starting weights' mean, std and crop ratio where the flags set none,
+    before any rank starts: every rank, and the Ray Data plane's driver, use the same."""
+    from raywds.models.start import weights_preprocessing, with_preprocessing
+
+    return with_preprocessing(cfg, weights_preprocessing(cfg))
+
+
 def cmd_train(source: Source, training: Training) -> None:
     from raywds.launch.local import run_local
     from raywds.train.progress import summary
 
     with _data(source) as data:
-        cfg = source.config_for(data, training)
+        cfg = _preprocessed(source.config_for(data, training))
         start = time.perf_counter()
         metrics, run_dir = run_local(cfg)
     if run_dir is not None:
@@ -274,7 +282,7 @@ def cmd_ray(source: Source, training: Training, ray: RayOptions) -> None:
     multi_node = ray_train.node_count() > 1
     host, advertise = ("0.0.0.0", ray_train.node_ip()) if multi_node else ("127.0.0.1", None)
     with _data(source, serve=ray.serve, host=host, advertise=advertise) as data:
-        cfg = source.config_for(data, training)
+        cfg = _preprocessed(source.config_for(data, training))
         start = time.perf_counter()
         run = ray_train.run(cfg, ray)
     print(

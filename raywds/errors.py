@@ -26,7 +26,7 @@ class ShardMismatch(ShardError):
 
 
 ANOTHER_SHARD = (
-    "it is another shard's bytes or changed after the manifest was made; run `raywds verify` "
+    "it is another shard's bytes or changed after the manifest was made; run `raywds verify` on the run's --data "
     "(or `raywds index` again for shards raywds did not write)"
 )
 """What a shard that disagrees with its manifest entry before it is read (size, first key) means."""

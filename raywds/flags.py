@@ -19,7 +19,7 @@ import types
 import typing
 from typing import Any
 
-from raywds.config import TrainConfig
+from raywds.config import TrainConfig, hints
 
 NOT_FLAGS = ("data",)
 """TrainConfig fields the CLI sets otherwise (`--data` or `--demo`)."""
@@ -42,7 +42,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _value_type(cls: type, field: dataclasses.Field[Any]) -> Any:
     """The field's type without None: a number or a word for `int | Literal[...]`."""
-    hint = typing.get_type_hints(cls)[field.name]
+    hint = hints(cls)[field.name]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         kinds = [a for a in typing.get_args(hint) if a is not type(None)]
         words = [w for a in kinds if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
@@ -61,6 +61,18 @@ def _int_or(words: tuple[str, ...]) -> Any:
         return text if text in words else int(text)
 
     parse.__name__ = "number or " + "|".join(words)  # argparse names it: "invalid number or auto value"
+    return parse
+
+
+def _not_empty(kind: Any) -> Any:
+    """A text flag's parser that refuses '' before `kind` sees it (Path('') would be '.')."""
+
+    def parse(text: str) -> Any:
+        if not text:
+            raise argparse.ArgumentTypeError("'' is empty: give a value")
+        return kind(text)
+
+    parse.__name__ = kind.__name__
     return parse
 
 
@@ -85,9 +97,10 @@ def _has_default(field: dataclasses.Field[Any]) -> bool:
 
 def _help(cls: type, field: dataclasses.Field[Any]) -> str:
     text = field_docs(cls).get(field.name, "")
-    if not _has_default(field) or field.default is None or field.default is False:
-        return text  # None and False say nothing
-    return f"{text} (default {field.default})"
+    said = [str(field.metadata["range"])] if "range" in field.metadata else []
+    if _has_default(field) and field.default is not None and field.default is not False:
+        said.insert(0, f"default {field.default}")  # None and False say nothing
+    return f"{text} ({'; '.join(said)})" if said else text
 
 
 def _options(cls: type, field: dataclasses.Field[Any], with_defaults: bool) -> dict[str, Any]:
@@ -100,6 +113,8 @@ def _options(cls: type, field: dataclasses.Field[Any], with_defaults: bool) -> d
         options.update({"action": "store_true"} if with_defaults else {"action": "store_const", "const": True})
     else:
         parse = how.get("parse") or (str if typing.get_origin(hint) is typing.Literal else hint)
+        if parse is hint and hint not in (int, float):
+            parse = _not_empty(parse)
         options.update(type=parse, action="append" if how.get("append") else "store")
     choices = how.get("choices") or (typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None)
     if choices:
@@ -144,3 +159,11 @@ def values(
 def given(args: argparse.Namespace) -> dict[str, Any]:
     """The TrainConfig fields set by flags (None: not given)."""
     return {f.name: getattr(args, f.name, None) for f in flag_fields()}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusals are one line as raywds's own are (exit code 2):
+    `raywds: error: argument --epochs: invalid int value: 'x' (see raywds train --help)`."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"raywds: error: {message} (see {self.prog} --help)\n")

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from raywds.config import ModeName, S3Endpoint, TrainConfig, check_known, resolve
+from raywds.config import MAX_EPOCHS, ModeName, S3Endpoint, TrainConfig, check_known, check_values, resolve
 from raywds.data.shardoptions import ConvertOptions, IndexOptions
-from raywds.fields import flag
+from raywds.errors import ConfigError
+from raywds.fields import ADDRESS, HOST, PATH, PLACE, SHARDS, TEXT, flag
 from raywds.launch.rayoptions import RayOptions
 from raywds.recipes import RECIPES
 from raywds.serve import BACKENDS, ServerOptions
@@ -34,17 +35,19 @@ class MainOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
-    out: str = f"{DEMO_DIR}/images"
+    out: str = field(default=f"{DEMO_DIR}/images", metadata=flag(form=PATH))
     """Output folder."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ConvertWhere(S3Endpoint):
-    src: str = field(metadata=flag(positional=True))
-    """Folder holding train/<class>/* and val/<class>/*, or one ImageFolder."""
-    out: str = field(metadata=flag(positional=True))
-    """Output folder for the shards, or s3://BUCKET/PREFIX."""
-    staging: str | None = None
+    src: str = field(metadata=flag(positional=True, form=PLACE))
+    """Folder holding train/<class>/* and val/<class>/*, or one ImageFolder; or such a tree under an s3:// or
+    gs:// prefix, or behind an http(s):// directory listing. (Shards already written, as a brace list or a
+    glob, need no converting: give them to --data, or to `raywds index`.)"""
+    out: str = field(metadata=flag(positional=True, form=PLACE))
+    """Output folder for the shards, or an s3:// or gs:// prefix (s3://BUCKET/PREFIX)."""
+    staging: str | None = field(default=None, metadata=flag(form=PATH))
     """With an s3:// OUT: the local folder to convert into first (default: in /tmp)."""
     append: bool = False
     """Add SRC's images to the dataset in OUT as new shards and a new manifest version (existing shards and labels
@@ -52,44 +55,45 @@ class ConvertWhere(S3Endpoint):
     ray: bool = False
     """Write the shards with Ray tasks on every node of the cluster (--address, RAY_ADDRESS, a running `ray start`,
     else a local one): the same shards as without; SRC and OUT must be folders every node sees."""
-    address: str | None = None
+    address: str | None = field(default=None, metadata=flag(form=ADDRESS))
     """With --ray: the Ray cluster's address (default: RAY_ADDRESS, a running `ray start`, else a new local cluster)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyOptions(S3Endpoint):
-    shards: str = field(metadata=flag(positional=True))
-    """Shard folder (with manifest.json), or s3://BUCKET/PREFIX."""
+    shards: str = field(metadata=flag(positional=True, form=PLACE))
+    """Shard folder (with manifest.json), an s3:// or gs:// prefix, or shards as a run's --data names them (a
+    brace list, a glob: checked against the index the run made of them)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class IndexWhere(S3Endpoint):
-    shards: list[str] | None = field(default=None, metadata=flag(positional=True, nargs="*"))
+    shards: list[str] | None = field(default=None, metadata=flag(positional=True, nargs="*", form=SHARDS))
     """Shards as WebDataset names them: brace lists, globs, folders or bucket prefixes, pipe: templates
     (local, http(s)://, s3://, gs://); split into train and val by name (*train*, *val*, *validation*)."""
-    train: list[str] | None = field(default=None, metadata=flag(append=True))
+    train: list[str] | None = field(default=None, metadata=flag(append=True, form=SHARDS))
     """Training shards (instead of SHARDS; repeatable)."""
-    val: list[str] | None = field(default=None, metadata=flag(append=True))
+    val: list[str] | None = field(default=None, metadata=flag(append=True, form=SHARDS))
     """Validation shards (with --train; repeatable)."""
-    out: str | None = None
+    out: str | None = field(default=None, metadata=flag(form=PLACE))
     """Folder or bucket prefix for manifest.json (default: beside the shards, where that is writable)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class AuditOptions(S3Endpoint):
-    audit_dir: Path = field(metadata=flag(positional=True))
+    audit_dir: Path = field(metadata=flag(positional=True, form=PATH))
     """The run's --audit-dir."""
-    data: str
+    data: str = field(metadata=flag(form=SHARDS))
     """The run's --data (its manifest numbers the samples)."""
-    index_cache: str | None = None
+    index_cache: str | None = field(default=None, metadata=flag(form=PATH))
     """The run's --index-cache, where --data named shards without a manifest."""
-    epochs: int | None = None
+    epochs: int | None = field(default=None, metadata=flag(minimum=1, maximum=MAX_EPOCHS))
     """Check the first N epochs (default: every epoch the files hold)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShardsumOptions:
-    names: list[str] | None = field(default=None, metadata=flag(positional=True, nargs="*"))
+    names: list[str] | None = field(default=None, metadata=flag(positional=True, nargs="*", form=TEXT))
     """Shard names; read from stdin when none are given."""
 
 
@@ -98,13 +102,13 @@ class ServeOptions(ServerOptions):
     """A ShardServer's options (raywds.serve.ServerOptions), on every interface at port 8080 unless
     told otherwise, and what `raywds serve` does besides serving."""
 
-    shards: str | None = field(default=None, metadata=flag(positional=True, nargs="?"))
+    shards: str | None = field(default=None, metadata=flag(positional=True, nargs="?", form=PATH))
     """Shard folder (with manifest.json)."""
-    host: str = "0.0.0.0"
+    host: str = field(default="0.0.0.0", metadata=flag(form=HOST))
     """Address to listen on (0.0.0.0: every interface, for multi-node jobs)."""
     local: bool = False
     """Listen on 127.0.0.1 only (single-node jobs)."""
-    port: int = 8080
+    port: int = field(default=8080, metadata=flag(minimum=0, maximum=65_535))
     """Port (0 picks a free one)."""
     stop_all: bool = False
     """Remove every raywds shard-server container and exit."""
@@ -116,27 +120,28 @@ SERVER_ONLY = ("ready_timeout_s", "idle_timeout_s", "num_threads")
 
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
-    data: str | None = None
-    """Shard folder, manifest.json or URL (or give --num-shards and --samples-per-shard)."""
-    num_shards: int | None = None
+    data: str | None = field(default=None, metadata=flag(form=SHARDS))
+    """Shards as --data names them: a folder, manifest.json, a URL, an s3:// or gs:// prefix, a brace list or a
+    glob (or give --num-shards and --samples-per-shard)."""
+    num_shards: int | None = field(default=None, metadata=flag(minimum=1, maximum=10**7))
     """Without --data: this many training shards."""
-    samples_per_shard: int | None = None
+    samples_per_shard: int | None = field(default=None, metadata=flag(minimum=1, maximum=10**9))
     """Without --data: samples in each shard."""
-    last_shard_samples: int | None = None
+    last_shard_samples: int | None = field(default=None, metadata=flag(minimum=1, maximum=10**9))
     """Without --data: samples in the last shard (default: as the others)."""
-    nodes: int = 1
+    nodes: int = field(default=1, metadata=flag(minimum=1, maximum=100_000))
     """Nodes in the job."""
-    gpus_per_node: int = 8
+    gpus_per_node: int = field(default=8, metadata=flag(minimum=1, maximum=1024))
     """Ranks per node."""
-    epoch: int = 0
+    epoch: int = field(default=0, metadata=flag(minimum=0, maximum=MAX_EPOCHS))
     """Which epoch's shuffle to show."""
-    ranks_shown: int = 16
+    ranks_shown: int = field(default=16, metadata=flag(minimum=1, maximum=10**6))
     """Rows of the per-rank table."""
     shuffle_report: bool = False
     """Also measure how well the loader order mixes the data."""
-    classes: int = 1000
+    classes: int = field(default=1000, metadata=flag(minimum=1, maximum=10**7))
     """--shuffle-report without --data: classes in the data."""
-    report_batches: int = 50
+    report_batches: int = field(default=50, metadata=flag(minimum=1, maximum=10**6))
     """--shuffle-report: batches per rank to simulate."""
 
 
@@ -161,33 +166,34 @@ PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(PlanConfig))
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions(S3Endpoint):
-    run_dir: str = field(metadata=flag(positional=True))
+    run_dir: str = field(metadata=flag(positional=True, form=PLACE))
     """A run's folder (the --out of a local run, a Ray run's folder) or s3://… prefix, with metrics.jsonl."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReportOptions(RunOptions):
-    out: str | None = None
+    out: str | None = field(default=None, metadata=flag(form=PATH))
     """PNG path (default RUN_DIR/report.png; NAME-report.png here for an s3:// run)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class DoctorOptions(RunOptions):
-    epoch: int | None = None
+    epoch: int | None = field(default=None, metadata=flag(minimum=1, maximum=MAX_EPOCHS))
     """The epoch to look at, from 1 (default: the last)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Source:
-    data: str | None = field(default=None, metadata=flag(exclusive="source"))
-    """Shard directory, manifest.json, http(s) URL of a shard server, or s3://BUCKET/PREFIX."""
+    data: str | None = field(default=None, metadata=flag(exclusive="source", form=SHARDS))
+    """Shards: a folder, manifest.json, an http(s) URL a shard server serves, an s3:// or gs:// prefix, or
+    WebDataset shards as you name them (brace list, glob, pipe: template), indexed once on first use."""
     demo: bool = field(default=False, metadata=flag(exclusive="source"))
     """Generate, convert and serve the demo data, then train on it."""
     recipe: str | None = field(default=None, metadata=flag(choices=tuple(RECIPES)))
     """Preset values (flags and --config override them)."""
-    config: str | None = None
+    config: str | None = field(default=None, metadata=flag(form=PATH))
     """A .json or .toml file of config fields (overrides the recipe; flags override it)."""
-    demo_dir: str = DEMO_DIR
+    demo_dir: str = field(default=DEMO_DIR, metadata=flag(form=PATH))
     """Where --demo keeps its images and shards."""
     server_backend: str = field(default="auto", metadata=flag(choices=BACKENDS))
     """Shard server for --demo and --serve."""
@@ -232,8 +238,41 @@ class Flags:
         return {"skip": self.skip, "only": self.only, "with_defaults": self.with_defaults, "aliases": self.aliases}
 
     def build(self, values: dict[str, Any]) -> Any:
-        """What the command takes: `into` (or `cls`) of the values of these flags."""
+        """What the command takes: `into` (or `cls`) of the values of these flags, each first
+        checked against its field's declaration (raywds.config.check_values), so that a value out of
+        range is one line before any command starts."""
+        check_values(self.cls, values, flags=True)
         return (self.into or self.cls)(**values)
+
+
+def check_together(options: list[Any]) -> None:
+    """What a command's groups of options decide together, checked before the command starts
+    anything: the training config a Source and the training flags make (the recipe, the --config
+    file and the flags: each value, and the checks across them), and its crops against --model."""
+    source = next((o for o in options if isinstance(o, Source)), None)
+    training = next((o for o in options if isinstance(o, Training)), None)
+    if source is not None and training is not None and (source.data or source.demo):  # else the command says what
+        check_crops(source.config_for(source.data or source.demo_dir, training))
+
+
+def check_crops(cfg: TrainConfig) -> None:
+    """Refuse a training or validation crop too small for --model, saying the smallest it takes
+    (raywds.models.sizes: the model run once on the meta device; an unknown --model is refused too)."""
+    from raywds.models.sizes import smallest_side
+
+    train = "--train-crop-size" if cfg.train_crop_size else "--progressive-resize MIN" if cfg.progression else None
+    for name, side, training in (
+        (train or "--image-size", min(cfg.train_sizes), True),
+        ("--val-crop-size" if cfg.val_crop_size else "--image-size", cfg.val_crop, False),
+    ):
+        batch = min(cfg.batch_size, 2) if training else 1
+        least = smallest_side(cfg.model, side, batch=batch, training=training)
+        if least is not None:
+            where = f"training (a batch of {batch})" if training else "validation"
+            raise ConfigError(
+                f"{name} {side} is too small for --model {cfg.model}: it takes {least} px or more in {where}; "
+                f"give {name} {least} or more"
+            )
 
 
 # None unless given: the recipe and the --config file keep theirs.
@@ -241,7 +280,8 @@ TRAINING = Flags(TrainConfig, with_defaults=False, into=Training.from_flags)
 COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
     "demo": ("write the generated demo ImageNet-layout tree", (Flags(DemoOptions),)),
     "convert": (
-        "ImageNet tree or ImageFolder -> WebDataset shards + manifest.json",
+        "ImageNet tree or ImageFolder (a folder, s3://, gs:// or an http listing) -> WebDataset shards + "
+        "manifest.json, into a folder, s3:// or gs://",
         (Flags(ConvertWhere), Flags(ConvertOptions)),
     ),
     "verify": ("re-read every shard and check it against manifest.json", (Flags(VerifyOptions),)),

@@ -54,6 +54,9 @@ def test_config_file_overrides_the_recipe_and_flags_override_both(tmp_path: Path
         *(f"imagenet-resnet{n}" for n in (18, 34, 50)),
         *(f"imagenet-resnet{n}-v2" for n in (50, 101, 152)),
         "demo",
+        "finetune-resnet50",
+        "finetune-convnext-tiny",
+        "finetune-vit-b16-mae",
     }
 
 
@@ -194,3 +197,36 @@ def test_torchrun_two_processes_without_ray(shards: Path, tmp_path: Path) -> Non
     assert len(SUMMARY.findall(out.stdout)) == 1, "only rank 0 reports"
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["mode"] == "split" and saved["batch_size"] == 8
+
+
+def test_the_fine_tuning_recipes_hold_their_sources_numbers() -> None:
+    """Each against the settings its source publishes (raywds/recipes.py names them): the rate,
+    weight decay, layer decay, epochs, warm-up and batch, and that it starts from the weights."""
+    tutorial = resolve("x", recipe="finetune-resnet50")
+    assert (tutorial.model, tutorial.pretrained, tutorial.optimizer, tutorial.lr) == (
+        "resnet50.IMAGENET1K_V2",
+        True,
+        "sgd",
+        0.001,
+    )
+    assert (tutorial.epochs, tutorial.weight_decay, tutorial.layer_decay) == (25, 0.0, None)
+    convnext = resolve("x", recipe="finetune-convnext-tiny")
+    assert (convnext.model, convnext.optimizer, convnext.lr, convnext.weight_decay) == (
+        "timm/convnext_tiny.fb_in22k",
+        "adamw",
+        5e-5,
+        1e-8,
+    )
+    assert (convnext.layer_decay, convnext.epochs, convnext.global_batch, convnext.warmup_epochs) == (0.8, 30, 512, 0.0)
+    assert (convnext.label_smoothing, convnext.random_erase, convnext.ra_magnitude) == (0.1, 0.25, 9)
+    mae = resolve("x", recipe="finetune-vit-b16-mae")
+    assert mae.lr == 5e-4 * mae.global_batch / 256  # MAE's --blr is per 256 samples  # type: ignore[operator]
+    assert (mae.layer_decay, mae.weight_decay, mae.epochs, mae.warmup_epochs, mae.global_batch) == (
+        0.65,
+        0.05,
+        100,
+        5.0,
+        1024,
+    )
+    assert (mae.mixup_alpha, mae.cutmix_alpha, mae.random_erase, mae.label_smoothing) == (0.8, 1.0, 0.25, 0.1)
+    assert all(resolve("x", recipe=r).pretrained for r in ("finetune-convnext-tiny", "finetune-vit-b16-mae"))

@@ -11,7 +11,13 @@ shards are cut with the dataset's own settings (prefix, seed, --maxcount, --maxs
 restart markers; those given are left aside), shuffled with the seed and the new version, and
 numbered on from each split's last shard. The manifest gains `version` (1 before the first
 append) and an `appended` entry per append: its version, source, listing fingerprint, new
-classes and shards. Appending the same listing twice is refused.
+classes and shards.
+
+An image the dataset holds already is refused, by its bytes: `sources.npz` beside the manifest
+keeps the sha256 of every sample's image file (raywds.data.sources), and each new shard's images,
+hashed as they are read, are looked up there as the shard is done. The first shard that holds
+one stops the append; the images not yet read are hashed to count them all, the new shards are
+removed, and the line names the first few and what they repeat. Nothing is published.
 
 An interrupted append, rerun with the same arguments, keeps the new shards it finished (its own
 fingerprint in OUT's `.raywds-convert.json`, its own journal); until the new manifest replaces the
@@ -23,18 +29,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from raywds.data.convert import (
     Conversion,
     Runner,
+    ShardJob,
     check_options,
     check_outside,
     fingerprint,
     plan_jobs,
     processes,
     publish,
+    same_bytes,
     source_of,
     split_entry,
     write_all,
@@ -44,6 +54,8 @@ from raywds.data.listed import Tree
 from raywds.data.manifest import MANIFEST
 from raywds.data.resume import prepare_append
 from raywds.data.shardoptions import ConvertOptions
+from raywds.data.sources import DIGESTS, Sources, image_digest, stored_paths
+from raywds.data.sources import read as read_sources
 from raywds.errors import DataError
 
 
@@ -77,10 +89,12 @@ def same_settings(options: ConvertOptions, base: dict[str, Any]) -> ConvertOptio
 
 @dataclasses.dataclass(frozen=True)
 class Append:
-    """An append planned: its shards, the manifest they are added to, its version and listing fingerprint."""
+    """An append planned: its shards, the manifest they are added to and the dataset's sources, its
+    version and listing fingerprint."""
 
     conversion: Conversion
     base: dict[str, Any]
+    known: Sources
     version: int
     listing: str
 
@@ -91,23 +105,19 @@ def plan_append(src: Tree, out: Path, options: ConvertOptions) -> Append:
     base, digest = base_manifest(out)
     options = same_settings(options, base)
     check_options(options)
+    known = read_sources(out, base)
     found = scan(src, val_labels=options.val_labels, val_wnids=options.val_wnids, known=list(base["classes"]))
     listing = fingerprint(found, options)
-    earlier = next((a for a in base.get("appended", []) if a["fingerprint"] == listing), None)
-    if earlier is not None:
-        raise DataError(
-            f"these images of {src} were appended to {out} already (version {earlier['version']}); "
-            "append only images that are new"
-        )
     version = base.get("version", 1) + 1
     done = prepare_append(out, hashlib.sha256(f"{listing} {digest}".encode()).hexdigest())
     first = {split: len(info["shards"]) for split, info in base["splits"].items()}
     jobs = plan_jobs(found, out, options, done, first=first, salt=f"-v{version}")
-    return Append(Conversion(src, out, options, found, jobs), base, version, listing)
+    return Append(Conversion(src, out, options, found, jobs), base, known, version, listing)
 
 
-def grown(planned: Append, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The dataset's manifest with the new shards after each split's old ones."""
+def grown(planned: Append, records: dict[str, dict[str, Any]], table: Sources) -> dict[str, Any]:
+    """The dataset's manifest with the new shards after each split's old ones; `table`: the
+    sources of every sample, the new ones last."""
     conversion, base, version, listing = planned.conversion, planned.base, planned.version, planned.listing
     found = conversion.found
     splits = {split: dict(info) for split, info in base["splits"].items()}
@@ -129,6 +139,7 @@ def grown(planned: Append, records: dict[str, dict[str, Any]]) -> dict[str, Any]
         "classes_added": found.added,
         "splits": added,
         "skipped": len(skipped),
+        "same_bytes": same_bytes(table, since=len(planned.known))["count"],
     }
     return {
         **base,
@@ -139,6 +150,8 @@ def grown(planned: Append, records: dict[str, dict[str, Any]]) -> dict[str, Any]
         "version": version,
         "appended": [*base.get("appended", []), entry],
         "kept_from_earlier_run": sum(r["kept"] for r in records.values()),
+        "sources": {**base["sources"], "count": len(table)},
+        "same_bytes": same_bytes(table),
     }
 
 
@@ -146,10 +159,84 @@ def append(src: Tree, out: Path, options: ConvertOptions, *, run: Runner | None 
     """Add the images of `src` to the dataset in `out` (with `run`, else `options.workers`
     processes here); returns the new manifest."""
     planned = plan_append(src, out, options)
-    options = planned.conversion.options
-    manifest = grown(planned, write_all(planned.conversion, run or processes(options.workers)))
-    publish(out, manifest)
+    conversion = planned.conversion
+    checked = Checked(run or processes(conversion.options.workers), planned.known)
+    try:
+        records = write_all(conversion, checked)
+    except Repeats:
+        raise refusal(planned, checked.done) from None
+    table = planned.known + Sources.of(conversion.jobs, records, planned.version)
+    manifest = grown(planned, records, table)
+    publish(out, manifest, table)
     return manifest
+
+
+class Repeats(Exception):
+    """A new shard holds an image the dataset holds already (Checked)."""
+
+
+class Checked:
+    """A Runner that runs `run` and stops it after the first shard holding an image of `known`,
+    raising Repeats; `done` keeps each finished shard's record."""
+
+    def __init__(self, run: Runner, known: Sources):
+        self.run, self.known = run, known
+        self.done: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, jobs: list[ShardJob]) -> Iterator[tuple[ShardJob, dict[str, Any]]]:
+        results = self.run(jobs)
+        try:
+            for job, record in results:
+                self.done[job.path.name] = record
+                yield job, record
+                if any(row is not None for row in self.known.find(_raw(record[DIGESTS]))):
+                    raise Repeats
+        finally:
+            close = getattr(results, "close", None)
+            if close is not None:
+                close()  # the runner cancels the shards not yet under way
+
+
+def _raw(hexes: list[str]) -> Any:
+    import numpy as np
+
+    return np.frombuffer(bytes.fromhex("".join(hexes)), np.uint8).reshape(-1, 32)
+
+
+READERS = 16
+"""Files read at once to hash the images a refused append had not yet read (a bucket's are slow)."""
+
+
+def refusal(planned: Append, done: dict[str, dict[str, Any]]) -> DataError:
+    """The line refusing an append whose images the dataset holds: how many (those not yet read
+    are read now to count them), the first few and what they repeat, what to do. The new shards
+    written are removed; the manifest was never touched."""
+    conversion, known = planned.conversion, planned.known
+    paths: list[str] = []
+    hexes: list[str] = []
+    rest = []
+    for _, job in conversion.jobs:
+        if job.path.name in done:
+            paths += stored_paths(job, done[job.path.name])
+            hexes += done[job.path.name][DIGESTS]
+        else:
+            rest += job.sources
+    with ThreadPoolExecutor(READERS) as pool:
+        hexes += pool.map(lambda source: image_digest(source.path.read_bytes()), rest)
+    paths += [source.relpath for source in rest]
+    old = {s["name"] for info in planned.base["splits"].values() for s in info["shards"]}
+    for _, job in conversion.jobs:
+        if job.path.name not in old:
+            job.path.unlink(missing_ok=True)
+    repeats = sorted((path, row) for path, row in zip(paths, known.find(_raw(hexes))) if row is not None)
+    named = "; ".join(f"{path} is {known.paths[row]} of version {known.versions[row]}" for path, row in repeats[:3])
+    total = sum(len(job.sources) for _, job in conversion.jobs)
+    return DataError(
+        f"{len(repeats)} of the {total} images of {source_of(conversion.src)} {'is' if len(repeats) == 1 else 'are'} "
+        f"in {conversion.out} already, "
+        f"byte for byte: {named}{'; …' if len(repeats) > 3 else ''}; append only images that are new: take "
+        f"{'these' if len(repeats) > 1 else 'it'} out of SRC and run it again (nothing was added)"
+    )
 
 
 def _shards(count: int) -> str:

@@ -42,6 +42,8 @@ from raywds.data.listed import Tree
 from raywds.data.manifest import FORMAT, TIMM_INFO, ShardInfo, write_json_atomic, write_manifest
 from raywds.data.resume import JOURNAL, STATE, Journal, prepare_output, still_good  # noqa: F401 - the names of the files convert writes, for its callers
 from raywds.data.shardoptions import ConvertOptions
+from raywds.data.sources import DIGESTS, Sources, entry, hashed_again, image_digest
+from raywds.data.sources import write as write_sources
 from raywds.data.tarwriter import TAR_END_BYTES, TarWriter, tar_cost
 from raywds.data.verify import check_members, sha256_file
 from raywds.errors import ConfigError, DataError
@@ -150,15 +152,16 @@ class ShardJob:
 def write_shard(job: ShardJob) -> dict[str, Any]:
     """Write one shard (to a temporary name, renamed into place); returns its journal record."""
     if job.done is not None and still_good(job.path, job.done):
-        return {**job.done, "kept": True}
+        return kept(job)
     # A name of this writer's own: a task Ray runs again after its node seemed lost may still be writing.
     tmp = job.path.with_name(f".{job.path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     skipped = []
-    num_samples = 0
+    digests = []  # of the files as read: the same image, whatever restart markers or --max-side make of it
     first_key = ""
     with TarWriter(tmp) as sink:
         for source in job.sources:
             data = source.path.read_bytes()
+            digest = image_digest(data)
             try:
                 data, meta = stored(data, job.options)
             except ValueError as e:
@@ -175,10 +178,11 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
                     "json": json.dumps(meta, sort_keys=True).encode(),
                 },
             )
-            num_samples += 1
+            digests.append(digest)
             first_key = first_key or source.key
     # Read back as a loader would before the manifest promises it (a key with a dot once split
     # samples in two). Only the member headers: the size and hash come from this same file.
+    num_samples = len(digests)
     problems = check_members(tmp, num_samples)
     if problems:
         tmp.unlink()
@@ -189,7 +193,16 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
         )
     info = ShardInfo(job.path.name, num_samples, tmp.stat().st_size, sha256_file(tmp))
     tmp.replace(job.path)
-    return {"shard": info._asdict(), "skipped": skipped, "kept": False, "first_key": first_key}
+    return {"shard": info._asdict(), "skipped": skipped, "kept": False, "first_key": first_key, DIGESTS: digests}
+
+
+def kept(job: ShardJob) -> dict[str, Any]:
+    """The record of a shard an earlier run finished (`job.done`), with its images' digests: read
+    again where a raywds that did not record them wrote it."""
+    record = {**job.done, "kept": True} if job.done is not None else {}
+    if DIGESTS not in record:
+        record[DIGESTS] = hashed_again(job, record)
+    return record
 
 
 def fingerprint(found: Found, options: ConvertOptions) -> str:
@@ -365,7 +378,8 @@ def split_entry(jobs: list[tuple[str, ShardJob]], records: dict[str, dict[str, A
     }
 
 
-def manifest_of(conversion: Conversion, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def manifest_of(conversion: Conversion, records: dict[str, dict[str, Any]], table: Sources) -> dict[str, Any]:
+    """The manifest of a conversion from its shards' records; `table`: its samples' sources."""
     options, found = conversion.options, conversion.found
     return {
         "format": FORMAT,
@@ -383,11 +397,23 @@ def manifest_of(conversion: Conversion, records: dict[str, dict[str, Any]]) -> d
         "ignored": {"count": len(found.ignored), "examples": found.ignored[:20]},
         "empty_classes": found.empty,
         "kept_from_earlier_run": sum(r["kept"] for r in records.values()),
+        "sources": entry(table),
+        "same_bytes": same_bytes(table),
     }
 
 
-def publish(out: Path, manifest: dict[str, Any]) -> None:
-    """`_info.json`, then the manifest (its columns and manifest.json), atomically and last."""
+def same_bytes(table: Sources, since: int = 0) -> dict[str, Any]:
+    """The images from row `since` on that are the bytes of an earlier one of those rows, under
+    another name: each kept as a sample (ImageNet's own train split holds such pairs), and said."""
+    pairs = Sources(table.digests[since:], table.versions[since:], table.paths[since:]).repeats()
+    examples = sorted(sorted([table.paths[since + row], table.paths[since + first]]) for row, first in pairs)
+    return {"count": len(pairs), "examples": examples[:10]}
+
+
+def publish(out: Path, manifest: dict[str, Any], table: Sources) -> None:
+    """`sources.npz` (`table`), `_info.json`, then the manifest (its columns and manifest.json),
+    each atomically, the manifest last."""
+    write_sources(out, table)
     write_json_atomic(out / TIMM_INFO, timm_info(manifest))
     write_manifest(out, manifest)
 
@@ -396,8 +422,10 @@ def convert(src: Tree, out: Path, options: ConvertOptions = DEFAULTS, *, run: Ru
     """Convert the tree at `src` into shards under `out` (with `run`, else `options.workers`
     processes here); returns the manifest it wrote."""
     conversion = plan(src, out, options)
-    manifest = manifest_of(conversion, write_all(conversion, run or processes(options.workers)))
-    publish(out, manifest)
+    records = write_all(conversion, run or processes(options.workers))
+    table = Sources.of(conversion.jobs, records, version=1)
+    manifest = manifest_of(conversion, records, table)
+    publish(out, manifest, table)
     return manifest
 
 
@@ -409,6 +437,13 @@ def summary(manifest: dict[str, Any], where: str) -> list[str]:
     ]
     if manifest["kept_from_earlier_run"]:
         lines.append(f"kept {manifest['kept_from_earlier_run']} finished shards from an earlier run")
+    repeated = manifest.get("same_bytes", {}).get("count", 0)
+    if repeated:
+        pairs = "; ".join(f"{a} = {b}" for a, b in manifest["same_bytes"]["examples"][:3])
+        lines.append(
+            f"{repeated} image{' is' if repeated == 1 else 's are'} the bytes of another under a new name "
+            f"(each kept as a sample): {pairs}"
+        )
     if manifest.get("kept_in_bucket"):
         lines.append(f"the bucket held {manifest['kept_in_bucket']} of these shards already")
     if manifest["ignored"]["count"]:

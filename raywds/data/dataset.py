@@ -151,6 +151,21 @@ def index_of(cfg: TrainConfig) -> bytes | None:
     return path.read_bytes() if path.is_file() else None
 
 
+def cached_index(data: str, s3_endpoint: str | None = None, index_cache: str | None = None) -> Path | None:
+    """The cache folder holding the index made for `--data data` (the shards as a run names them),
+    as it is, not made anew; None where `data` names a manifest's place rather than shards."""
+    if not needs_index(data, None, s3_endpoint):
+        return None
+    folder = _folder(data, None, index_cache, IndexOptions())
+    if not (folder / MANIFEST).is_file():
+        raise DataError(
+            f"{data} names shards that have no manifest, and {cache_dir(index_cache)} holds no index of them "
+            f"(give the run's --data as it was typed, and --index-cache or {CACHE} as the run had them): "
+            f"`raywds index {data}` writes a manifest for them"
+        )
+    return folder
+
+
 def _folder(data: str, val_data: str | None, index_cache: str | None, options: IndexOptions) -> Path:
     """The cache entry of an index: keyed by the shards as named and the options."""
     key = hashlib.sha256(json.dumps(_specs(data, val_data, options), sort_keys=True).encode()).hexdigest()[:20]

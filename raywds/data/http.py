@@ -72,7 +72,7 @@ def size_mismatch(url: str, actual: int, listed: int) -> ShardMismatch:
     """A shard of another size than its manifest entry's: not the shard the manifest lists."""
     return ShardMismatch(
         f"shard {url} is {actual} bytes, its manifest entry {listed}: it changed after the manifest was made; "
-        "run `raywds verify` (or `raywds index` again for shards raywds did not write)"
+        "run `raywds verify` on the run's --data (or `raywds index` again for shards raywds did not write)"
     )
 
 

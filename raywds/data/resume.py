@@ -19,6 +19,7 @@ from typing import Any
 
 from raywds.data.columns import COLUMNS
 from raywds.data.manifest import MANIFEST, TIMM_INFO, write_json_atomic
+from raywds.data.sources import DIGESTS, SOURCES
 from raywds.data.verify import sha256_file
 from raywds.errors import DataError
 
@@ -33,7 +34,7 @@ def still_good(path: Path, done: dict[str, Any]) -> bool:
 
 
 def _ours(out: Path, prefix: str) -> list[Path]:
-    names = [MANIFEST, COLUMNS, TIMM_INFO, STATE, JOURNAL]
+    names = [MANIFEST, COLUMNS, TIMM_INFO, STATE, JOURNAL, SOURCES]
     return [
         p
         for p in out.iterdir()
@@ -98,8 +99,9 @@ class Journal:
         self._file.close()
 
     def add(self, record: dict[str, Any]) -> None:
-        """`record`: the shard's ShardInfo fields under "shard", and the images it skipped."""
+        """`record`: the shard's ShardInfo fields under "shard", the images it skipped, and the
+        sha256 of each image it holds (raywds.data.sources)."""
         self._file.write(
-            json.dumps({k: record[k] for k in ("shard", "skipped", "first_key", "node") if k in record}) + "\n"
+            json.dumps({k: record[k] for k in ("shard", "skipped", "first_key", "node", DIGESTS) if k in record}) + "\n"
         )
         self._file.flush()

@@ -32,7 +32,7 @@ def expand(specs: Iterable[str], s3_endpoint: str | None = None) -> list[str]:
     found: list[str] = []
     for spec in specs:
         before = len(found)
-        for one in braceexpand.braceexpand(spec):
+        for one in _braces(spec):
             kind = scheme(one)
             if kind == PIPE or (not _GLOB.search(one) and one.endswith(SHARD_SUFFIX)):
                 found.append(one)
@@ -47,6 +47,15 @@ def expand(specs: Iterable[str], s3_endpoint: str | None = None) -> list[str]:
 
 class NoShards(DataError):
     """A shard list that names no shard."""
+
+
+def _braces(spec: str) -> Iterable[str]:
+    try:
+        return braceexpand.braceexpand(spec)  # parses the whole spec at once: refuses it here or never
+    except braceexpand.UnbalancedBracesError:
+        raise DataError(
+            f"{spec}: unbalanced braces; close each {{ with }} (e.g. train-{{000000..000099}}.tar)"
+        ) from None
 
 
 def _globbed(pattern: str, kind: str, s3_endpoint: str | None) -> list[str]:
@@ -80,7 +89,10 @@ def folder_glob(pattern: str) -> re.Pattern[str]:
         else:
             out.append(re.escape(pattern[i]))
             i += 1
-    return re.compile("".join(out))
+    try:
+        return re.compile("".join(out))
+    except re.error as e:
+        raise DataError(f"{pattern}: not a glob ({e}); check its [...] sets") from None
 
 
 def split_by_name(urls: Sequence[str]) -> dict[str, list[str]]:

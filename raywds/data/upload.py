@@ -25,10 +25,11 @@ from typing import Any
 
 from raywds.data import gcs, s3, stores
 from raywds.data.columns import COLUMNS
-from raywds.data.convert import ConvertOptions, ShardJob, convert, write_shard
+from raywds.data.convert import ConvertOptions, ShardJob, convert, kept, write_shard
 from raywds.data.http import ReadPolicy
 from raywds.data.listed import Tree
 from raywds.data.manifest import MANIFEST, TIMM_INFO
+from raywds.data.sources import SOURCES
 from raywds.errors import DataError
 
 MULTIPART_BYTES = 64 << 20
@@ -87,7 +88,7 @@ def write_to_bucket(job: ShardJob, url: str, endpoint: str | None = None) -> dic
     bucket = bucket_at(url, endpoint)
     try:
         if job.done is not None and bucket.holds(job.done["shard"]):
-            return {**job.done, "kept": True}
+            return kept(job)
         with tempfile.TemporaryDirectory(prefix="raywds-shard-") as folder:
             here = dataclasses.replace(job, path=Path(folder) / job.path.name, done=None)
             record = write_shard(here)
@@ -102,8 +103,8 @@ def write_to_bucket(job: ShardJob, url: str, endpoint: str | None = None) -> dic
 def publish(folder: Path, url: str, endpoint: str | None = None) -> None:
     """The manifest files the converter wrote in `folder` put under `url`, the manifest last."""
     bucket = bucket_at(url, endpoint)
-    for name in (TIMM_INFO, COLUMNS, MANIFEST):  # as the converter wrote them into the staging folder
-        if (folder / name).is_file():  # (no columns from a conversion staged by an older raywds)
+    for name in (SOURCES, TIMM_INFO, COLUMNS, MANIFEST):  # as the converter wrote them into the staging folder
+        if (folder / name).is_file():  # (no columns or sources from a conversion staged by an older raywds)
             bucket.put_bytes(name, (folder / name).read_bytes())
 
 

@@ -3,6 +3,7 @@
     raywds verify shards/        # exit 1 with a list of problems, 0 if every shard is whole
     raywds verify s3://bucket/imagenet   # the same, each shard read once from the bucket
     raywds verify gs://bucket/imagenet-wds   # shards `raywds index` made a manifest for, wherever they are
+    raywds verify 'https://host/x-{000..127}.tar'   # shards as --data names them: against the index a run made
 
 `convert` runs `check_members` on each shard it writes, before the manifest lists it.
 """
@@ -156,9 +157,15 @@ def _object(url: str, endpoint: str | None) -> Iterator[BinaryIO | None]:
 
 def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, list[str]]:
     """(shards checked, problems) for every shard the manifest at `location` (a folder or an
-    s3:// prefix) lists in `manifest.json`; when they all match, `manifest.npz` is (re)written
-    from the JSON if it is missing or lists other shards (`in_step`)."""
-    manifest = read_manifest(str(location), s3_endpoint=s3_endpoint, use_columns=False)
+    s3:// prefix) lists in `manifest.json`, or for shards named as --data names them (a brace list,
+    a glob, a folder without a manifest) those the index a run made of them in the cache lists;
+    when they all match, `manifest.npz` is (re)written from the JSON if it is missing or lists
+    other shards (`in_step`)."""
+    from raywds.data.dataset import cached_index  # (not imported by convert, which imports this module)
+
+    cached = cached_index(str(location), s3_endpoint)
+    location = str(cached or location)
+    manifest = read_manifest(location, s3_endpoint=s3_endpoint, use_columns=False)
     indexed = manifest.members if manifest.members.drop_incomplete else None
     problems: list[str] = []
     count = 0
@@ -175,7 +182,12 @@ def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, l
             else:
                 problems += check_shard(Path(url), *expected)
             count += 1
-    return count, problems or in_step(str(location), s3_endpoint)
+    if problems and cached is not None:
+        problems.append(
+            f"{cached}: the index of these shards that runs read, made before they changed: remove that folder "
+            "and the next run indexes them again"
+        )
+    return count, problems or in_step(location, s3_endpoint)
 
 
 def _check_any(

@@ -37,8 +37,9 @@ def run_local(cfg: TrainConfig) -> tuple[Metrics, RunDir | None]:
     """Train in this process, or as one rank of a torchrun job; rank 0 returns its run folder."""
     world = World.from_env()
     # Rank 0 holds the run folder, taken before any rank waits on it: a second run into it is refused.
-    with RunLock(cfg.out) if world.is_main else contextlib.nullcontext():
-        return _run(cfg, world)
+    lock = RunLock(cfg.out) if world.is_main else None
+    with lock if lock is not None else contextlib.nullcontext():
+        return _run(cfg, world, lock)
 
 
 def train_in_process(cfg: TrainConfig) -> Metrics:
@@ -47,7 +48,7 @@ def train_in_process(cfg: TrainConfig) -> Metrics:
     return run_local(cfg)[0]
 
 
-def _run(cfg: TrainConfig, world: World) -> tuple[Metrics, RunDir | None]:
+def _run(cfg: TrainConfig, world: World, lock: RunLock | None) -> tuple[Metrics, RunDir | None]:
     if world.distributed:
         backend = "nccl" if world.device.startswith("cuda") else "gloo"
         if world.device.startswith("cuda"):
@@ -55,9 +56,8 @@ def _run(cfg: TrainConfig, world: World) -> tuple[Metrics, RunDir | None]:
         else:  # listen where the other machines' ranks reach this one: the way to torchrun's rendezvous host
             gloo.listen_on(gloo.address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")))
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.pg_timeout))
-    run_dir = RunDir(cfg.out, append=resuming_in_place(cfg)) if world.is_main else None
-    if run_dir is not None:
-        run_dir.write_config(cfg)  # the resolved config
+    # Written from the run's start on (its resolved config first), once nothing can refuse it.
+    run_dir = RunDir(cfg.out, append=resuming_in_place(cfg), lock=lock) if world.is_main else None
     notices = Sigterm(world)  # SIGTERM to any rank: a checkpoint inside the epoch, then a stop
     try:
         return train(cfg, world, run_dir=run_dir, notices=notices), run_dir

@@ -188,7 +188,7 @@ class RayRun:
     """Metrics of every finished epoch whose checkpoint was kept, oldest first."""
 
 
-PATHS = ("data", "val_data", "shards_at", "index_cache", "cache_dir", "audit_dir")
+PATHS = ("data", "val_data", "shards_at", "index_cache", "cache_dir", "audit_dir", "initial_checkpoint")
 """The settings that may name a local path, which Ray's workers resolve in a folder of their own."""
 
 

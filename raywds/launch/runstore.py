@@ -26,28 +26,43 @@ from raywds.runs.lock import RunLock
 
 def open_run_dir(cfg: TrainConfig) -> RunDir | None:
     """Rank 0's run folder: the one the driver made, where this node sees it (local or shared
-    storage), or the run's prefix in a bucket; None for storage it cannot write (gs://…)."""
+    storage), or the run's prefix in a bucket; None for storage it cannot write (gs://…). Rank 0
+    writes raywds-config.json there when the run starts, after its own checks."""
     if s3.is_s3(cfg.out):
         return BucketRunDir(cfg.out, cfg.s3_endpoint)
-    return RunDir(cfg.out, append=True) if Path(cfg.out).is_dir() else None
+    return RunDir(cfg.out, append=True, config=files.RAY_CONFIG) if Path(cfg.out).is_dir() else None
 
 
 @contextlib.contextmanager
 def hold_run_folder(cfg: TrainConfig, local: str | None) -> Iterator[None]:
     """Where the storage is a path (`local`): hold the run's folder while it trains, so a second
-    driver with the same --name is refused, and check that every node sees raywds-config.json there."""
+    driver with the same --name is refused, and check that every node sees the lock file there.
+    The driver writes nothing else there: rank 0 writes raywds-config.json when its run starts
+    (raywds.runs.folder.RunDir.start), and a run refused before that, in the driver or in a
+    worker, leaves the lock file as it was found (raywds.runs.lock)."""
     if local is None:  # a bucket: nothing here can lock it
         if s3.is_s3(cfg.out):  # a wrong key or bucket is one line now, not a failure in every worker
             s3.check_bucket(cfg.out, cfg.s3_endpoint)
-            with tempfile.TemporaryDirectory(prefix="raywds-") as tmp:
-                config_file = RunDir(tmp, append=True).write_config(cfg, files.RAY_CONFIG)
-                s3.put_file(config_file, s3.join(cfg.out, config_file.name), cfg.s3_endpoint)
         yield
         return
-    with RunLock(cfg.out):
-        config_file = RunDir(cfg.out, append=True).write_config(cfg, files.RAY_CONFIG)
-        check_every_node_sees(str(config_file), f"--storage-path {local}")
-        yield
+    with RunLock(cfg.out) as lock:
+        check_every_node_sees(str(lock.file), f"--storage-path {local}")
+        config = Path(cfg.out) / files.RAY_CONFIG
+        before = _stamp(config)
+        try:
+            yield
+        finally:
+            if _stamp(config) != before:  # rank 0 wrote it: the run started
+                lock.start()
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """What changes when `path` is written again (None: no such file)."""
+    try:
+        found = path.stat()
+    except FileNotFoundError:
+        return None
+    return found.st_ino, found.st_size, found.st_mtime_ns
 
 
 def ray_storage(storage: str, endpoint: str | None) -> dict[str, Any]:

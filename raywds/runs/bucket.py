@@ -1,5 +1,6 @@
 """A Ray run's folder in a bucket (`raywds ray --storage-path s3://BUCKET/runs`): rank 0 writes
-metrics.jsonl, best/ and TensorBoard's event files into a local folder, as for any run, and puts
+raywds-config.json (when the run starts), metrics.jsonl, best/ and TensorBoard's event files into
+a local folder, as for any run, and puts
 each file that changed into s3://BUCKET/runs/NAME/ as soon as it is written, beside Ray's own
 checkpoint folders. A restarted or resumed rank 0 first fetches the run's metrics.jsonl and
 best/metrics.json, so rows are added to the run's record and best/ is replaced only by a better
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from raywds.config import TrainConfig
 from raywds.data import s3
 from raywds.errors import DataError
 from raywds.runs import files
@@ -40,8 +42,13 @@ class BucketRunDir(RunDir):
         for name in FETCHED:
             (local / name).parent.mkdir(parents=True, exist_ok=True)
             s3.get_file(s3.join(self.url, name), local / name, endpoint)
-        super().__init__(local, append=True)
+        super().__init__(local, append=True, config=files.RAY_CONFIG)
         self.sent: dict[str, tuple[int, int]] = {}
+
+    def start(self, cfg: TrainConfig | None = None, saved: dict[str, str] | None = None) -> None:
+        super().start(cfg, saved)
+        if cfg is not None:
+            self.push(self.path / files.RAY_CONFIG)
 
     @property
     def name(self) -> str:

@@ -9,6 +9,10 @@ RUN_DIR/tensorboard/    with --tensorboard: the rows' numbers as TensorBoard sca
 RUN_DIR/tracking.json   with --tracking mlflow or wandb: the tracking runs' ids, reused by what continues the run
 RUN_DIR/wandb/          with --tracking wandb: W&B's own files (unless WANDB_DIR says elsewhere)
 RUN_DIR/last-step       the step rank 0 trained last, written at every step
+
+Nothing is written there until the run `start()`s, once every check that can refuse it has passed
+(the data, the plan, the model, the resume checkpoint, the trackers' clients: raywds.train.trainer):
+a refused run leaves the folder as it found it.
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from raywds.config import TrainConfig
-from raywds.runs import files
+from raywds.runs import files, tracking
 from raywds.runs.checkpoint import save_checkpoint
-from raywds.runs.tensorboard import EventWriter
+from raywds.runs.lock import RunLock
+from raywds.runs.tensorboard import EventWriter, summary_writer
 from raywds.runs.tracking import Trackers
 
 log = logging.getLogger(__name__)
@@ -37,26 +42,59 @@ def best_top1(row: Mapping[str, Any]) -> float:
     return max(float(row.get("val_top1", -1.0)), float(row.get("val_top1_ema", -1.0)))
 
 
+def check_trackers(names: Sequence[str]) -> None:
+    """Refuse, before the run starts, a tracker of `names` whose client does not import or whose
+    server does not answer (raywds.runs.tracking.check)."""
+    if "tensorboard" in names:
+        summary_writer()
+    tracking.check(names)
+
+
 class RunDir:
     """`append` keeps the metrics (and TensorBoard event files) of the run being resumed;
-    otherwise metrics.jsonl starts empty."""
+    otherwise metrics.jsonl starts empty, when the run starts. `config`: the name of the resolved
+    config's file; `lock`: the folder's lock, told when the run starts."""
 
-    def __init__(self, path: str | Path, *, append: bool = False):
+    def __init__(
+        self, path: str | Path, *, append: bool = False, config: str = files.CONFIG, lock: RunLock | None = None
+    ):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.path / files.METRICS
         self.checkpoint_path = self.path / files.CHECKPOINT
+        self.config_name, self.lock = config, lock
         self.events: EventWriter | None = None
         self.trackers: Trackers | None = None
-        self.keep_events = append
+        self.keep_events = self.continues = append
+        self.started = False
         self._last_step: int | None = None
         """The open last-step file."""
-        if not append:
+
+    def start(self, cfg: TrainConfig | None = None, saved: dict[str, str] | None = None) -> None:
+        """The first write, once nothing can refuse the run: the folder (made if missing), an empty
+        metrics.jsonl and no last-step unless the run continues here, then the resolved config `cfg`
+        and its trackers (continuing the tracking runs of `saved`, a checkpoint's ids)."""
+        if self.started:
+            return
+        self.started = True
+        if self.lock is not None:
+            self.lock.start()
+        self.path.mkdir(parents=True, exist_ok=True)
+        if not self.continues:
             self.metrics_path.write_text("")
             (self.path / files.LAST_STEP).unlink(missing_ok=True)
+        if cfg is None:
+            return
+        self.write_config(cfg, self.config_name)
+        if cfg.trackers():
+            self.open_tracking(cfg.trackers(), cfg.to_dict(), saved)
+
+    def _written(self) -> None:
+        if not self.started:
+            raise RuntimeError(f"run folder {self.path} written before its run started (RunDir.start)")
 
     def open_tensorboard(self) -> Path:
         """From now on also write each row's numbers as TensorBoard scalars; returns their folder."""
+        self._written()
         if self.events is None:
             self.events = EventWriter(self.path / files.TENSORBOARD, append=self.keep_events)
             self.keep_events = True  # opened again, it adds to this run's event files
@@ -70,6 +108,7 @@ class RunDir:
             self.open_tensorboard()
         others = [name for name in names if name != "tensorboard"]
         if others and self.trackers is None:
+            self._written()
             self.trackers = Trackers.open(others, config, self.path, saved, name=self.name, files=self.tracker_files)
 
     @property
@@ -111,23 +150,28 @@ class RunDir:
         """The step rank 0 has just trained: one small write in place, not synced (a lost node's
         page cache may lose the last few; a killed process's is kept)."""
         if self._last_step is None:
+            self._written()
             self._last_step = os.open(self.path / files.LAST_STEP, os.O_WRONLY | os.O_CREAT, 0o644)
         os.pwrite(self._last_step, f"{step:>20d}\n".encode(), 0)
 
     def last_step(self) -> int | None:
-        """The step rank 0 marked last, in this run or the one it resumes (None: never marked)."""
+        """The step rank 0 marked last, in this run or the one it continues here (None: never marked)."""
+        if not (self.continues or self.started):  # another run's, which start() removes
+            return None
         try:
             return int((self.path / files.LAST_STEP).read_text())
         except (OSError, ValueError):
             return None
 
     def write_config(self, cfg: TrainConfig, name: str = files.CONFIG) -> Path:
+        self._written()
         path = self.path / name
         path.write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
         return path
 
     def append(self, row: Mapping[str, Any]) -> None:
         """One row of metrics.jsonl (and its numbers in TensorBoard, when open)."""
+        self._written()
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.events is not None:
@@ -153,6 +197,7 @@ class RunDir:
         best/metrics.json, so it holds across restarts); True when it did."""
         if "val_top1" not in metrics:
             return False
+        self._written()
         best = self.path / files.BEST
         record = self.path / files.BEST_ROW
         if record.is_file() and best_top1(json.loads(record.read_text())) >= best_top1(metrics):

@@ -18,13 +18,16 @@ from raywds.errors import ConfigError
 from raywds.runs import files
 from raywds.runs.rows import epochs, read_rows
 from raywds.runs.stagetimes import shares
+from raywds.runs.tracking import end_left
 
 
 @contextlib.contextmanager
 def local_copy(run: str, endpoint: str | None = None) -> Iterator[Path]:
     """The run folder `run`, or for an s3:// run (`raywds ray --storage-path s3://…`) a temporary
-    folder named as the run, holding its metrics.jsonl."""
+    folder named as the run, holding its metrics.jsonl. A folder's tracking runs that its run's end
+    could not end (its MLflow server gone) are ended first, where the server answers now."""
     if not s3.is_s3(run):
+        end_left(Path(run))
         yield Path(run)
         return
     with tempfile.TemporaryDirectory(prefix="raywds-report-") as tmp:

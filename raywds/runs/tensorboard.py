@@ -51,6 +51,19 @@ def scalars(row: Mapping[str, Any]) -> Iterator[tuple[str, float, int]]:
                 yield f"epoch/step_time/{part.replace(' ', '_')}/rank{rank}", value, row["epoch"]
 
 
+def summary_writer() -> Any:
+    """torch's SummaryWriter class, or the ConfigError that says how to install it (called before
+    a run starts, so that a run without the package is refused before it writes)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError(
+            f"--tensorboard needs the tensorboard package, which does not import here ({e}): "
+            "pip install 'raywds[tensorboard]', or leave out --tensorboard"
+        ) from None
+    return SummaryWriter
+
+
 class EventWriter:
     """A new event file in `folder`. `append` keeps the event files already there (a resumed or
     restarted run adds its own; TensorBoard reads them together); otherwise they are removed,
@@ -60,18 +73,12 @@ class EventWriter:
     that thread takes no lock but its queue's and its file's, which no worker touches."""
 
     def __init__(self, folder: Path, *, append: bool):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ConfigError(
-                f"--tensorboard needs the tensorboard package, which does not import here ({e}): "
-                "pip install 'raywds[tensorboard]', or leave out --tensorboard"
-            ) from None
+        writer = summary_writer()
         if not append:
             for earlier in folder.glob(f"{EVENT_FILES}*"):
                 earlier.unlink()
         self.folder = folder
-        self.writer = SummaryWriter(str(folder))
+        self.writer = writer(str(folder))
 
     def write(self, row: Mapping[str, Any]) -> None:
         for tag, value, step in scalars(row):

@@ -2,39 +2,50 @@
 each epoch's and in-epoch checkpoint's numbers of metrics.jsonl to MLflow or Weights & Biases,
 one tracking run per training run, through resumes, Ray restarts and elastic resizes.
 
+    check(["mlflow"])                                                  # before the run: refused in a line
     trackers = Trackers.open(["mlflow"], cfg, run_dir, saved_ids)     # raywds.runs.folder does this
     trackers.row(row)                                                  # each metrics.jsonl row
     trackers.note("doctor", verdict)
     lines = trackers.close(best_checkpoint)                            # what was not sent, a line each
+    end_left(run_dir)                                                  # raywds report: what the end could not end
 
 Each tool is configured as it is everywhere else: MLflow by MLFLOW_TRACKING_URI and
 MLFLOW_EXPERIMENT_NAME (default experiment `raywds`), W&B by WANDB_PROJECT (default `raywds`),
-WANDB_MODE (`offline` writes only files), WANDB_DIR (default the run folder) and their own
-credentials. The tracking run's id is kept in RUN_DIR/tracking.json and in each checkpoint, and
-reused by whatever continues the run, so its history is one: every number is logged at step =
-samples seen (W&B: `samples_seen` is every chart's x axis), which a resume continues.
+WANDB_MODE (`offline` writes only files), WANDB_BASE_URL, WANDB_DIR (default the run folder) and
+their own credentials. The tracking run's id is kept in RUN_DIR/tracking.json and in each
+checkpoint, and reused by whatever continues the run, so its history is one: every number is logged
+at step = samples seen (W&B: `samples_seen` is every chart's x axis), which a resume continues.
 
-Nothing here can stop a run: each tool's calls run in a thread of their own (`Sender`), a call
-that fails is tried again (1 s, 2 s, ... up to 30 s apart), and at the run's end the thread has
-CLOSE_WAIT_S more; whatever is still unsent is one line, and metrics.jsonl stays the record.
+A server that does not answer within PROBE_S before the run is refused in one line that names it
+(`check`). Once the run started nothing here can stop it: each tool's calls run in a thread of
+their own (`Sender`), a call that fails is tried again (1 s, 2 s, ... up to 30 s apart; MLflow's own
+retries are off, MLFLOW_CLIENT_ENV), and at the run's end the thread has CLOSE_WAIT_S more if the
+server answers, none if it does not; whatever is still unsent is one line naming the server, and
+metrics.jsonl stays the record. An MLflow run that the end could not end is kept in tracking.json
+(NOT_ENDED) and ended as it should have been by the next raywds that reaches its server for the
+folder: `--resume` continues it, `raywds report` and `raywds doctor` end it (`end_left`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import queue
 import secrets
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from raywds.errors import ConfigError
+from raywds.errors import ConfigError, Terminated
 from raywds.runs import files as files_of_run
 from raywds.runs.rows import kind
+from raywds.runs.sender import CLOSE_WAIT_S, Sender, cause
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +64,14 @@ CHECKPOINT_METRICS = ("samples_seen", "epoch_samples_done")
 START_WAIT_S = 10.0
 """How long a run's start waits for its tracking runs to exist (MLflow makes the id), so that the
 first checkpoint already holds their ids; past it the run goes on and they start in the background."""
-CLOSE_WAIT_S = 15.0
-"""How long the end of a run waits for a tool's unsent calls."""
-RETRY_MAX_S = 30.0
+PROBE_S = 2.0
+"""How long the check before a run, and the run's end, wait for a tracking server to answer."""
+NOT_ENDED = "not_ended"
+"""tracking.json's record of the tracking runs a run's end could not end: {tool: {"run_id", "uri",
+"status", "end_time"}}, what `end_left` or the run that continues them needs."""
+MLFLOW_CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+"""MLflow's client settings while raywds sends, where not set: MLflow's own retries (7, over minutes)
+would hold a Sender, which retries itself and which the run's end wakes."""
 
 
 def numbers(row: Mapping[str, Any]) -> tuple[int, dict[str, float]] | None:
@@ -71,58 +87,26 @@ def numbers(row: Mapping[str, Any]) -> tuple[int, dict[str, float]] | None:
     return int(row["samples_seen"]), {key: float(row[key]) for key in keys if isinstance(row.get(key), int | float)}
 
 
-class Sender:
-    """One thread that makes a tool's calls in order, each until it goes through; `close` gives it
-    CLOSE_WAIT_S more and says what is left."""
+def ending() -> str:
+    """The status of a run that ends its tracking runs now, from the launchers' `finally`: FAILED while
+    an error is on its way out, KILLED for SIGTERM or Ctrl-C, else FINISHED."""
+    e = sys.exc_info()[1]
+    if e is None:
+        return "FINISHED"
+    return "KILLED" if isinstance(e, Terminated | KeyboardInterrupt) else "FAILED"
 
-    def __init__(self, name: str):
-        self.name = name
-        self.calls: queue.Queue[Callable[[], object] | None] = queue.Queue()
-        self.sent = self.unsent = 0
-        self.error = ""
-        self.deadline: float | None = None
-        self.thread = threading.Thread(target=self._run, name=f"raywds-{name}", daemon=True)
-        self.thread.start()
 
-    def put(self, call: Callable[[], object]) -> None:
-        self.calls.put(call)
-
-    def _run(self) -> None:
-        while (call := self.calls.get()) is not None:
-            wait = 1.0
-            while True:
-                try:
-                    call()
-                    self.sent += 1
-                    break
-                except Exception as e:  # noqa: BLE001 - whatever the client raises, training goes on
-                    self.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                    if self.deadline is not None and time.monotonic() + wait > self.deadline:
-                        self.unsent += 1 + self._drop()
-                        return
-                    time.sleep(wait)
-                    wait = min(wait * 2, RETRY_MAX_S)
-
-    def _drop(self) -> int:
-        dropped = 0
-        while self.calls.get() is not None:
-            dropped += 1
-        return dropped
-
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> str | None:
-        """Wait up to `wait_s` for the calls still queued; a line of what was not sent, or None."""
-        self.deadline = time.monotonic() + wait_s
-        self.calls.put(None)
-        self.thread.join(wait_s + 1)
-        left = self.unsent + (self.calls.qsize() if self.thread.is_alive() else 0)
-        if self.thread.is_alive():
-            left += 1  # the call under way
-        if not left:
-            return None
-        return (
-            f"{self.name}: {left} of {self.sent + left} updates were not sent ({self.error or 'no answer'}); "
-            "metrics.jsonl in the run folder holds every number"
-        )
+@contextlib.contextmanager
+def mlflow_client_env() -> Iterator[None]:
+    """MLFLOW_CLIENT_ENV's settings where the environment has none, until the context ends."""
+    ours = {name: value for name, value in MLFLOW_CLIENT_ENV.items() if name not in os.environ}
+    os.environ.update(ours)
+    try:
+        yield
+    finally:
+        for name, value in ours.items():
+            if os.environ.get(name) == value:
+                del os.environ[name]
 
 
 def missing(tool: str, e: ImportError) -> ConfigError:
@@ -138,16 +122,44 @@ def params(config: Mapping[str, Any]) -> dict[str, str]:
 
 
 class Mlflow:
-    """A run in the MLflow tracking server of MLFLOW_TRACKING_URI (or its local ./mlruns)."""
+    """A run in the MLflow tracking server of MLFLOW_TRACKING_URI (or its local store)."""
+
+    title, setting, fixes = "MLflow", "MLFLOW_TRACKING_URI", ("start the server", "fix MLFLOW_TRACKING_URI")
+    """The tool's name, where its server is set, and what a run refused for it can do."""
 
     def __init__(self, run_id: str | None, config: Mapping[str, Any], name: str, sender: Sender):
-        try:
-            from mlflow.tracking import MlflowClient
-        except ImportError as e:
-            raise missing("mlflow", e) from None
-        self.client, self.run_id, self.sender = MlflowClient(), run_id, sender
+        from mlflow.tracking import MlflowClient, get_tracking_uri
+
+        self.uri = str(get_tracking_uri())
+        self.client, self.run_id, self.sender = MlflowClient(self.uri), run_id, sender
         self.started = threading.Event()
         self.sender.put(lambda: self._start(config, name))
+
+    @staticmethod
+    def server() -> str | None:
+        """The tracking server's URL; None for a local store (nothing to reach)."""
+        try:
+            from mlflow.tracking import get_tracking_uri
+        except ImportError as e:
+            raise missing("mlflow", e) from None
+        uri = str(get_tracking_uri())
+        return uri if uri.startswith(("http://", "https://")) else None
+
+    @staticmethod
+    def unanswered(uri: str) -> str | None:
+        """Why the MLflow server at `uri` gives no answer within PROBE_S (one request, no retries);
+        None when it answers, whatever it says (a server without /health answers 404)."""
+        from mlflow.utils.credentials import get_default_host_creds
+        from mlflow.utils.rest_utils import http_request
+
+        try:
+            http_request(  # the server's /health: no store behind it, which may take seconds the first time
+                get_default_host_creds(uri), "/health", "GET",
+                max_retries=0, backoff_factor=0, retry_codes=(), raise_on_status=False, timeout=PROBE_S,
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - whatever keeps the answer away is the answer
+            return cause(e, PROBE_S)
+        return None
 
     def _start(self, config: Mapping[str, Any], name: str) -> None:
         from mlflow.entities import Param
@@ -195,20 +207,74 @@ class Mlflow:
     def saved(self) -> str | None:
         return self.run_id
 
+    def left(self, status: str) -> dict[str, Any] | None:
+        """What tracking.json keeps of this run when the run's end could not end it (None: no run)."""
+        if self.run_id is None:
+            return None
+        return {"run_id": self.run_id, "uri": self.uri, "status": status, "end_time": int(time.time() * 1000)}
+
+    def continues(self, left: Mapping[str, Any] | None) -> bool:
+        """True when this is the run that `left` (a NOT_ENDED entry) says was left running."""
+        return left is not None and left.get("run_id") == self.run_id and left.get("uri") == self.uri
+
+    @staticmethod
+    def end_left(left: Mapping[str, Any]) -> str | None:
+        """End the run of `left` (a NOT_ENDED entry) as it should have ended, if it is still RUNNING;
+        None when done, else why not."""
+        from mlflow.tracking import MlflowClient
+
+        uri, run_id = str(left["uri"]), str(left["run_id"])
+        if uri.startswith(("http://", "https://")) and (why := Mlflow.unanswered(uri)) is not None:
+            return why
+        with mlflow_client_env():
+            try:
+                client = MlflowClient(uri)
+                if client.get_run(run_id).info.status == "RUNNING":
+                    client.set_terminated(run_id, str(left["status"]), left.get("end_time"))
+            except Exception as e:  # noqa: BLE001 - whatever the client raises, the record stays
+                return cause(e)
+        return None
+
 
 class Wandb:
     """A W&B run of project WANDB_PROJECT (WANDB_MODE=offline: files only, `wandb sync` later)."""
 
+    title, setting = "W&B", "WANDB_BASE_URL"
+    fixes = ("start the server", "fix WANDB_BASE_URL", "set WANDB_MODE=offline")
+
     def __init__(self, run_id: str | None, config: Mapping[str, Any], name: str, folder: Path | None, sender: Sender):
-        try:
-            import wandb
-        except ImportError as e:
-            raise missing("wandb", e) from None
+        import wandb
+
         self.wandb, self.sender = wandb, sender
         self.run: Any = None
         self.started = threading.Event()
         self.run_id = run_id or secrets.token_hex(4)  # (W&B's own ids are 8 letters and digits too)
         self.sender.put(lambda: self._start(config, name, folder))
+
+    @staticmethod
+    def server() -> str | None:
+        """W&B's server (its base URL) as W&B resolves it; None in offline or disabled mode."""
+        try:
+            import wandb
+        except ImportError as e:
+            raise missing("wandb", e) from None
+        settings = wandb.Settings()
+        config_dir = Path(os.environ.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser()
+        settings.settings_system = str(config_dir / "settings")  # where `wandb offline` keeps the mode it sets
+        settings.update_from_system_settings()
+        settings.update_from_env_vars(dict(os.environ))
+        return None if settings.mode in ("offline", "dryrun", "disabled") else str(settings.base_url)
+
+    @staticmethod
+    def unanswered(url: str) -> str | None:
+        """Why the W&B server at `url` gives no answer within PROBE_S; None when it answers."""
+        try:
+            with urllib.request.urlopen(url, timeout=PROBE_S):
+                return None
+        except urllib.error.HTTPError:
+            return None  # an answer, whatever it says
+        except (OSError, ValueError) as e:
+            return cause(e, PROBE_S)
 
     def _start(self, config: Mapping[str, Any], name: str, folder: Path | None) -> None:
         where = os.environ.get("WANDB_DIR") or (str(folder) if folder is not None else None)
@@ -241,14 +307,67 @@ class Wandb:
     def saved(self) -> str | None:
         return self.run_id
 
+    def left(self, status: str) -> dict[str, Any] | None:
+        """None: a W&B run that stops sending is marked crashed by W&B itself, and --resume continues it."""
+        return None
+
+
+TOOLS: dict[str, type[Mlflow] | type[Wandb]] = {"mlflow": Mlflow, "wandb": Wandb}
+"""The tools with a client of their own (tensorboard: raywds.runs.tensorboard)."""
+
+
+def check(names: Sequence[str]) -> dict[str, str | None]:
+    """Refuse, before a run starts, a tool of `names` (but tensorboard) whose client does not import
+    or whose server gives no answer within PROBE_S, in one line naming the server; each tool's
+    server (None: nothing to reach)."""
+    servers: dict[str, str | None] = {}
+    for tool in dict.fromkeys(names):
+        if tool == "tensorboard":
+            continue
+        if tool not in TOOLS:
+            raise ConfigError(f"--tracking {tool}: not one of {', '.join(TRACKERS)}")
+        made = TOOLS[tool]
+        server = servers[tool] = made.server()
+        if server is not None and (why := made.unanswered(server)) is not None:
+            raise ConfigError(
+                f"--tracking {tool}: the {made.title} server at {server} ({made.setting}) does not answer "
+                f"({why}): {', '.join(made.fixes)}, or train without --tracking {tool}"
+            )
+    return servers
+
+
+def end_left(folder: Path) -> None:
+    """End the MLflow runs that the run in `folder` left RUNNING (tracking.json's NOT_ENDED) where
+    their server answers now, as they should have ended; a line for each, ended or not."""
+    path = folder / files_of_run.TRACKING
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    left = dict(record.get(NOT_ENDED) or {})
+    for tool, entry in list(left.items()):
+        try:
+            why = Mlflow.end_left(entry)
+        except ImportError as e:
+            why = str(missing("mlflow", e))
+        what = f"the MLflow run {entry['run_id']} at {entry['uri']}"
+        if why is None:
+            log.info(f"tracking: ended {what} as {entry['status']}, which the run's end could not reach")
+            del left[tool]
+        else:
+            log.warning(f"tracking: {what} is still RUNNING ({why}); `raywds report {folder}` ends it once it answers")
+    if left != record.get(NOT_ENDED, {}):
+        record = {k: v for k, v in record.items() if k != NOT_ENDED}
+        path.write_text(json.dumps({**record, **({NOT_ENDED: left} if left else {})}) + "\n")
+
 
 class Trackers:
     """The tools a run sends to (not TensorBoard, which writes files as rows come: raywds.runs.folder)."""
 
-    def __init__(self, tools: dict[str, Any], senders: list[Sender], ids: Path, written: dict[str, str]):
-        self.tools, self.senders, self.ids = tools, senders, ids
+    def __init__(self, tools: dict[str, Any], ids: Path, written: dict[str, Any], left: dict[str, Any]):
+        self.tools, self.ids = tools, ids
         self.written = written
-        """What tracking.json holds now (written only when the ids change)."""
+        """What tracking.json holds now (written only when it changes)."""
+        self.left = left
+        """Its NOT_ENDED record: the tracking runs an end could not end, that this run does not continue."""
+        self.env = contextlib.ExitStack()
 
     @classmethod
     def open(
@@ -264,26 +383,23 @@ class Trackers:
         """Start each of `names` (but tensorboard) for the run in `folder` (tracking runs called
         `name`, default the folder's), continuing the tracking runs of `saved` (a checkpoint's
         ids) or of the folder's tracking.json; W&B keeps its files in `files` (else its default)."""
+        servers = check(names)
         ids_path = folder / files_of_run.TRACKING
         on_disk = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
         known = {**(saved or {}), **on_disk}
         name = name or folder.name
-        tools: dict[str, Any] = {}
-        senders = []
-        for tool in dict.fromkeys(names):
-            if tool == "tensorboard":
-                continue
-            sender = Sender(tool)
-            senders.append(sender)
+        trackers = cls({}, ids_path, on_disk, dict(on_disk.get(NOT_ENDED) or {}))
+        for tool, server in servers.items():
+            sender = Sender(tool, server)
             if tool == "mlflow":
-                tools[tool] = Mlflow(known.get(tool), config, name, sender)
-            elif tool == "wandb":
-                tools[tool] = Wandb(known.get(tool), config, name, files, sender)
+                trackers.env.enter_context(mlflow_client_env())
+                mlflow = trackers.tools[tool] = Mlflow(known.get(tool), config, name, sender)
+                if mlflow.continues(trackers.left.get(tool)):
+                    del trackers.left[tool]  # this run ends it
             else:
-                raise ConfigError(f"--tracking {tool}: not one of {', '.join(TRACKERS)}")
-        trackers = cls(tools, senders, ids_path, on_disk)
+                trackers.tools[tool] = Wandb(known.get(tool), config, name, files, sender)
         deadline = time.monotonic() + START_WAIT_S
-        for tool in tools.values():
+        for tool in trackers.tools.values():
             tool.started.wait(max(0.0, deadline - time.monotonic()))
         trackers.keep_ids()
         return trackers
@@ -293,7 +409,9 @@ class Trackers:
         return {tool: run_id for tool, t in self.tools.items() if (run_id := t.saved()) is not None}
 
     def keep_ids(self) -> None:
-        ids = self.saved()
+        ids: dict[str, Any] = dict(self.saved())
+        if ids and self.left:
+            ids[NOT_ENDED] = dict(self.left)
         if ids and ids != self.written:
             self.ids.write_text(json.dumps(ids) + "\n")
             self.written = ids
@@ -309,12 +427,27 @@ class Trackers:
         for tool in self.tools.values():
             tool.note(key, text)
 
-    def close(self, *, best: Path | None = None, status: str = "FINISHED") -> list[str]:
-        """End each tracking run (with the best checkpoint as an artifact, if given); what was not sent."""
+    def close(self, *, best: Path | None = None, status: str | None = None) -> list[str]:
+        """End each tracking run as `status` (default: as `ending` says), with the best checkpoint as
+        an artifact if given; what was not sent, a line each. A tool whose server does not answer now
+        is not waited for; a run it leaves RUNNING is kept in tracking.json for `end_left`."""
+        status = status or ending()
         for tool in self.tools.values():
             if best is not None and best.is_file():
                 tool.artifact(best)
             tool.end(status)
-        lines = [line for sender in self.senders if (line := sender.close()) is not None]
+        lines = []
+        for name, tool in self.tools.items():
+            server = tool.sender.where
+            why = type(tool).unanswered(server) if server is not None else None
+            line = tool.sender.close(CLOSE_WAIT_S if why is None else 0.0, why)
+            if line is not None and (left := tool.left(status)) is not None:
+                self.left[name] = left
+                line += (
+                    f"; the {type(tool).title} run {left['run_id']} there stays RUNNING until `raywds report "
+                    f"{self.ids.parent}` or --resume of this run reaches the server"
+                )
+            lines += [line] if line is not None else []
         self.keep_ids()
+        self.env.close()
         return lines

@@ -23,7 +23,7 @@ from typing import Any
 
 from raywds.data.manifest import MANIFEST
 from raywds.errors import ServerError
-from raywds.fields import flag
+from raywds.fields import HOST, TEXT, flag
 from raywds.serve import docker, embedded, nginx  # the backends (raywds.serve.docker, not the SDK)
 from raywds.serve.backend import NETWORKS, Spec, Start
 from raywds.serve.net import ANY_HOST, advertised_host, hostport, wait_ready
@@ -42,14 +42,14 @@ class ServerOptions:
 
     backend: str = field(default="auto", metadata=flag(choices=BACKENDS))
     """nginx in Docker, the local nginx, or the embedded Python server; auto tries them in that order."""
-    host: str = "127.0.0.1"
+    host: str = field(default="127.0.0.1", metadata=flag(form=HOST))
     """Address to listen on (0.0.0.0: every interface, for multi-node jobs)."""
-    port: int = 0
+    port: int = field(default=0, metadata=flag(minimum=0, maximum=65_535))
     """Port (0 picks a free one)."""
-    advertise: str | None = None
+    advertise: str | None = field(default=None, metadata=flag(form=HOST))
     """Host name or IP workers should use, put in the server's URL (say, the node IP Ray reports);
     default: this node's IP when listening on every interface, else the address listened on."""
-    image: str = docker.DOCKER_IMAGE
+    image: str = field(default=docker.DOCKER_IMAGE, metadata=flag(form=TEXT))
     """Docker image with nginx."""
     network: str = field(default="host", metadata=flag(choices=tuple(NETWORKS)))
     """Docker: host networking, or publish the port from a bridge network."""

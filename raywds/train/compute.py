@@ -26,8 +26,10 @@ from torch import nn
 from raywds.config import TrainConfig
 from raywds.loader.decodings import Encoded
 
-MEAN_255 = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-STD_255 = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+MEAN_255 = tuple(m * 255 for m in IMAGENET_MEAN)
+STD_255 = tuple(s * 255 for s in IMAGENET_STD)
 COMPILED_CHANNELS_LAST_MIN_PX = 64
 """The smallest crop `auto` compiles channels_last: 64 px ran on an H100, 28 and 32 px failed."""
 
@@ -43,6 +45,9 @@ class Compute:
     dynamic_size: bool = False
     """Mark its height and width dynamic too (with cfg.compile and --progressive-resize): one graph
     for every epoch's crop size, not a compile at each new size."""
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    """--mean (the weights' own, else ImageNet's), on a 0-1 scale."""
+    std: tuple[float, ...] = IMAGENET_STD
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, device: str) -> Compute:
@@ -61,6 +66,8 @@ class Compute:
             layout == "channels_last",
             dynamic_batch=cfg.compile,
             dynamic_size=cfg.compile and cfg.progressive_resize is not None,
+            mean=cfg.normalisation()[0],
+            std=cfg.normalisation()[1],
         )
 
     def model(self, model: nn.Module) -> nn.Module:
@@ -70,8 +77,8 @@ class Compute:
     @functools.cached_property
     def _mean_std(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Made on the device once, not per batch."""
-        mean = torch.tensor(MEAN_255, device=self.device).view(1, 3, 1, 1)
-        return mean, torch.tensor(STD_255, device=self.device).view(1, 3, 1, 1)
+        mean = torch.tensor([m * 255 for m in self.mean], device=self.device).view(1, 3, 1, 1)
+        return mean, torch.tensor([s * 255 for s in self.std], device=self.device).view(1, 3, 1, 1)
 
     def inputs(self, images: torch.Tensor | Encoded, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 NCHW on the host, or JPEG bytes and crops (`--decode device`) -> normalised float on the device."""

@@ -256,7 +256,7 @@ class EpochKeeper:
         epoch, audit = self.current(), self.audit
         epoch.ledger.mark(batch.ids)
         if audit is not None:
-            audit.write(epoch.index, batch.ids)
+            audit.write(epoch.index, batch.ids, self.num_samples)
         epoch.ran += 1
         epoch.samples += len(batch.labels)
         epoch.bad_draws += len(batch.bad_samples)

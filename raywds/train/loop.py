@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raywds.errors import CollectiveError
 from raywds.loader.clock import Spent
 from raywds.loader.stages import BadSample, Batch
+from raywds.models.finetune import Freeze
 from raywds.train.compute import Compute
 from raywds.train.optim import set_lr
 from raywds.train.timing import StepTimer
@@ -127,6 +128,7 @@ def train_epoch(
     pg_timeout: float | None = None,
     accumulate: int = 1,
     mix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    freeze: Freeze | None = None,
 ) -> EpochResult:
     """One pass; `lr(batches done)` sets the rate before each optimizer step, and `after_step(batches
     done, batch, counts so far)` runs after each batch and may stop the epoch by returning True.
@@ -134,8 +136,10 @@ def train_epoch(
     rest. `accumulate`: batches an optimizer step adds the gradients of (--global-batch), each
     but a step's last under DDP's no_sync; a rank's last, short step averages what it has.
     `mix(images, labels, ids)` (--mixup-alpha, --cutmix-alpha: raywds.train.mixup) mixes each batch
-    on the device into soft targets."""
+    on the device into soft targets. `freeze` (--freeze-epochs) trains only the classifier."""
     model.train()
+    if freeze is not None:
+        freeze.hold()
     loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
     r = EpochResult()
     start = time.perf_counter()
@@ -150,7 +154,7 @@ def train_epoch(
                 r.waited(time.perf_counter() - asked, batch)  # time the step waited for the loader
                 if batch is None:
                     break
-                _one_batch(model, batch, optimizer, lr, compute, loss_fn, timer, r, accumulate, total, mix)
+                _one_batch(model, batch, optimizer, lr, compute, loss_fn, timer, r, accumulate, total, mix, freeze)
                 r.seconds = time.perf_counter() - start
                 if after_step is not None and after_step(r.num_steps, batch, r):
                     r.stopped = True
@@ -179,6 +183,7 @@ def _one_batch(
     accumulate: int,
     total: int | None,
     mix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    freeze: Freeze | None = None,
 ) -> None:
     """Forward and backward of one batch into the optimizer step it is part of; the step is taken
     at its last batch, the others under DDP's no_sync."""
@@ -198,6 +203,8 @@ def _one_batch(
     with _no_sync(model, not last):
         (value / in_step if in_step > 1 else value).backward()
     if last:
+        if freeze is not None:
+            freeze.drop_grads()
         optimizer.step()
     marks.append(timer.mark())
     r.add(batch, value.item())  # waits for the device: the marks are done

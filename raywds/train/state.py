@@ -13,6 +13,7 @@ from torch import nn
 
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
+from raywds.models.start import Start, grow_checkpoint
 from raywds.plan.position import check_same_shards, grown, shard_entries
 from raywds.train.epoch import EpochKeeper
 
@@ -57,25 +58,27 @@ def restore(
     optimizer: torch.optim.Optimizer,
     keeper: EpochKeeper,
     ema: nn.Module | None = None,
+    started: Start | None = None,
 ) -> None:
     """Load a checkpoint's weights, optimizer and progress, after checking it was taken on these
-    classes and shards (and, inside an epoch, in this mode). Shards an append added after the
-    checkpoint's are trained on from the next epoch that starts (EpochKeeper.grew)."""
+    classes and shards (and, inside an epoch, in this mode). Classes an append added since (the
+    checkpoint's are the data's first) grow the classifier of `started`'s model (raywds.models.start).
+    Shards an append added after the checkpoint's are trained on from the next epoch that starts
+    (EpochKeeper.grew)."""
     manifest = keeper.manifest
     before = grown(state["shards"], manifest)
     if state["classes"] != manifest.classes:
         saved = state["classes"]
-        if manifest.classes[: len(saved)] == saved:
-            new = len(manifest.classes) - len(saved)
+        if started is None or manifest.classes[: len(saved)] != saved:
             raise ConfigError(
-                f"the data gained {new} class{'es' if new > 1 else ''} since the checkpoint (an append: "
-                f"{', '.join(manifest.classes[len(saved) :][:5])}…), and the checkpoint's model has "
-                f"{len(saved)} outputs: start a new run on the grown data"
+                f"the checkpoint's {len(state['classes'])} classes differ from the data's "
+                f"{len(manifest.classes)}; resume with the same --data"
             )
-        raise ConfigError(
-            f"the checkpoint's {len(state['classes'])} classes differ from the data's "
-            f"{len(manifest.classes)}; resume with the same --data"
-        )
+        fit = grow_checkpoint(state, started, optimizer, manifest.classes)
+        if keeper.world.is_main:
+            new = manifest.classes[len(saved) :]
+            classes = "class" if len(new) == 1 else "classes"
+            log.info(f"the data gained {len(new)} {classes} since the checkpoint ({', '.join(new[:5])}): {fit.line()}")
     if before is None:
         check_same_shards(state["shards"], manifest)
     model.load_state_dict(state["model"])

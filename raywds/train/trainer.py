@@ -21,8 +21,9 @@ from raywds.errors import RaywdsError, Terminated
 from raywds.loader.loader import EpochLoader, Loaders, PerRank
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import BadSample, Batch
+from raywds.models.start import Start, start_model, with_preprocessing
 from raywds.runs.checkpoint import load_checkpoint
-from raywds.runs.folder import Metrics, RunDir
+from raywds.runs.folder import Metrics, RunDir, check_trackers
 from raywds.runs.rows import EpochRow, checkpoint_row
 from raywds.train.autoworkers import Workers
 from raywds.train.compute import Compute
@@ -32,7 +33,6 @@ from raywds.train.epoch import Epoch, EpochKeeper
 from raywds.train.ledger import gathered, per_rank, sum_and_max, tally
 from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.mixup import Mix
-from raywds.train.model import build_model
 from raywds.train.notice import Notice, Notices
 from raywds.train.optim import lr_at, make_optimizer
 from raywds.train.progress import ProgressLog, epoch_line
@@ -67,30 +67,55 @@ class Trainer:
     ):
         torch.manual_seed(cfg.seed)
         self.cfg, self.world, self.run_dir, self.workers = cfg, world, run_dir, Workers(cfg, world)
-        if run_dir is not None and cfg.trackers():  # first: a missing client stops the run before any work
-            run_dir.open_tracking(cfg.trackers(), cfg.to_dict(), resume.get("tracking") if resume else None)
+        if run_dir is not None:  # first: a missing client refuses the run before any work
+            check_trackers(cfg.trackers())
+        self.tracking_ids = resume.get("tracking") if resume else None
+        """The tracking runs a resumed checkpoint sent to, which the run folder's trackers continue."""
         self.loaders: Loaders = loaders if loaders is not None else PerRank()
         self.report = report if report is not None else (run_dir.save if run_dir is not None else None)
         self.keeper = EpochKeeper(cfg, world, manifest if manifest is not None else manifest_of(cfg))
-        self.compute = Compute.for_run(cfg, world.device)
-        self.model = self.compute.model(build_model(cfg.model, len(self.manifest.classes)))
+        self.started = self.start_model(resume)
+        self.compute = Compute.for_run(self.cfg, world.device)
+        self.model = self.compute.model(self.started.model)
         self.wrapped: nn.Module = self.model
         if world.distributed:
             device_ids = [world.local_rank] if world.device.startswith("cuda") else None
             self.wrapped = DistributedDataParallel(self.model, device_ids=device_ids)
         if cfg.compile:
             self.wrapped = torch.compile(self.wrapped)  # type: ignore[assignment]
-        self.optimizer = make_optimizer(self.model, cfg, world)
+        cfg = self.cfg
+        self.optimizer = make_optimizer(self.model, cfg, world, self.started.layer_scales(cfg.layer_decay))
         self.ema = ModelEma.for_run(self.model, cfg, world)
+        if self.ema is not None and self.started.ema is not None:  # the --initial-checkpoint run's average
+            self.ema.load_state_dict(self.started.ema)
+        self.freeze = self.started.freeze() if cfg.freeze_epochs else None
         self.mix = Mix.for_run(cfg, len(self.manifest.classes))
         if resume is not None:
-            restore(resume, self.model, self.optimizer, self.keeper, self.ema)
+            restore(resume, self.model, self.optimizer, self.keeper, self.ema, self.started)
         self.notices = notices
         self.noticed: Notice | None = None
         self.redone = self.steps_redone() if resume is not None else 0
         self.metrics: Metrics = {}
         self.upcoming: tuple[Epoch, EpochLoader] | None = None
         """The next epoch, handed to the loader before this one's validation (`look_ahead`)."""
+
+    def start_model(self, resume: dict[str, Any] | None) -> Start:
+        """The model at step 0 (--pretrained, --initial-checkpoint; random when resuming, whose
+        checkpoint restores it), and the config with the weights' preprocessing where not set."""
+        cfg = self.cfg
+        fresh = resume is None
+        started = start_model(
+            cfg.model,
+            self.manifest.classes,
+            pretrained=cfg.pretrained and fresh,
+            initial_checkpoint=cfg.initial_checkpoint if fresh else None,
+            s3_endpoint=cfg.s3_endpoint,
+        )
+        self.cfg = self.workers.asked = with_preprocessing(cfg, started.preprocessing)
+        if self.world.is_main:
+            for line in started.lines():
+                log.info(line)
+        return started
 
     @property
     def manifest(self) -> Manifest:
@@ -101,12 +126,22 @@ class Trainer:
     def fit(self) -> Metrics:
         """Train until cfg.epochs or cfg.max_steps; returns the last metrics (the same on every rank)."""
         try:
+            self.start_run()
             while self.keeper.progress.epoch < self.cfg.epochs:
                 if self.run_epoch(self.keeper.progress.epoch):
                     break
         finally:
             self.loaders.close()
         return self.metrics
+
+    def start_run(self) -> None:
+        """Plan the first epoch and hand it to the loader, then start the run folder: the data, the
+        model, the resume checkpoint and the plan are in hand, so a run refused by any of them has
+        written nothing into --out (raywds.runs.folder)."""
+        if self.keeper.progress.epoch < self.cfg.epochs:
+            self.upcoming = self.begin(self.keeper.progress.epoch)
+        if self.run_dir is not None:
+            self.run_dir.start(self.workers.asked, self.tracking_ids)
 
     def begin(self, index: int) -> tuple[Epoch, EpochLoader]:
         """Plan epoch `index` and hand it to the loader (its workers start making its batches)."""
@@ -165,6 +200,7 @@ class Trainer:
                 pg_timeout=cfg.pg_timeout,
                 accumulate=epoch.accumulate,
                 mix=functools.partial(self.mix, epoch=index) if self.mix is not None else None,
+                freeze=self.freeze if index < cfg.freeze_epochs else None,
             )
         finally:
             progress.close()
@@ -295,7 +331,10 @@ class Trainer:
             self.report(metrics, self.state() if self.world.is_main else None)
 
     def state(self) -> dict[str, Any]:
-        return checkpoint_state(self.model, self.optimizer, self.keeper, self.workers.asked, self.ema)
+        return {
+            **checkpoint_state(self.model, self.optimizer, self.keeper, self.workers.asked, self.ema),
+            "weights": self.started.record(),
+        }
 
 
 def train(

@@ -1,11 +1,14 @@
 """`raywds convert NEWSRC OUT --append`: new shards and a new manifest version; the old shards, their
-labels and their bytes unchanged; an interrupted append resumes; the same images twice, an
-ambiguous class folder and a folder without a dataset are one line each; a split epoch over the
-union trains every sample once."""
+labels and their bytes unchanged; an interrupted append resumes; an image the dataset holds already
+(the same folder again after another append, the tree it was converted from, one photo copied into
+another class) is refused by its bytes, whatever came between; an ambiguous class folder and a
+folder without a dataset are one line each; a split epoch over the union trains every sample once,
+and `raywds audit` checks the epochs before the append against the data as it was."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 from collections import Counter
@@ -13,7 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from PIL import Image
 from support.data import epoch_keys, tar_keys
 from support.runs import small_config
 
@@ -32,19 +37,29 @@ def digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.tar"))}
 
 
+def fresh_jpeg(seed: int) -> bytes:
+    """A 32 x 32 JPEG of noise that no other seed gives: an image no dataset here holds."""
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def fresh_images(out: Path, counts: dict[str, int], seed: int) -> Path:
+    """`counts[SPLIT/CLASS]` new images in each such folder of `out`, none of them the bytes of another."""
+    for i, (folder, count) in enumerate(counts.items()):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+        for k in range(count):
+            (out / folder / f"{folder.rsplit('/', 1)[-1]}_{seed}_{k}.JPEG").write_bytes(
+                fresh_jpeg(seed * 1000 + i * 100 + k)
+            )
+    return out
+
+
 def new_images(tree: Path, out: Path) -> Path:
     """12 new images of an existing class (n90000001), 10 train and 4 val of a new class `aaa`,
-    which sorts before every class there: copies of the tree's own, under new names."""
-    for i, source in enumerate(sorted((tree / "train" / "n90000002").glob("*.JPEG"))[:12]):
-        (out / "train" / "n90000001").mkdir(parents=True, exist_ok=True)
-        shutil.copy(source, out / "train" / "n90000001" / f"more_{i}.JPEG")
-        if i < 10:
-            (out / "train" / "aaa").mkdir(parents=True, exist_ok=True)
-            shutil.copy(source, out / "train" / "aaa" / f"aaa_{i}.JPEG")
-    for i, source in enumerate(sorted((tree / "val" / "n90000003").glob("*.JPEG"))[:4]):
-        (out / "val" / "aaa").mkdir(parents=True, exist_ok=True)
-        shutil.copy(source, out / "val" / "aaa" / f"aaa_val_{i}.JPEG")
-    return out
+    which sorts before every class there."""
+    return fresh_images(out, {"train/n90000001": 12, "train/aaa": 10, "val/aaa": 4}, seed=1)
 
 
 @pytest.fixture
@@ -98,13 +113,96 @@ def test_an_append_adds_shards_and_a_version_and_changes_no_old_byte_or_label(
     assert read_manifest(str(dataset)).num_samples("train") == 142  # the columns are the new version's too
 
 
-def test_the_same_images_twice_a_missing_dataset_and_an_ambiguous_class_are_one_line(
+def state(folder: Path) -> tuple[bytes, list[str]]:
+    """What a refused append must leave as it was: the manifest, and which shards there are."""
+    return (folder / "manifest.json").read_bytes(), sorted(p.name for p in folder.glob("*.tar"))
+
+
+def test_an_image_the_dataset_holds_is_refused_by_its_bytes_whatever_came_between(
     tree: Path, dataset: Path, tmp_path: Path
 ) -> None:
+    """The same folder again after an append that added a class (its listing's fingerprint changed
+    with the class list); the very tree the dataset was converted from; one photo of it copied into
+    another class folder among new ones: each refused, naming what it repeats, nothing written. A
+    folder of new images is taken before and after them."""
+    first = fresh_images(tmp_path / "first", {"train/n90000001": 5}, seed=3)
+    append(first, dataset, OPTIONS)
+    append(fresh_images(tmp_path / "second", {"train/bbb": 4}, seed=4), dataset, OPTIONS)  # a new class
+    before = state(dataset)
+    with pytest.raises(DataError) as again:
+        append(first, dataset, OPTIONS)
+    named = "; ".join(
+        f"train/n90000001/n90000001_3_{k}.JPEG is train/n90000001/n90000001_3_{k}.JPEG of version 2" for k in range(3)
+    )
+    assert str(again.value) == (
+        f"5 of the 5 images of {first} are in {dataset} already, byte for byte: {named}; …; "
+        "append only images that are new: take these out of SRC and run it again (nothing was added)"
+    )
+    assert state(dataset) == before
+
+    with pytest.raises(
+        DataError,
+        match=rf"^170 of the 170 images of {tree} are in {dataset} already, byte for byte: "
+        r"train/n90000001/n90000001_00000\.JPEG is train/n90000001/n90000001_00000\.JPEG of version 1; ",
+    ):
+        append(tree, dataset, OPTIONS)
+    assert state(dataset) == before
+
+    moved = fresh_images(tmp_path / "moved", {"train/n90000002": 3}, seed=5)
+    photo = sorted((tree / "train" / "n90000001").glob("*.JPEG"))[4]
+    shutil.copy(photo, moved / "train" / "n90000002" / "copied.JPEG")
+    with pytest.raises(DataError) as copied:
+        append(moved, dataset, OPTIONS)
+    assert str(copied.value) == (
+        f"1 of the 4 images of {moved} is in {dataset} already, byte for byte: train/n90000002/copied.JPEG is "
+        f"train/n90000001/{photo.name} of version 1; append only images that are new: take it out of SRC and run "
+        "it again (nothing was added)"
+    )
+    assert state(dataset) == before
+
+    manifest = append(fresh_images(tmp_path / "new", {"train/n90000002": 3, "val/bbb": 2}, seed=6), dataset, OPTIONS)
+    assert manifest["version"] == 4 and manifest["sources"]["count"] == 170 + 5 + 4 + 5
+    with pytest.raises(DataError, match=r"^170 of the 170 images of .* of version 1; "):
+        append(tree, dataset, OPTIONS)
+    assert verify(str(dataset)) == (len(list(dataset.glob("*.tar"))), [])
+
+
+def test_the_same_bytes_twice_within_one_conversion_are_both_kept_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ImageNet's own train split holds a photo under two names: a conversion or an append keeps
+    both, each a sample, and says so; only an image the dataset held before is refused."""
+    src = fresh_images(tmp_path / "src", {"train/a": 3, "train/b": 3}, seed=7)
+    shutil.copy(src / "train/a/a_7_0.JPEG", src / "train/b/again.JPEG")
+    out = tmp_path / "shards"
+    assert main(["convert", str(src), str(out), "--maxcount", "4"]) == 0
+    said = "1 image is the bytes of another under a new name (each kept as a sample): "
+    assert said + "train/a/a_7_0.JPEG = train/b/again.JPEG" in capsys.readouterr().out.splitlines()
+    more = fresh_images(tmp_path / "more", {"train/a": 2}, seed=8)
+    shutil.copy(more / "train/a/a_8_1.JPEG", more / "train/a/twice.JPEG")
+    assert main(["convert", str(more), str(out), "--append"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["num_samples"] == 7 + 3 and manifest["appended"][-1]["same_bytes"] == 1
+    assert manifest["same_bytes"]["count"] == 2
+
+
+def test_a_dataset_converted_before_raywds_kept_image_hashes_says_how_to_go_on(
+    tree: Path, dataset: Path, tmp_path: Path
+) -> None:
+    old = json.loads((dataset / "manifest.json").read_text())
+    del old["sources"]
+    (dataset / "manifest.json").write_text(json.dumps(old))
+    (dataset / "sources.npz").unlink()
+    with pytest.raises(
+        DataError,
+        match=r"manifest.json keeps no sha256 of its images \(a raywds before sources.npz "
+        r"wrote it\), so an append cannot tell which images it holds already: convert its source again",
+    ):
+        append(new_images(tree, tmp_path / "more"), dataset, OPTIONS)
+
+
+def test_a_missing_dataset_and_an_ambiguous_class_are_one_line(tree: Path, tmp_path: Path) -> None:
     more = new_images(tree, tmp_path / "more")
-    append(more, dataset, OPTIONS)
-    with pytest.raises(DataError, match=r"were appended to .* already \(version 2\)"):
-        append(more, dataset, OPTIONS)
     with pytest.raises(DataError, match=r"holds no manifest.json: convert the first images into it without --append"):
         append(more, tmp_path / "nothing-here", OPTIONS)
     two = tmp_path / "two-cases"
@@ -172,10 +270,11 @@ def test_a_split_epoch_over_the_grown_dataset_trains_every_sample_once(
 
 
 def test_a_run_resumed_across_an_append_finishes_its_epoch_on_the_old_shards_then_trains_on_all(
-    tree: Path, dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tree: Path, dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Stopped inside epoch 1, the data grows (new images of the classes there), the run resumes:
-    epoch 1 ends exactly on the 120 samples it began with, epoch 2 trains on all 132, each once."""
+    epoch 1 ends exactly on the 120 samples it began with, epoch 2 trains on all 132, each once;
+    `raywds audit` checks epoch 1 against the 120 and says an append came after it."""
     import dataclasses
     import logging
 
@@ -185,11 +284,7 @@ def test_a_run_resumed_across_an_append_finishes_its_epoch_on_the_old_shards_the
     audit, run = tmp_path / "audit", tmp_path / "run"
     cfg = small_config(dataset, mode="split", epochs=2, max_steps=3, audit_dir=str(audit), out=str(run))
     run_local(cfg)
-    more = tmp_path / "more" / "train" / "n90000004"
-    more.mkdir(parents=True)
-    for i, source in enumerate(sorted((tree / "train" / "n90000005").glob("*.JPEG"))):
-        more.joinpath(f"again_{i}.JPEG").write_bytes(source.read_bytes())
-    append(tmp_path / "more", dataset, OPTIONS)
+    append(fresh_images(tmp_path / "more", {"train/n90000004": 12}, seed=2), dataset, OPTIONS)
     with caplog.at_level(logging.INFO, logger="raywds"):
         run_local(dataclasses.replace(cfg, max_steps=None, resume=str(run)))
     said = "the data grew since the checkpoint (an append): 12 training samples in 1 new shard; "
@@ -202,6 +297,13 @@ def test_a_run_resumed_across_an_append_finishes_its_epoch_on_the_old_shards_the
     ]
     assert epoch_keys(audit, 0, dataset) == old_keys
     assert epoch_keys(audit, 1, dataset) == Counter(tar_keys(dataset)) and sum(old_keys.values()) == 120
+    capsys.readouterr()
+    assert main(["audit", str(audit), "--data", str(dataset)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "epoch 1: 120 samples, each once (before an append added 12 samples)",
+        "epoch 2: 132 samples, each once",
+        f"raywds: 2 epochs in {audit}: every sample exactly once in each",
+    ]
 
 
 def test_a_resume_across_an_append_of_new_classes_is_one_line(tree: Path, dataset: Path, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import uuid
@@ -12,6 +13,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from support.data import epoch_keys, tar_keys
 from support.mlflowserver import MlflowServer
 from support.runs import assert_charts_hold, small_config
@@ -20,6 +23,7 @@ from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.launch.rayoptions import RayOptions, worker_count
 from raywds.runs import files
+from raywds.train.model import DemoNet
 
 
 @pytest.fixture
@@ -213,9 +217,14 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
         monkeypatch.setenv(name, value)
 
     audit = tmp_path / "audit"
+    # The first run fine-tunes from a weights file named relative to the driver's folder.
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(5)
+    save_file(DemoNet(10).state_dict(), "start.safetensors")
     cfg = split_config(
         f"{uneven}/uneven-train-{{000000..000008}}.tar",
         audit,
+        initial_checkpoint="start.safetensors",
         val_data=f"{uneven}/imagenet-val-*.tar",
         index_cache=str(tmp_path / "index"),
         epochs=3,
@@ -228,6 +237,9 @@ def test_a_stopped_ray_run_resumes_mid_epoch_without_repeats_and_keeps_its_recor
     assert first.plan == ray_train.WorkerPlan(2, use_gpu=False)
     assert first.metrics["inside_epoch"] and first.metrics["step"] == 3 and first.checkpoint is not None
     assert sum(epoch_keys(audit, 0, uneven).values()) == 2 * 3 * 8
+    started = torch.load(Path(first.checkpoint) / files.CHECKPOINT, weights_only=True)["weights"]
+    digest = hashlib.sha256((tmp_path / "start.safetensors").read_bytes()).hexdigest()
+    assert (started["source"], started["sha256"]) == (f"file {tmp_path / 'start.safetensors'}", digest)
 
     second = ray_train.run(
         dataclasses.replace(cfg, max_steps=None, resume=first.checkpoint),

@@ -27,8 +27,9 @@ RAYWDS = [sys.executable, "-m", "raywds"]
 
 def same_dataset(here: Path, there: Path) -> None:
     """The same shards, byte for byte, and the same manifest but for where the images came from
-    (and how many shards an earlier run had finished)."""
+    (and how many shards an earlier run had finished); the same sha256 of each sample's image file."""
     assert sorted(p.name for p in there.glob("*.tar")) == sorted(p.name for p in here.glob("*.tar"))
+    assert (there / "sources.npz").read_bytes() == (here / "sources.npz").read_bytes()
     for shard in here.glob("*.tar"):
         assert (there / shard.name).read_bytes() == shard.read_bytes(), f"{shard.name} differs"
     ours, theirs = (json.loads((d / "manifest.json").read_text()) for d in (here, there))
@@ -54,10 +55,15 @@ def test_ray_tasks_write_the_local_converters_shards_and_append_as_it_does(
     more = tmp_path / "more" / "train" / "n90000004"
     more.mkdir(parents=True)
     for i, source in enumerate(sorted((tree / "train" / "n90000005").glob("*.JPEG"))):
-        more.joinpath(f"again_{i}.JPEG").write_bytes(source.read_bytes())
+        more.joinpath(f"again_{i}.JPEG").write_bytes(source.read_bytes() + b"new")  # new bytes: an append refuses old
     append(tmp_path / "more", here, ConvertOptions())
     assert main(["convert", str(tmp_path / "more"), str(there), "--ray", "--append"]) == 0
     assert "appended 12 train samples in 2 new shards as version 2" in capsys.readouterr().out
+    same_dataset(here, there)
+    assert main(["convert", str(tmp_path / "more"), str(there), "--ray", "--append"]) == 1
+    assert (
+        f"raywds: error: 12 of the 12 images of {tmp_path / 'more'} are in {there} already" in capsys.readouterr().err
+    )
     same_dataset(here, there)
 
 

@@ -36,6 +36,7 @@ def state(value: float) -> dict:
 def test_each_row_and_a_better_best_are_in_the_bucket_at_once_and_a_restart_adds_to_them(s3: S3Server) -> None:
     url = s3.url("runs/r1")
     first = BucketRunDir(url)
+    first.start()
     first.record({"epoch": 1, "train_loss": 2.0, "val_top1": 0.5}, state(1.0))
     assert rows(s3, "runs/r1/metrics.jsonl") == [{"epoch": 1, "train_loss": 2.0, "val_top1": 0.5}]
     first.append({"kind": "progress", "step": 7, "loss": 1.5})
@@ -45,6 +46,7 @@ def test_each_row_and_a_better_best_are_in_the_bucket_at_once_and_a_restart_adds
     assert not local.exists(), "the local copy is removed"
 
     restarted = BucketRunDir(url)  # a new process after a failure: what the bucket holds comes first
+    restarted.start()
     restarted.record({"epoch": 2, "train_loss": 1.0, "val_top1": 0.25}, state(2.0))
     assert rows(s3, "runs/r1/best/metrics.json")[0]["epoch"] == 1, "a worse top-1 than the bucket's best/ keeps it"
     restarted.record({"epoch": 3, "train_loss": 0.5, "val_top1": 0.75}, state(3.0))
@@ -59,6 +61,7 @@ def test_a_row_the_store_refuses_is_a_warning_and_goes_up_with_the_next(
     s3: S3Server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = BucketRunDir(s3.url("runs/r2"))
+    run.start()
     secret = s3.env()["AWS_SECRET_ACCESS_KEY"]
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     with caplog.at_level(logging.WARNING):

@@ -73,3 +73,36 @@ def test_what_an_attempt_trained_after_the_checkpoint_its_successor_resumed_from
     for f in files:
         (tmp_path / f).write_bytes(b"")
     assert sorted(p.name for p in kept(tmp_path)[0]) == sorted(files[:2] + files[3:])
+
+
+def test_an_epoch_before_an_append_is_checked_against_the_data_as_it_was(
+    uneven: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The audit files say how many samples each epoch's plan covered: an epoch on the first 38
+    (the first 3 shards, before an append added the other 82) is exact on those and says so; the
+    next, on all 120, is checked against all; a size no first shards add up to is one line."""
+
+    def epoch(index: int, of: int, ids: range) -> None:
+        name = f"epoch{index:04d}-rank00000-from0000000-attempt1-at0000000-of{of:07d}-pid1.ids"
+        np.array(list(ids), dtype="<i8").tofile(tmp_path / name)
+
+    epoch(0, 38, range(38))
+    epoch(1, 120, range(120))
+    assert main(["audit", str(tmp_path), "--data", str(uneven)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "epoch 1: 38 samples, each once (before an append added 82 samples)",
+        "epoch 2: 120 samples, each once",
+        f"raywds: 2 epochs in {tmp_path}: every sample exactly once in each",
+    ]
+    epoch(2, 38, range(37))
+    assert main(["audit", str(tmp_path), "--data", str(uneven)]) == 1
+    assert capsys.readouterr().out.splitlines()[2] == (
+        "epoch 3: 0 repeated, 1 missing; first, sample 6 of uneven-train-000002.tar (id 37) was trained on 0 times "
+        "(before an append added 82 samples)"
+    )
+    epoch(3, 39, range(39))
+    assert main(["audit", str(tmp_path), "--data", str(uneven)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "raywds: error: epoch 4 trained over a training split of 39 samples, and no first shards of this one "
+        "(120 samples) hold that many: audit with the run's own --data"
+    )

@@ -119,7 +119,8 @@ def test_a_converted_shard_overwritten_by_a_shard_of_another_size_stops_at_open(
     size = (data / victim).stat().st_size
     assert failed_run(data, tmp_path, capfd) == (
         f"raywds: error: shard {data / victim} is {size} bytes, its manifest entry 71680: it changed after the "
-        "manifest was made; run `raywds verify` (or `raywds index` again for shards raywds did not write)"
+        "manifest was made; run `raywds verify` on the run's --data (or `raywds index` again for shards raywds "
+        "did not write)"
     )
 
 
@@ -149,7 +150,7 @@ def test_an_indexed_shard_overwritten_by_one_of_the_same_size_fails_its_first_ke
     assert failed_run(data, tmp_path, capfd) == (
         f"raywds: error: shard {data / 'train-0000.tar'}: its first sample is sample000012, its manifest entry's "
         "sample000000: it is another shard's bytes or changed after the manifest was made; run `raywds verify` "
-        "(or `raywds index` again for shards raywds did not write)"
+        "on the run's --data (or `raywds index` again for shards raywds did not write)"
     )
 
 

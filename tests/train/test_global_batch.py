@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 from support.runs import small_config
 from torch import nn
 
-import raywds.train.trainer
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.launch.ray_train import check_global_batch
+from raywds.models import sources
 from raywds.runs.folder import RunDir
 from raywds.runs.rows import read_rows
 from raywds.train.trainer import train
@@ -28,13 +28,34 @@ from raywds.world import World
 FORKSERVER = "forkserver"
 
 
-def plain_net(name: str, num_classes: int) -> nn.Module:
+def plain_net(num_classes: int) -> nn.Module:
     """A small network without BatchNorm: the mean gradient over 16 samples is then exactly the
     mean of two means over 8, whatever the batches' statistics."""
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes)
     )
+
+
+class Plain(sources.ModelSource):
+    """`--model plain`: `plain_net`, one more source in raywds's table."""
+
+    name = "plain"
+
+    def claims(self, text: str) -> bool:
+        return text == "plain"
+
+    def parse(self, text: str) -> sources.ModelName:
+        return sources.ModelName(self, "plain")
+
+    def names(self) -> list[str]:
+        return ["plain"]
+
+    def build(self, name: sources.ModelName, num_classes: int) -> nn.Module:
+        return plain_net(num_classes)
+
+    def has_weights(self, name: sources.ModelName) -> bool:
+        return False
 
 
 def losses(rows: list[dict]) -> list[float]:
@@ -46,8 +67,8 @@ def test_two_batches_a_step_train_as_one_batch_of_both(
 ) -> None:
     """One rank: --batch-size 16 against --batch-size 8 --global-batch 16, the same sample stream:
     the same steps, the same losses (float rounding apart)."""
-    monkeypatch.setattr(raywds.train.trainer, "build_model", plain_net)
-    base = small_config(shards, mode="split", epochs=2, log_every=0.0, worker_shuffle_buffer=0)
+    monkeypatch.setattr(sources, "SOURCES", {"plain": Plain(), **sources.SOURCES})  # a model source of the test's
+    base = small_config(shards, model="plain", mode="split", epochs=2, log_every=0.0, worker_shuffle_buffer=0)
     runs = {}
     for name, cfg in {
         "one batch": dataclasses.replace(base, batch_size=16),

@@ -132,7 +132,7 @@ def test_learning_rate_warms_up_then_decays_to_zero() -> None:
 def test_models_by_name() -> None:
     model = build_model("resnet18", 7)
     assert model(torch.zeros(1, 3, 64, 64)).shape == (1, 7)
-    with pytest.raises(ConfigError, match="unknown model 'resnet7'; use `demo` or a torchvision model"):
+    with pytest.raises(ConfigError, match="unknown model 'resnet7'; did you mean resnet50 or resnet34 or resnet18"):
         build_model("resnet7", 7)
 
 
@@ -427,6 +427,7 @@ def test_validation_every_n_epochs_and_always_the_last(shards: Path) -> None:
 
 def test_best_checkpoint_is_kept_only_when_top1_improves(tmp_path: Path) -> None:
     run_dir = RunDir(tmp_path)
+    run_dir.start()
 
     state = {"model": {}, "epoch": 1}
     assert run_dir.keep_best({"epoch": 1, "val_top1": 0.5}, state)

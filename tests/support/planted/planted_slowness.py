@@ -33,18 +33,20 @@ def spin(seconds: float) -> None:
         pass
 
 
-def _slowed(build: Any, seconds: float) -> Any:
-    @functools.wraps(build)
-    def build_model(*args: Any, **kwargs: Any) -> Any:
-        model = build(*args, **kwargs)
-        model.register_forward_hook(lambda *_: spin(seconds))  # inside the step's forward pass, as a slower device
-        return model
+def _slowed(start: Any, seconds: float) -> Any:
+    @functools.wraps(start)
+    def start_model(*args: Any, **kwargs: Any) -> Any:
+        started = start(*args, **kwargs)
+        started.model.register_forward_hook(
+            lambda *_: spin(seconds)
+        )  # inside the step's forward pass, as a slower device
+        return started
 
-    return build_model
+    return start_model
 
 
 def _plant(trainer: Any, seconds: float) -> None:
-    trainer.build_model = _slowed(trainer.build_model, seconds)
+    trainer.start_model = _slowed(trainer.start_model, seconds)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
