@@ -51,6 +51,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,10 +65,10 @@ from raywds.data.manifest import Manifest
 from raywds.loader.loader import EpochLoader, Loaders, PerRank, train_loader, val_loader
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
+from raywds.models.start import Start, start_model
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position
 from raywds.train import trainer
-from raywds.train.model import build_model
 from raywds.world import World
 
 SIZE = 224
@@ -197,11 +198,13 @@ class Timed:
 def shrunk(factor: int) -> None:
     """The trainer's demo network behind an average pool of `factor` (1: the network as it is)."""
 
-    def build(name: str, num_classes: int) -> nn.Module:
-        model = build_model(name, num_classes)
-        return model if factor == 1 else nn.Sequential(nn.AvgPool2d(factor), model)
+    def start(*args: Any, **kwargs: Any) -> Start:
+        started = start_model(*args, **kwargs)
+        if factor != 1:
+            started.model = nn.Sequential(nn.AvgPool2d(factor), started.model)
+        return started
 
-    trainer.build_model = build  # type: ignore[assignment]
+    trainer.start_model = start
 
 
 def run(variant: str, cfg: TrainConfig) -> tuple[list[Record], float]:

@@ -49,15 +49,34 @@ def command_options(args: argparse.Namespace) -> list[Any]:
     return options
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    # SystemExit unwinds the `with` blocks, so a shard server started here is stopped too.
-    sys.exit(128 + signum)
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, where no run takes it as a notice: the command stops where it is, as on Ctrl-C
+    (the `with` blocks unwind: a shard server started here is stopped too)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
+
+
+def _stopped(command: str, e: KeyboardInterrupt) -> int:
+    """Ctrl-C or SIGTERM: one line (with what the command added: what it keeps), 128 + the signal's number."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    said = "; ".join(getattr(e, "__notes__", []))
+    print(
+        f"raywds: error: {command} stopped on {signal.Signals(signum).name}{': ' + said if said else ''}",
+        file=sys.stderr,
+    )
+    return 128 + signum
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = MainOptions(**values(args, MainOptions)).debug
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _stop)
     console.configure()
     try:
         COMMANDS[args.command](*command_options(args))  # options that do not hold are one line too
@@ -69,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         if lines[1:]:
             print("\n".join(lines[1:]), file=sys.stderr)
         return int(getattr(e, "exit_code", 1))
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        if debug:
+            traceback.print_exc()
+        return _stopped(args.command, e)
     return 0
 
 

@@ -127,9 +127,9 @@ class TrainConfig(S3Endpoint):
     """An augmentation policy applied to each training crop in the loader workers, torchvision's:
     ta_wide (TrivialAugmentWide), ra (RandAugment), augmix (AugMix), imagenet (AutoAugment's)."""
     ra_magnitude: int = field(default=9, metadata=flag(minimum=0, maximum=30))
-    """With --auto-augment ra: RandAugment's magnitude (one of its 31 bins, 0 to 30)."""
+    """With --auto-augment ra: RandAugment's magnitude (one of its 31 bins)."""
     augmix_severity: int = field(default=3, metadata=flag(minimum=1, maximum=10))
-    """With --auto-augment augmix: AugMix's severity (1 to 10)."""
+    """With --auto-augment augmix: AugMix's severity."""
     random_erase: float = field(default=0.0, metadata=flag(minimum=0, maximum=1))
     """Probability of erasing a random rectangle of each training crop (torchvision's RandomErasing,
     filled with the mean pixel: 0 after normalising)."""
@@ -238,22 +238,14 @@ class TrainConfig(S3Endpoint):
             raise ConfigError("batches_per_epoch applies to resample mode; split mode's epoch is the whole split once")
 
     def _check_start(self) -> None:
+        """The starting weights' settings across fields (each field's own range is declared with it)."""
         if self.pretrained and self.initial_checkpoint:
             raise ConfigError("--pretrained and --initial-checkpoint both give starting weights: give one")
-        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
-            raise ConfigError(
-                f"layer_decay={self.layer_decay} must lie in (0, 1] (timm's fine-tuning recipes use 0.65-0.75)"
-            )
-        if self.freeze_epochs < 0:
-            raise ConfigError(f"freeze_epochs={self.freeze_epochs} must be 0 or more")
         if self.freeze_epochs >= self.epochs:
             raise ConfigError(
                 f"freeze_epochs={self.freeze_epochs} leaves no epoch of the {self.epochs} to train the whole model: "
                 f"give --freeze-epochs below --epochs (e.g. {max(self.epochs // 3, 0)})"
             )
-        if self.crop_pct is not None and not 0 < self.crop_pct <= 1:
-            raise ConfigError(f"crop_pct={self.crop_pct} must lie in (0, 1] (0.875 is torchvision's)")
-        self.normalisation()
 
     def _check_sizes(self) -> None:
         if self.val_resize_size is not None and self.val_resize_size < self.val_crop:

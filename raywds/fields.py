@@ -134,6 +134,7 @@ def _address_problem(text: str) -> str | None:
     if text in ("auto", "local"):
         return None
     host, colon, port = text.removeprefix("ray://").rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:6379
     if not colon or not port.isdigit() or not 0 < int(port) < 65536 or _host_problem(host):
         return "is not a Ray address: give auto, HOST:PORT or ray://HOST:PORT (a port from 1 to 65535)"
     return None
@@ -148,7 +149,7 @@ def _shards_problem(text: str) -> str | None:
 
     try:
         braceexpand.braceexpand(text)
-    except braceexpand.UnbalancedBracesError:
+    except ValueError:  # braceexpand.UnbalancedBracesError, the one it raises
         return "has unbalanced braces: close each { with } (e.g. train-{000000..000099}.tar)"
     return _url_problem(text)
 

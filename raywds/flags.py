@@ -97,7 +97,8 @@ def _has_default(field: dataclasses.Field[Any]) -> bool:
 
 def _help(cls: type, field: dataclasses.Field[Any]) -> str:
     text = field_docs(cls).get(field.name, "")
-    said = [str(field.metadata["range"])] if "range" in field.metadata else []
+    bounds = field.metadata.get("range")
+    said = [str(bounds) if bounds.closed else f"in {bounds}"] if bounds is not None else []
     if _has_default(field) and field.default is not None and field.default is not False:
         said.insert(0, f"default {field.default}")  # None and False say nothing
     return f"{text} ({'; '.join(said)})" if said else text

@@ -61,7 +61,7 @@ class ConvertWhere(S3Endpoint):
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyOptions(S3Endpoint):
-    shards: str = field(metadata=flag(positional=True, form=PLACE))
+    shards: str = field(metadata=flag(positional=True, form=SHARDS))
     """Shard folder (with manifest.json), an s3:// or gs:// prefix, or shards as a run's --data names them (a
     brace list, a glob: checked against the index the run made of them)."""
 

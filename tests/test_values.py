@@ -298,7 +298,10 @@ def test_a_crop_too_small_for_the_model_says_the_smallest_it_takes(real: Callabl
         "give --val-crop-size 8 or more"
     )
     assert real(*train, "--image-size", "4").startswith("raywds: error: --image-size 4 is too small")
-    assert real(*train, "--train-crop-size", "0") == "raywds: error: --train-crop-size 0 must be at least 1 (from 1 to 8192)"
+    assert (
+        real(*train, "--train-crop-size", "0")
+        == "raywds: error: --train-crop-size 0 must be at least 1 (from 1 to 8192)"
+    )
     resnet = ["train", "--data", str(shards), "--out", "run", "--model", "resnet18", "--batch-size", "1"]
     assert real(*resnet, "--train-crop-size", "32") == (
         "raywds: error: --train-crop-size 32 is too small for --model resnet18: it takes 33 px or more in "
@@ -311,7 +314,9 @@ def test_a_crop_too_small_for_the_model_says_the_smallest_it_takes(real: Callabl
 def test_a_malformed_brace_list_is_one_line(real: Callable[..., str], tmp_path: Path) -> None:
     """A brace list left open was braceexpand's 39-line UnbalancedBracesError traceback."""
     said = "has unbalanced braces: close each { with } (e.g. train-{000000..000099}.tar)"
-    assert real("train", "--data", "train-{000000..", "--out", "run") == f"raywds: error: --data 'train-{{000000..' {said}"
+    assert (
+        real("train", "--data", "train-{000000..", "--out", "run") == f"raywds: error: --data 'train-{{000000..' {said}"
+    )
     assert real("index", "--train", "train-{000000..") == f"raywds: error: --train 'train-{{000000..' {said}"
     assert real("index", "train-{000000..") == f"raywds: error: shards 'train-{{000000..' {said}"
     with pytest.raises(DataError, match=r"^train-\{000000\.\.: unbalanced braces; close each \{ with \}"):

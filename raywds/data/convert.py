@@ -199,7 +199,8 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
 def kept(job: ShardJob) -> dict[str, Any]:
     """The record of a shard an earlier run finished (`job.done`), with its images' digests: read
     again where a raywds that did not record them wrote it."""
-    record = {**job.done, "kept": True} if job.done is not None else {}
+    assert job.done is not None, "only a shard the journal records is kept"
+    record = {**job.done, "kept": True}
     if DIGESTS not in record:
         record[DIGESTS] = hashed_again(job, record)
     return record

@@ -52,7 +52,7 @@ class NoShards(DataError):
 def _braces(spec: str) -> Iterable[str]:
     try:
         return braceexpand.braceexpand(spec)  # parses the whole spec at once: refuses it here or never
-    except braceexpand.UnbalancedBracesError:
+    except ValueError:  # braceexpand.UnbalancedBracesError, the one it raises
         raise DataError(
             f"{spec}: unbalanced braces; close each {{ with }} (e.g. train-{{000000..000099}}.tar)"
         ) from None

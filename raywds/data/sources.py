@@ -22,15 +22,14 @@ import io
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from raywds.data.layout import ImageFile
 from raywds.data.stores import write_atomic
 from raywds.errors import DataError
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from raywds.data.convert import ShardJob
 
 SOURCES = "sources.npz"
 DIGESTS = "sha256s"
@@ -38,18 +37,27 @@ DIGESTS = "sha256s"
 the shard's order, hex."""
 
 
+class Planned(Protocol):
+    """A shard as planned (raywds.data.convert.ShardJob): its file and the image files it is made of."""
+
+    @property
+    def path(self) -> Path: ...
+    @property
+    def sources(self) -> list[ImageFile]: ...
+
+
 def image_digest(data: bytes) -> str:
     """The sha256 of an image file's bytes, hex."""
     return hashlib.sha256(data).hexdigest()
 
 
-def stored_paths(job: ShardJob, record: dict[str, Any]) -> list[str]:
+def stored_paths(job: Planned, record: dict[str, Any]) -> list[str]:
     """The source paths of the samples `job`'s shard holds: its files but those it skipped."""
     skipped = {bad["path"] for bad in record["skipped"]}
     return [source.relpath for source in job.sources if source.relpath not in skipped]
 
 
-def hashed_again(job: ShardJob, record: dict[str, Any]) -> list[str]:
+def hashed_again(job: Planned, record: dict[str, Any]) -> list[str]:
     """The digests of a shard kept from a run of a raywds that did not record them: its files read again."""
     kept = set(stored_paths(job, record))
     return [image_digest(source.path.read_bytes()) for source in job.sources if source.relpath in kept]
@@ -67,13 +75,7 @@ class Sources:
         return len(self.paths)
 
     @classmethod
-    def empty(cls) -> Sources:
-        import numpy as np
-
-        return cls(np.zeros((0, 32), np.uint8), np.zeros(0, np.int64), [])
-
-    @classmethod
-    def of(cls, jobs: Iterable[tuple[str, ShardJob]], records: dict[str, dict[str, Any]], version: int) -> Sources:
+    def of(cls, jobs: Iterable[tuple[str, Planned]], records: dict[str, dict[str, Any]], version: int) -> Sources:
         """The rows of the shards `jobs` planned, from their records, in shard order."""
         import numpy as np
 

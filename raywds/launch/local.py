@@ -20,7 +20,7 @@ from raywds.launch import gloo
 from raywds.runs import files
 from raywds.runs.folder import Metrics, RunDir
 from raywds.runs.lock import RunLock
-from raywds.train.notice import Sigterm
+from raywds.train.notice import Signals
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -58,7 +58,7 @@ def _run(cfg: TrainConfig, world: World, lock: RunLock | None) -> tuple[Metrics,
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.pg_timeout))
     # Written from the run's start on (its resolved config first), once nothing can refuse it.
     run_dir = RunDir(cfg.out, append=resuming_in_place(cfg), lock=lock) if world.is_main else None
-    notices = Sigterm(world)  # SIGTERM to any rank: a checkpoint inside the epoch, then a stop
+    notices = Signals(world)  # SIGTERM or SIGINT to any rank: a checkpoint inside the epoch, then a stop
     try:
         return train(cfg, world, run_dir=run_dir, notices=notices), run_dir
     finally:

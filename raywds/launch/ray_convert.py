@@ -17,6 +17,8 @@ still match, and the manifest is written last, by the driver.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,9 +79,12 @@ class Tasks:
                 if not record["kept"]:
                     self.nodes[record["node"]] += 1
                 yield job, record
-        finally:
-            for ref in pending:  # after an error or an interrupt: write no more shards than are under way
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM (raywds.cli): the tasks under way end with the driver's job
+            raise  # not cancelled: a task's reply that crosses its cancel crashes Ray's core worker (Check failed)
+        except BaseException:
+            for ref in pending:  # after an error: write no more shards than are under way
                 ray.cancel(ref)  # RAY
+            raise
 
 
 def _result(ref: Any, job: ShardJob) -> dict[str, Any]:
@@ -95,6 +100,34 @@ def _result(ref: Any, job: ShardJob) -> dict[str, Any]:
             f"the task writing {job.path.name} was lost {MAX_RETRIES + 1} times ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:300]}); run the same command again: it keeps every shard written so far"
         ) from None
+
+
+def _connect(address: str | None) -> None:
+    """cluster.connect, SIGINT held while it connects, and SIGINT and SIGTERM handled afterwards
+    as before it (by raywds's CLI: one line, exit 130 or 143). ray.init sets the driver's SIGTERM
+    handlers: its own (exit 15), and its core worker's, which prints a C++ stack and aborts. A
+    KeyboardInterrupt inside ray.init leaves a traceback from its shutdown at exit; a second SIGINT
+    while it connects stops it there all the same."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        cluster.connect(address, training=False)
+        return
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    got: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if got and callable(before[signum]):
+            before[signum](signum, frame)
+        got.append(signum)
+
+    if callable(before[signal.SIGINT]):
+        signal.signal(signal.SIGINT, hold)
+    try:
+        cluster.connect(address, training=False)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    if got and callable(before[signal.SIGINT]):
+        before[signal.SIGINT](got[0], None)
 
 
 def convert_on_ray(
@@ -121,7 +154,7 @@ def convert_on_ray(
         )
     folder = (staging or upload.staging_folder(out)) if bucket is not None else Path(out)
     converting.check_outside(tree, folder)
-    cluster.connect(address, training=False)
+    _connect(address)
     folder.mkdir(parents=True, exist_ok=True)
     # The tasks read SRC and (but into a bucket) write OUT on every node; a missing SRC is the converter's line.
     seen = [(tree, "SRC")] if isinstance(tree, Path) and tree.exists() else []
@@ -130,7 +163,11 @@ def convert_on_ray(
     if bucket is not None:
         upload.bucket_at(bucket, endpoint).delete(MANIFEST)  # no manifest while shards there may change
     tasks = Tasks(bucket=bucket, endpoint=endpoint)
-    manifest = (appending.append if append else converting.convert)(tree, folder, options, run=tasks)
+    try:
+        manifest = (appending.append if append else converting.convert)(tree, folder, options, run=tasks)
+    except KeyboardInterrupt as e:
+        e.add_note("run the same command again: it keeps every shard written so far")
+        raise
     if bucket is not None:
         upload.publish(folder, bucket, endpoint)
     manifest["written_on"] = dict(sorted(tasks.nodes.items()))

@@ -22,9 +22,9 @@ had read cannot be told apart from what it had not.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
-import signal
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection
@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils import signal_handling
 
 from raywds.loader.blocks import Blocks
-from raywds.loader.starting import start_method
+from raywds.loader.starting import deaf, handled, held, start_method
 from raywds.world import World
 
 Build = Callable[[Blocks], Iterable[Any]]
@@ -92,6 +92,8 @@ class Member:
     def __init__(self, index: int, context: str | None, *, pin: bool, timeout: float):
         self.index = index
         self.blocks = Blocks(1)
+        self.quiet = handled()
+        """The signals this process handles, which its worker ignores (it is ended by this process)."""
         mp = multiprocessing.get_context(context)
         reader, self.inbox = mp.Pipe(duplex=False)
         self.loader = DataLoader(
@@ -102,7 +104,7 @@ class Member:
             multiprocessing_context=context,
             pin_memory=pin,
             timeout=timeout,
-            worker_init_fn=_plain_sigterm,
+            worker_init_fn=functools.partial(deaf, self.quiet),
         )
         self.batches: Iterator[Any] | None = None
         self.waiting = False
@@ -114,7 +116,8 @@ class Member:
         if self.waiting:
             return
         first = self.loader._iterator is None  # torch keeps the persistent iterator here
-        self.batches = iter(self.loader)
+        with held(self.quiet):  # the worker starts with them held, until it ignores them (deaf)
+            self.batches = iter(self.loader)
         if first:
             # torch's SIGCHLD handler raises anywhere in the training process when any worker
             # dies, an idle one between epochs included; without it the death is found where
@@ -145,14 +148,13 @@ class Member:
                 self.inbox.send(None)
         except (OSError, ValueError):
             pass
+        processes = list(getattr(self.loader._iterator, "_workers", []))
         _shut(self.loader)
+        for process in processes:  # stuck: torch's SIGTERM does not end it (deaf), SIGKILL does
+            if process.is_alive():
+                process.kill()
+                process.join(PARENT_CHECK_S)
         self.inbox.close()
-
-
-def _plain_sigterm(worker_id: int) -> None:
-    """A worker forked from a rank that turned SIGTERM into a notice (raywds.train.notice) ends
-    on SIGTERM again, as torch's clean-up expects of it."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _shut(loader: DataLoader[Any]) -> None:

@@ -1,14 +1,20 @@
 """How a rank starts its loader workers: by fork, or from a fork server that has imported, once,
-what each worker would otherwise import again.
+what each worker would otherwise import again; deaf to the signals the rank handles.
 
     context = start_method(workers, world)   # "fork", "forkserver" or None (no workers)
+    quiet = handled()                        # in the rank: SIGTERM and SIGINT, where it handles them
+    with held(quiet):                        # around the start; each worker's init: deaf(quiet, id)
+        ...
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import signal
 import sys
 import types
+from collections.abc import Iterator
 
 from raywds.world import World
 
@@ -48,3 +54,39 @@ def main_imports() -> list[str]:
         if isinstance(name, str) and name in sys.modules and name not in ("__main__", "__mp_main__", "builtins"):
             names.add(name)
     return sorted(names)
+
+
+QUIET = (signal.SIGTERM, signal.SIGINT)
+"""The signals that go to every process of a run: `kill -- -PGID`, `timeout`, systemd's stop and
+Ctrl-C (SIGINT to the terminal's foreground process group) to a process group, Slurm's scancel to
+every process of a job step."""
+
+
+def handled() -> tuple[int, ...]:
+    """Of QUIET, the signals this process handles: a run's notice (raywds.train.notice), the CLI's
+    stop, Python's KeyboardInterrupt, Ray's own handler in a Ray worker."""
+    return tuple(int(s) for s in QUIET if signal.getsignal(s) not in (signal.SIG_DFL, signal.SIG_IGN, None))
+
+
+@contextlib.contextmanager
+def held(signals: tuple[int, ...]) -> Iterator[None]:
+    """`signals` held (blocked) in this thread while it starts workers: a worker forked now starts
+    with them held, as does one forked by a fork server started now (the server holds them for
+    its life, which ends with this process's)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if signals else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def deaf(signals: tuple[int, ...], worker_id: int) -> None:
+    """A worker's first line (its DataLoader's worker_init_fn): it ignores the signals its rank
+    handles. When they go to every process of the run the rank gets them too, and acts on them
+    (a notice's checkpoint, the CLI's one line); a worker that died of them would fail the rank's
+    epoch first. The rank ends its workers (raywds.loader.pool); one whose rank is gone ends by
+    itself. What was held since the fork (`held`) and is now ignored is dropped."""
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, QUIET)

@@ -67,7 +67,7 @@ class Freeze:
         keep = set(classifier)
         params = [p for n, p in model.named_parameters() if n not in keep]
         prefixes = {n.rpartition(".")[0] for n in classifier}
-        norms = [m for n, m in model.named_modules() if isinstance(m, NORMS) and n not in prefixes]
+        norms: list[nn.Module] = [m for n, m in model.named_modules() if isinstance(m, NORMS) and n not in prefixes]
         return cls(params, norms)
 
     def hold(self) -> None:

@@ -206,7 +206,8 @@ class Timm(ModelSource):
             return None
         from timm.models import group_parameters
 
-        groups = group_parameters(model, model.group_matcher(coarse=False), reverse=False)
+        matcher: Any = model.group_matcher
+        groups = group_parameters(model, matcher(coarse=False), reverse=False)
         return [list(params) for _, params in sorted(groups.items())]
 
 

@@ -11,7 +11,7 @@ RUN_DIR/wandb/          with --tracking wandb: W&B's own files (unless WANDB_DIR
 RUN_DIR/last-step       the step rank 0 trained last, written at every step
 
 Nothing is written there until the run `start()`s, once every check that can refuse it has passed
-(the data, the plan, the model, the resume checkpoint, the trackers' clients: raywds.train.trainer):
+(the data, the plan, the model, the resume checkpoint, the trackers: raywds.train.trainer):
 a refused run leaves the folder as it found it.
 """
 

@@ -3,6 +3,9 @@ metrics.jsonl (written by local runs, torchrun and Ray runs alike), as one PNG.
 
     raywds report runs/demo                              # -> runs/demo/report.png
     raywds report s3://bucket/runs/raywds-20261124-1015  # -> ./raywds-20261124-1015-report.png
+
+A folder's MLflow run that its run's end could not end (the server gone) is ended first, where the
+server answers now (raywds.runs.tracking.end_left), by `raywds report` and `raywds doctor` alike.
 """
 
 from __future__ import annotations

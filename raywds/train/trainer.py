@@ -6,6 +6,7 @@ the world and call `train(cfg, world, ...)`.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raywds.config import TrainConfig
 from raywds.data.dataset import Manifest, manifest_of
-from raywds.errors import RaywdsError, Terminated
+from raywds.errors import RaywdsError
 from raywds.loader.loader import EpochLoader, Loaders, PerRank
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import BadSample, Batch
@@ -142,6 +143,8 @@ class Trainer:
             self.upcoming = self.begin(self.keeper.progress.epoch)
         if self.run_dir is not None:
             self.run_dir.start(self.workers.asked, self.tracking_ids)
+            if self.started.weights is not None:  # where the weights came from, beside the config
+                self.run_dir.note("weights", json.dumps(self.started.record()))
 
     def begin(self, index: int) -> tuple[Epoch, EpochLoader]:
         """Plan epoch `index` and hand it to the loader (its workers start making its batches)."""
@@ -225,7 +228,7 @@ class Trainer:
         self.emit({**row, **(notice.row() if notice is not None else {})})
 
     def on_notice(self, epoch: Epoch, notice: Notice | None) -> None:
-        """A notice not seen before: checkpoint now. On SIGTERM, stop (the process is going); on
+        """A notice not seen before: checkpoint now. On a signal, stop (the process is going); on
         Ray's preemption notice, train no further step that a restart would train again: wait
         for the node to go (Ray restarts the run from this checkpoint), or, should it stay past
         the deadline, go on."""
@@ -234,11 +237,10 @@ class Trainer:
         self.noticed = notice
         self.checkpoint_inside(epoch, notice)
         steps = self.keeper.progress.steps
-        if notice.reason == "sigterm":
+        if notice.signum is not None:  # SIGTERM or SIGINT: the process is going
             where = self.run_dir.checkpoint_path if self.run_dir is not None else "the run folder's checkpoint"
-            raise Terminated(
-                f"stopped on SIGTERM at step {steps}, inside epoch {epoch.index + 1}, after a checkpoint: "
-                f"resume with --resume {where}"
+            raise notice.stopped(
+                f"at step {steps}, inside epoch {epoch.index + 1}, after a checkpoint: resume with --resume {where}"
             )
         left = max((notice.deadline or time.time()) - time.time(), 0.0)
         wait = min(left + WAIT_PAST_DEADLINE_S, MAX_WAIT_S)

@@ -226,6 +226,8 @@ def test_an_interrupted_append_keeps_the_old_manifest_and_its_rerun_writes_no_sh
     tree: Path, dataset: Path, tmp_path: Path
 ) -> None:
     more = new_images(tree, tmp_path / "more")
+    first = sources_of(dataset)
+    assert first == sorted((path, sha256(tree / path), 1) for path, _, _ in first) and len(first) == 170
     old_manifest = (dataset / "manifest.json").read_bytes()
     # Shards of 4 samples: the 22 train and 4 val new ones in 7 shards.
     small = json.loads(old_manifest)
@@ -242,15 +244,35 @@ def test_an_interrupted_append_keeps_the_old_manifest_and_its_rerun_writes_no_sh
     with pytest.raises(Interrupted):
         append(more, dataset, OPTIONS, run=two_then_stop)
     assert (dataset / "manifest.json").read_bytes() == old_manifest, "readers see the dataset as it was"
-    journalled = [json.loads(line)["shard"]["name"] for line in (dataset / JOURNAL).read_text().splitlines()]
+    lines = [json.loads(line) for line in (dataset / JOURNAL).read_text().splitlines()]
+    journalled = [line["shard"]["name"] for line in lines]
     assert len(journalled) == 2 and not set(journalled) & digests_of(old_manifest)
     written = {name: (dataset / name).stat().st_mtime_ns for name in journalled}
+    lines[0].pop("sha256s")  # as a raywds that kept no image hashes journalled it: its files are read again
+    (dataset / JOURNAL).write_text("".join(json.dumps(line) + "\n" for line in lines))
 
     manifest = append(more, dataset, OPTIONS)
     assert manifest["kept_from_earlier_run"] == 2
     assert {name: (dataset / name).stat().st_mtime_ns for name in written} == written, "a finished shard was rewritten"
     assert len(manifest["appended"][-1]["splits"]["train"]["shards"]) == 6
     assert verify(str(dataset))[1] == []
+    rows = sources_of(dataset)
+    assert rows[:170] == first and len(rows) == 170 + 26
+    assert rows[170:] == sorted((path, sha256(more / path), 2) for path, _, _ in rows[170:]), "the files' own bytes"
+    assert {path for path, _, _ in rows[170:]} == {str(p.relative_to(more)) for p in more.rglob("*.JPEG")}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def sources_of(folder: Path) -> list[tuple[str, str, int]]:
+    """The dataset's rows of `sources.npz` (path, sha256, version), sorted within each version."""
+    with np.load(folder / "sources.npz") as npz:
+        paths = npz["paths"].tobytes().decode().split("\0")[:-1]
+        rows = [(p, bytes(d).hex(), int(v)) for p, d, v in zip(paths, npz["sha256"], npz["version"])]
+    count = json.loads((folder / "manifest.json").read_text())["sources"]["count"]
+    return sorted(rows[:count], key=lambda row: (row[2], row[0]))
 
 
 def digests_of(manifest: bytes) -> set[str]:
@@ -306,15 +328,31 @@ def test_a_run_resumed_across_an_append_finishes_its_epoch_on_the_old_shards_the
     ]
 
 
-def test_a_resume_across_an_append_of_new_classes_is_one_line(tree: Path, dataset: Path, tmp_path: Path) -> None:
+def test_a_run_stopped_inside_an_epoch_resumes_across_an_append_of_new_classes(
+    tree: Path, dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The classifier grows by the appended class (raywds.models.head), epoch 1 finishes on the
+    shards it began with and epoch 2 trains on all of them, each sample once."""
     import dataclasses
+    import logging
 
-    from raywds.errors import ConfigError
+    import torch
+
     from raywds.launch.local import run_local
 
     run = tmp_path / "run"
     cfg = small_config(dataset, mode="split", epochs=2, max_steps=2, out=str(run))
     run_local(cfg)
     append(new_images(tree, tmp_path / "more"), dataset, OPTIONS)
-    with pytest.raises(ConfigError, match=r"the data gained 1 class since the checkpoint \(an append: aaa…\)"):
+    with caplog.at_level(logging.INFO, logger="raywds"):
         run_local(dataclasses.replace(cfg, max_steps=None, resume=str(run)))
+    said = "the data gained 1 class since the checkpoint (aaa): the classifier head.2 grown from 10 to 11 classes"
+    assert said in caplog.text
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert state["classes"][-1] == "aaa" and state["model"]["head.2.weight"].shape[0] == 11
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if r.get("kind") == "epoch"]
+    assert [(r["epoch_samples"], r["epoch_duplicates"], r["epoch_missing"]) for r in epochs] == [
+        (120, 0, 0),
+        (142, 0, 0),
+    ]

@@ -502,7 +502,8 @@ def test_convert_into_a_gs_prefix_uploads_the_shards_and_the_manifest_last(
     manifest = read_manifest(bucket.url("ds"))
     shards = [s.name for split in manifest.splits for s in manifest.shards(split)]
     held = set(bucket.server.names(bucket.name))
-    assert {f"ds/{name}" for name in shards} | {"ds/manifest.json", "ds/manifest.npz", "ds/_info.json"} == held
+    written = {"ds/manifest.json", "ds/manifest.npz", "ds/_info.json", "ds/sources.npz"}
+    assert {f"ds/{name}" for name in shards} | written == held
     sha = json.loads(bucket.server.get(bucket.name, "ds/manifest.json"))["splits"]["train"]["shards"][0]
     assert gcs.metadata(bucket.url(f"ds/{sha['name']}"))["metadata"] == {"sha256": sha["sha256"]}  # type: ignore[index]
     checked = raywds("verify", bucket.url("ds"))

@@ -25,7 +25,7 @@ from raywds.errors import DataError
 OPTIONS = ConvertOptions(maxcount=16, seed=3)
 
 
-LAST = ["_info.json", "manifest.npz", "manifest.json"]
+LAST = ["sources.npz", "_info.json", "manifest.npz", "manifest.json"]
 """What a conversion puts after every shard is in the bucket: the manifest last."""
 
 
@@ -44,8 +44,8 @@ def test_convert_into_a_bucket_puts_every_shard_then_the_manifest_and_resumes(
         url, endpoint = s3.url("ds"), proxy.endpoint
         manifest = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", endpoint=endpoint)
         names = [s["name"] for info in manifest["splits"].values() for s in info["shards"]]
-        assert len(names) == 12 and sorted(puts(proxy)[:-3]) == sorted(names)
-        assert puts(proxy)[-3:] == LAST
+        assert len(names) == 12 and sorted(puts(proxy)[: -len(LAST)]) == sorted(names)
+        assert puts(proxy)[-len(LAST) :] == LAST
         read_backs = [path.rsplit("/", 1)[-1] for method, path, _ in proxy.log if method == "GET"]
         assert sorted(read_backs) == sorted(names)  # each shard read back once, before the manifest
         assert verify(url, s3_endpoint=endpoint) == (12, [])
@@ -61,7 +61,7 @@ def test_convert_into_a_bucket_puts_every_shard_then_the_manifest_and_resumes(
         proxy.log.clear()
         resumed = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", endpoint=endpoint)
         assert resumed["kept_in_bucket"] == 9
-        assert sorted(puts(proxy)[:-3]) == sorted(gone) and puts(proxy)[-3:] == LAST
+        assert sorted(puts(proxy)[: -len(LAST)]) == sorted(gone) and puts(proxy)[-len(LAST) :] == LAST
     assert verify(url) == (12, [])
     assert read_manifest(url).num_samples("train") == 120
     assert isinstance(read_manifest(url).splits["train"], ShardTable)  # from the columns in the bucket

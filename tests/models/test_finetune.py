@@ -4,7 +4,9 @@ classes (resume across an append included), frozen epochs, and --layer-decay."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
+from support.mlflowserver import MlflowServer
 from support.runs import small_config
 
 from raywds.data.append import append
@@ -22,6 +25,7 @@ from raywds.launch.local import run_local
 from raywds.models.finetune import layer_scales
 from raywds.models.sources import parse_model
 from raywds.models.start import start_model
+from raywds.train.model import DemoNet
 from raywds.train.optim import make_optimizer
 from raywds.world import World
 
@@ -156,3 +160,23 @@ def test_the_weights_preprocessing_is_the_runs(shards: Path, tmp_path: Path, mon
     )
     run_local(mine)
     assert json.loads((tmp_path / "c" / "config.json").read_text())["mean"] == "0.4,0.4,0.4"  # the user's wins
+
+
+def test_the_tracking_run_records_the_weights_source_and_sha256(
+    shards: Path, tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(3)
+    save_file(DemoNet(10).state_dict(), str(tmp_path / "start.safetensors"))
+    experiment = f"weights-{uuid.uuid4().hex[:8]}"
+    for name, value in mlflow_server.env(experiment).items():
+        monkeypatch.setenv(name, value)
+    cfg = small_config(shards, epochs=1, tracking=["mlflow"], initial_checkpoint=str(tmp_path / "start.safetensors"))
+    run_local(dataclasses.replace(cfg, out=str(tmp_path / "run")))
+    [tracked] = mlflow_server.runs(experiment)
+    record = json.loads(tracked.data.tags["weights"])
+    digest = hashlib.sha256((tmp_path / "start.safetensors").read_bytes()).hexdigest()
+    assert (record["source"], record["sha256"], record["classifier"]["action"]) == (
+        f"file {tmp_path / 'start.safetensors'}",
+        digest,
+        "kept",
+    )

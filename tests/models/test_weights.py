@@ -117,6 +117,21 @@ def test_an_empty_hub_cache_offline_is_one_line_saying_where_and_how_to_fill_it(
     assert f"`hf download {REPO}`" in said and "HF_HUB_OFFLINE" in said and "\n" not in said
 
 
+def test_an_empty_hub_cache_with_the_hub_unreachable_is_one_line_at_once(
+    hub: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    began = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        start_model(REPO, CLASSES, pretrained=True)
+    assert time.monotonic() - began < 8  # one connection, not the Hub client's minute of retries
+    said = str(e.value)
+    cache = hub / "hub" / "models--timm--test_resnet.r160_in1k"
+    assert f"is not in the Hugging Face cache ({cache}) and http://127.0.0.1:9 cannot be reached" in said
+    assert "\n" not in said
+
+
 def test_an_empty_torch_cache_without_network_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
 

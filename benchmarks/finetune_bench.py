@@ -1,0 +1,300 @@
+"""raywds's fine-tuning against timm's own `train.py`, on the same shards, from the same weights.
+
+    .venv/bin/python benchmarks/finetune_bench.py --timm-train /tmp/timm_train.py [--images DIR]
+        [--model test_resnet] [--image-size 160] [--classes 10] [--train-variants 10] [--val-variants 2]
+        [--epochs 3] [--batch-size 64] [--workers 2] [--lr 0.05] [--rounds 3]
+
+timm's `train.py` is not in the timm wheel; it is the training script of the
+huggingface/pytorch-image-models repository. Take it from the tag of the installed timm
+(`.venv/bin/python -c "import timm; print(timm.__version__)"`):
+
+    git clone --depth 1 --branch v1.0.X https://github.com/huggingface/pytorch-image-models /tmp/pim
+    .venv/bin/python benchmarks/finetune_bench.py --timm-train /tmp/pim/train.py
+
+The data: the photos in DIR (by default ../shared/data/imagenet-sample-100, 100 real ImageNet
+JPEGs), sorted by name and dealt into --classes classes of consecutive photos (so one class
+holds neighbouring synsets). Each photo gives --train-variants training images and
+--val-variants validation images, each its own random crop (60 to 100% of the area), flip and
+JPEG quality, re-encoded at the photo's size: no two are the same bytes, and the validation
+images are new views of the photos trained on, so a few epochs can learn them. The ImageFolder
+tree is converted by `raywds convert` into shards of 100 samples; `_info.json` beside them is
+what lets timm's `wds/` reader use the same files.
+
+The weights: timm's --model with --classes outputs, initialised with torch's seed 0 and written
+as one .safetensors file; both tools start from it (`--initial-checkpoint`), so neither replaces
+the classifier. There is no network to the Hugging Face Hub here, so the weights are random but
+fixed; the top-1 says that both learn alike, not what real pretrained weights would reach.
+
+The runs, paired and interleaved (raywds, timm, timm, raywds, ...), each a fresh process on the
+CPU: `raywds train --mode split` (every training sample once an epoch) and timm's `train.py
+--dataset wds/imagenet --device cpu`, with the same epochs, batch, loader workers, crop size,
+SGD (momentum 0.9, nesterov), lr, weight decay (not on norms and biases), cosine schedule per
+step without warm-up, no label smoothing, no colour jitter, bilinear resizing, and mean, std and
+crop ratio given to both. timm's wds reader makes each worker's share whole batches, going
+round again where it runs short, so its epoch may repeat samples (and with several ranks it
+may miss some); raywds's split mode reads every sample once. Each tool's images/s counts what
+it trained on.
+
+Figures, each the median over --rounds rounds:
+  train images/s   samples trained in epochs 2..N over those epochs' training loops (from the
+                   loop's start to its last step: raywds's metrics.jsonl epoch rows; timm's
+                   log, its average step time times its steps), so the first epoch's worker
+                   start is left out
+  run images/s     every sample trained over the whole command's wall time, process start,
+                   imports, validation and checkpoints included
+  val top-1        the last epoch's validation top-1 (raywds's val_top1; timm's eval_top1
+                   from its summary.csv)
+and the ratio raywds / timm of each (goal: at least 1.5x train images/s at equal top-1 within
+noise), with where raywds's time went (its metrics' stages) and timm's data wait per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+RAYWDS = ROOT / ".venv/bin/raywds"
+PYTHON = ROOT / ".venv/bin/python"
+TIMM_STEP = re.compile(
+    r"Train: (?P<epoch>\d+) \[\s*(?P<step>\d+)/(?P<steps>\d+).*?"
+    r"Time: [\d.]+s,\s+[\d.]+/s\s+\((?P<avg>[\d.]+)s,.*?Data: [\d.]+ \((?P<data>[\d.]+)\)"
+)
+"""One of timm's training log lines: epoch, step, steps an epoch, the epoch's average step
+seconds so far (from the loop's start), its average data wait."""
+
+
+@dataclass
+class Run:
+    """One tool's run: per epoch the samples trained and the training loop's seconds; the last
+    validation's top-1; the whole command's seconds; where the time went."""
+
+    samples: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    top1: float = 0.0
+    wall: float = 0.0
+    notes: dict[str, float] = field(default_factory=dict)
+
+    def train_rate(self) -> float:
+        """Images/s of epochs 2..N's training loops (all epochs where there is one)."""
+        later = slice(1, None) if len(self.samples) > 1 else slice(None)
+        return sum(self.samples[later]) / sum(self.seconds[later])
+
+    def run_rate(self) -> float:
+        return sum(self.samples) / self.wall
+
+
+def make_tree(images: Path, root: Path, classes: int, train_variants: int, val_variants: int) -> int:
+    """ImageFolder train/ and val/ under `root`: each photo's variants in its class; returns the
+    number of training images."""
+    found = sorted(images.glob("*.JPEG"))
+    if not found:
+        raise SystemExit(f"no *.JPEG in {images}: give --images a folder of JPEG photos")
+    rng = random.Random(0)
+    per_class = -(-len(found) // classes)
+    for i, path in enumerate(found):
+        label = f"class{i // per_class:02d}"
+        with Image.open(path) as opened:
+            photo = opened.convert("RGB")
+        for split, count in (("train", train_variants), ("val", val_variants)):
+            folder = root / split / label
+            folder.mkdir(parents=True, exist_ok=True)
+            for v in range(count):
+                variant(photo, rng).save(folder / f"{path.stem}_{split}{v}.JPEG", quality=rng.randint(85, 95))
+    return len(found) * train_variants
+
+
+def variant(photo: Image.Image, rng: random.Random) -> Image.Image:
+    """A random crop of 60-100% of the photo's area, maybe flipped, resized back to its size."""
+    w, h = photo.size
+    area = rng.uniform(0.6, 1.0)
+    cw, ch = max(1, round(w * area**0.5)), max(1, round(h * area**0.5))
+    x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
+    out = photo.crop((x, y, x + cw, y + ch)).resize((w, h), Image.Resampling.BILINEAR)
+    return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else out
+
+
+def write_weights(model: str, classes: int, path: Path) -> None:
+    """timm's `model` with `classes` outputs, initialised from torch's seed 0, as .safetensors."""
+    import timm
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    net = timm.create_model(model, pretrained=False, num_classes=classes)
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+
+
+def timed(line: list[str], log: Path, env: dict[str, str]) -> float:
+    """Run `line`, its stdout and stderr into `log`; its wall seconds. A failure ends the benchmark."""
+    start = time.perf_counter()
+    with log.open("w") as out:
+        done = subprocess.run(line, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1800)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        tail = log.read_text()[-4000:]
+        raise SystemExit(f"{' '.join(line[:3])} ... failed (exit {done.returncode}); the end of {log}:\n{tail}")
+    return wall
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What both tools are given."""
+
+    model: str
+    classes: int
+    image_size: int
+    epochs: int
+    batch_size: int
+    workers: int
+    lr: float
+    weight_decay: float
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    crop_pct: float = 0.875
+    seed: int = 0
+
+
+def run_raywds(shards: Path, weights: Path, s: Settings, out: Path, env: dict[str, str]) -> Run:
+    line = [
+        str(RAYWDS), "train", "--data", str(shards), "--model", f"timm/{s.model}",
+        "--initial-checkpoint", str(weights), "--mode", "split", "--epochs", str(s.epochs),
+        "--batch-size", str(s.batch_size), "--loader-workers", str(s.workers), "--image-size", str(s.image_size),
+        "--optimizer", "sgd", "--lr", str(s.lr), "--weight-decay", str(s.weight_decay), "--warmup-epochs", "0",
+        "--mean", ",".join(map(str, s.mean)), "--std", ",".join(map(str, s.std)), "--crop-pct", str(s.crop_pct),
+        "--seed", str(s.seed), "--out", str(out / "run"),
+    ]  # fmt: skip
+    run = Run(wall=timed(line, out / "log.txt", env))
+    rows = [json.loads(x) for p in (out / "run").rglob("metrics.jsonl") for x in p.read_text().splitlines()]
+    epochs = [r for r in rows if r.get("kind") == "epoch"]
+    if len(epochs) != s.epochs:
+        raise SystemExit(f"raywds wrote {len(epochs)} epoch rows for {s.epochs} epochs in {out / 'run'}")
+    for row in epochs:
+        run.samples.append(int(row["samples"]))
+        run.seconds.append(float(row["samples"]) / float(row["images_per_s"]))
+    run.top1 = float(epochs[-1]["val_top1"])
+    for name, value in (epochs[-1].get("stages") or {}).items():
+        if isinstance(value, int | float):
+            run.notes[name] = float(value)
+    return run
+
+
+def run_timm(train_py: Path, shards: Path, weights: Path, s: Settings, out: Path, env: dict[str, str]) -> Run:
+    line = [
+        str(PYTHON), str(train_py), "--data-dir", str(shards), "--dataset", "wds/imagenet",
+        "--train-split", "train", "--val-split", "val", "--model", s.model, "--initial-checkpoint", str(weights),
+        "--num-classes", str(s.classes), "--img-size", str(s.image_size), "--epochs", str(s.epochs),
+        "-b", str(s.batch_size), "-vb", str(s.batch_size), "--workers", str(s.workers),
+        "--opt", "sgd", "--momentum", "0.9", "--lr", str(s.lr), "--weight-decay", str(s.weight_decay),
+        "--sched", "cosine", "--sched-on-updates", "--warmup-epochs", "0", "--min-lr", "0",
+        "--smoothing", "0", "--color-jitter", "0", "--train-interpolation", "bilinear",
+        "--interpolation", "bilinear", "--mean", *map(str, s.mean), "--std", *map(str, s.std),
+        "--crop-pct", str(s.crop_pct), "--device", "cpu", "--seed", str(s.seed), "--log-interval", "1000",
+        "--output", str(out), "--experiment", "run", "--checkpoint-hist", "1",
+    ]  # fmt: skip
+    run = Run(wall=timed(line, out / "log.txt", env))
+    last: dict[int, re.Match[str]] = {}
+    for match in TIMM_STEP.finditer((out / "log.txt").read_text()):
+        last[int(match["epoch"])] = match  # the epoch's last line holds its averages over every step
+    if len(last) != s.epochs:
+        raise SystemExit(f"timm's log has {len(last)} epochs of training lines for {s.epochs}: {out / 'log.txt'}")
+    data_wait = []
+    for epoch in sorted(last):
+        steps = int(last[epoch]["steps"])
+        run.samples.append(steps * s.batch_size)  # timm's wds epochs are whole batches
+        run.seconds.append(steps * float(last[epoch]["avg"]))
+        data_wait.append(float(last[epoch]["data"]))
+    with (out / "run" / "summary.csv").open() as f:
+        run.top1 = float(list(csv.DictReader(f))[-1]["eval_top1"]) / 100
+    run.notes["data wait per step (s)"] = statistics.median(data_wait[1:] or data_wait)
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--timm-train", type=Path, required=True, help="timm's train.py (see above)")
+    parser.add_argument("--images", type=Path, default=ROOT.parent / "shared/data/imagenet-sample-100")
+    parser.add_argument("--model", default="test_resnet", help="a timm model name (default %(default)s)")
+    parser.add_argument("--image-size", type=int, default=160)
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--train-variants", type=int, default=10, help="training images a photo")
+    parser.add_argument("--val-variants", type=int, default=2, help="validation images a photo")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2, help="loader worker processes, both tools")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--weight-decay", type=float, default=5e-5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--keep", type=Path, help="keep the data, weights and runs' logs in this folder")
+    args = parser.parse_args()
+    if not args.timm_train.is_file():
+        raise SystemExit(f"--timm-train {args.timm_train} is not a file: see `--help` for where to get it")
+    s = Settings(
+        model=args.model, classes=args.classes, image_size=args.image_size, epochs=args.epochs,
+        batch_size=args.batch_size, workers=args.workers, lr=args.lr, weight_decay=args.weight_decay,
+    )  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYWDS_"))}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", NO_COLOR="1")
+    with tempfile.TemporaryDirectory(prefix="rwft-", dir="/tmp") as tmp:
+        work = args.keep or Path(tmp)
+        count = make_tree(args.images, work / "tree", args.classes, args.train_variants, args.val_variants)
+        shards = work / "shards"
+        subprocess.run([str(RAYWDS), "convert", str(work / "tree"), str(shards), "--maxcount", "100"], check=True)
+        weights = work / f"{args.model}-{args.classes}.safetensors"
+        write_weights(args.model, args.classes, weights)
+        print(f"{count} train images, {args.classes} classes, {os.cpu_count()} CPUs; {args.model} at {args.image_size} px")
+        runs: dict[str, list[Run]] = {"raywds": [], "timm": []}
+        for r in range(args.rounds):
+            for tool in ("raywds", "timm") if r % 2 == 0 else ("timm", "raywds"):
+                out = work / f"{tool}-{r}"
+                out.mkdir(parents=True)
+                if tool == "raywds":
+                    run = run_raywds(shards, weights, s, out, env)
+                else:
+                    run = run_timm(args.timm_train, shards, weights, s, out, env)
+                runs[tool].append(run)
+                print(
+                    f"  round {r + 1} {tool:6s}: train {run.train_rate():6.1f} img/s, run {run.run_rate():6.1f} img/s"
+                    f" ({run.wall:.1f} s), top-1 {run.top1:.3f}, epochs' samples {run.samples}, "
+                    + ", ".join(f"{k} {v:.3g}" for k, v in run.notes.items())
+                )
+        report(runs, args.epochs)
+
+
+def report(runs: dict[str, list[Run]], epochs: int) -> None:
+    med = {
+        tool: (
+            statistics.median(r.train_rate() for r in rs),
+            statistics.median(r.run_rate() for r in rs),
+            statistics.median(r.wall for r in rs),
+            statistics.median(r.top1 for r in rs),
+        )
+        for tool, rs in runs.items()
+    }
+    print(f"\n| tool | train images/s (epochs 2-{epochs}) | run images/s | run seconds | val top-1 |")
+    print("|---|---|---|---|---|")
+    for tool, (train, whole, wall, top1) in med.items():
+        print(f"| {tool} | {train:.1f} | {whole:.1f} | {wall:.1f} | {top1:.3f} |")
+    ray, timm = med["raywds"], med["timm"]
+    print(
+        f"raywds / timm: train images/s {ray[0] / timm[0]:.2f}x (goal >= 1.5x), run images/s {ray[1] / timm[1]:.2f}x,"
+        f" top-1 {ray[3]:.3f} against {timm[3]:.3f}; per round: "
+        + ", ".join(f"{a.train_rate() / b.train_rate():.2f}x" for a, b in zip(runs["raywds"], runs["timm"]))
+    )
+
+
+if __name__ == "__main__":
+    main()
