@@ -58,7 +58,6 @@ import random
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -75,6 +74,47 @@ TIMM_STEP = re.compile(
 )
 """One of timm's training log lines: epoch, step, steps an epoch, the epoch's average step
 seconds so far (from the loop's start), its average data wait."""
+
+SHRINK_SITE = '''"""Written by benchmarks/finetune_bench.py: every model timm.create_model builds, in this
+interpreter, average-pools its input by FINETUNE_BENCH_SHRINK first (no tensors added)."""
+import importlib.abc, importlib.util, os, sys
+
+FACTOR = int(os.environ["FINETUNE_BENCH_SHRINK"])
+
+
+def _pooled(create):
+    def create_model(*args, **kwargs):
+        import torch.nn.functional as F
+
+        model = create(*args, **kwargs)
+        model.register_forward_pre_hook(lambda _m, inputs: (F.avg_pool2d(inputs[0], FACTOR), *inputs[1:]))
+        return model
+
+    return create_model
+
+
+class _AfterTimm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "timm":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.create_model = module.models.create_model = _pooled(module.models.create_model)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if FACTOR > 1:
+    sys.meta_path.insert(0, _AfterTimm())
+'''
+"""A sitecustomize.py for both tools' processes (PYTHONPATH): each timm model pools its input
+by --shrink before its first layer, so that the network's step on a 2-core CPU is no longer
+than the loader's batch, as on a GPU; the loaders still make and hand over the full crops."""
 
 
 @dataclass
@@ -168,6 +208,12 @@ class Settings:
     seed: int = 0
 
 
+STAGES = ("wait_s", "copy_s", "forward_s", "backward_s", "decode_s", "resize_s", "read_s")
+"""raywds's own account of an epoch (metrics.jsonl `stages`, rank 0): the training loop's wait
+for batches, the batch's copy and conversion, forward, backward; the loader workers' decode,
+resize and read seconds (summed over workers)."""
+
+
 def run_raywds(shards: Path, weights: Path, s: Settings, out: Path, env: dict[str, str]) -> Run:
     line = [
         str(RAYWDS), "train", "--data", str(shards), "--model", f"timm/{s.model}",
@@ -183,12 +229,12 @@ def run_raywds(shards: Path, weights: Path, s: Settings, out: Path, env: dict[st
     if len(epochs) != s.epochs:
         raise SystemExit(f"raywds wrote {len(epochs)} epoch rows for {s.epochs} epochs in {out / 'run'}")
     for row in epochs:
-        run.samples.append(int(row["samples"]))
-        run.seconds.append(float(row["samples"]) / float(row["images_per_s"]))
+        run.samples.append(int(row["train_samples"]))
+        run.seconds.append(float(row["stages"]["seconds"][0]))
     run.top1 = float(epochs[-1]["val_top1"])
-    for name, value in (epochs[-1].get("stages") or {}).items():
-        if isinstance(value, int | float):
-            run.notes[name] = float(value)
+    later = epochs[1:] or epochs
+    for name in STAGES:
+        run.notes[name] = statistics.median(float(row["stages"][name][0]) for row in later)
     return run
 
 
@@ -228,7 +274,8 @@ def main() -> None:
     parser.add_argument("--timm-train", type=Path, required=True, help="timm's train.py (see above)")
     parser.add_argument("--images", type=Path, default=ROOT.parent / "shared/data/imagenet-sample-100")
     parser.add_argument("--model", default="test_resnet", help="a timm model name (default %(default)s)")
-    parser.add_argument("--image-size", type=int, default=160)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--shrink", type=int, default=8, help="average-pool the crops by this before the network")
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--train-variants", type=int, default=10, help="training images a photo")
     parser.add_argument("--val-variants", type=int, default=2, help="validation images a photo")
@@ -246,16 +293,24 @@ def main() -> None:
         model=args.model, classes=args.classes, image_size=args.image_size, epochs=args.epochs,
         batch_size=args.batch_size, workers=args.workers, lr=args.lr, weight_decay=args.weight_decay,
     )  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYWDS_"))}
-    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", NO_COLOR="1")
     with tempfile.TemporaryDirectory(prefix="rwft-", dir="/tmp") as tmp:
         work = args.keep or Path(tmp)
+        (work / "site").mkdir(parents=True)
+        (work / "site" / "sitecustomize.py").write_text(SHRINK_SITE)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYWDS_"))}
+        env.update(
+            PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", FINETUNE_BENCH_SHRINK=str(args.shrink),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(work / "site"), os.environ.get("PYTHONPATH")])),
+        )  # fmt: skip
         count = make_tree(args.images, work / "tree", args.classes, args.train_variants, args.val_variants)
         shards = work / "shards"
         subprocess.run([str(RAYWDS), "convert", str(work / "tree"), str(shards), "--maxcount", "100"], check=True)
         weights = work / f"{args.model}-{args.classes}.safetensors"
         write_weights(args.model, args.classes, weights)
-        print(f"{count} train images, {args.classes} classes, {os.cpu_count()} CPUs; {args.model} at {args.image_size} px")
+        print(
+            f"{count} train images, {args.classes} classes, {os.cpu_count()} CPUs; {args.model},"
+            f" {args.image_size} px crops pooled by {args.shrink}"
+        )
         runs: dict[str, list[Run]] = {"raywds": [], "timm": []}
         for r in range(args.rounds):
             for tool in ("raywds", "timm") if r % 2 == 0 else ("timm", "raywds"):

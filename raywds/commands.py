@@ -23,6 +23,8 @@ from raywds.options import (
     ConvertWhere,
     DemoOptions,
     DoctorOptions,
+    EvaluateOptions,
+    ExportOptions,
     IndexWhere,
     PlanConfig,
     PlanOptions,
@@ -292,6 +294,44 @@ def cmd_ray(source: Source, training: Training, ray: RayOptions) -> None:
     print(summary(run.metrics))
 
 
+def cmd_evaluate(options: EvaluateOptions, reading: Training) -> None:
+    from raywds.infer.evaluation import reading_config
+    from raywds.infer.scorecard import FILES, check_out, default_out, summary_line, write
+    from raywds.models.trained import load_trained
+
+    out = Path(options.out) if options.out else default_out(options.model, options.split)
+    check_out(out)
+    trained = load_trained(options.model)
+    cfg = reading_config(trained, options.data, reading.given)
+    if options.ray:
+        from raywds.launch.ray_evaluation import evaluate_on_ray
+
+        scored = evaluate_on_ray(
+            trained, cfg, split=options.split, ema=options.ema, address=options.address, num_workers=options.num_workers
+        )
+    else:
+        from raywds.launch.evaluation import evaluate_local
+
+        scored = evaluate_local(trained, cfg, split=options.split, ema=options.ema)
+    if scored is None:  # a torchrun rank but the first: rank 0 writes and says
+        return
+    write(scored, model=options.model, out=out)
+    print(
+        f"raywds: {scored.model_source} on {sum(scored.per_rank)} {options.split} samples of {options.data} "
+        f"({len(scored.per_rank)} rank(s))  wrote {out}/ {', '.join(FILES)}  ({scored.seconds:.0f} s)"
+    )
+    print(summary_line(scored))
+
+
+def cmd_export(options: ExportOptions) -> None:
+    from raywds.models.export import export_model
+    from raywds.models.onnxfile import CheckImages
+
+    check = CheckImages(options.data, options.s3_endpoint, options.check_images) if options.onnx else None
+    exported = export_model(options.model, Path(options.out), ema=options.ema, force=options.force, onnx=check)
+    print("\n".join(exported.lines()))
+
+
 COMMANDS: dict[str, Callable[..., None]] = {
     "demo": cmd_demo,
     "convert": cmd_convert,
@@ -305,5 +345,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "doctor": cmd_doctor,
     "train": cmd_train,
     "ray": cmd_ray,
+    "evaluate": cmd_evaluate,
+    "export": cmd_export,
 }
 """Each command, taking the objects raywds.cli.command_options makes of its flags."""

@@ -182,6 +182,72 @@ class DoctorOptions(RunOptions):
     """The epoch to look at, from 1 (default: the last)."""
 
 
+SplitName = Literal["val", "train"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateOptions:
+    model: str = field(metadata=flag(positional=True, form=PATH))
+    """The trained model: a run folder (its checkpoint.pt), a checkpoint file, or an export folder."""
+    data: str = field(metadata=flag(form=SHARDS))
+    """Shards, as `raywds train --data` names them: a folder, manifest.json, an http(s) URL, an s3:// or gs://
+    prefix, a brace list, a glob or a pipe: template (indexed once on first use)."""
+    split: SplitName = "val"
+    """The split to score: every one of its samples exactly once."""
+    out: str | None = field(default=None, metadata=flag(form=PATH))
+    """Folder for metrics.json, per_class.csv, confusion.csv and confused.png (default: evaluation-SPLIT in
+    MODEL's folder, or beside a checkpoint file)."""
+    ema: bool = False
+    """Score the --model-ema average the checkpoint or export holds, alone (by default the weights are scored,
+    and the average beside them where there is one)."""
+    ray: bool = False
+    """Score with Ray tasks on the cluster (--address, RAY_ADDRESS, a running `ray start`, else a local one),
+    one a GPU; the shards must be where every node reads them."""
+    address: str | None = field(default=None, metadata=flag(form=ADDRESS))
+    """With --ray: the Ray cluster's address."""
+    num_workers: int | None = field(default=None, metadata=flag(minimum=1, maximum=100_000))
+    """With --ray: tasks (ranks) to score with (default: one a GPU of the cluster; 2 without GPUs)."""
+
+
+EVALUATE_FIELDS = (
+    "val_data",
+    "index_cache",
+    "shards_at",
+    "s3_endpoint",
+    "batch_size",
+    "loader_workers",
+    "decode",
+    "precision",
+    "cache_dir",
+    "read_timeout",
+    "read_retries",
+    "verify_hashes",
+    "loader_timeout",
+    "pg_timeout",
+)
+"""The TrainConfig fields `raywds evaluate` takes: how the shards are found and read, as in training."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions(S3Endpoint):
+    model: str = field(metadata=flag(positional=True, form=PATH))
+    """The trained model: a run folder (its checkpoint.pt), RUN/best, a checkpoint file, or an export folder."""
+    out: str = field(metadata=flag(form=PATH))
+    """The export's folder: model.safetensors, model.json (and model_ema.safetensors, config.json, model.onnx)."""
+    ema: bool = False
+    """Export the --model-ema average as model.safetensors, alone (by default the weights, with the average beside
+    them as model_ema.safetensors where the run kept one)."""
+    onnx: bool = False
+    """Also write model.onnx (dynamic batch axis), kept only when onnxruntime's logits on validation images are
+    within 1e-3 of the model's, with every top-1 the same (else model.onnx.rejected, exit 1)."""
+    data: str | None = field(default=None, metadata=flag(form=SHARDS))
+    """--onnx: shards with a val split to check on (default: the run's own --data)."""
+    check_images: int = field(default=128, metadata=flag(minimum=1, maximum=10**7))
+    """--onnx: check on the val split's first this many images."""
+    force: bool = False
+    """Replace an export already in --out (a folder holding anything else is never replaced)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Source:
     data: str | None = field(default=None, metadata=flag(exclusive="source", form=SHARDS))
@@ -312,5 +378,15 @@ COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
         "train with a Ray Train TorchTrainer on the cluster (one worker per GPU)",
         # A Ray run's folder is under --storage-path.
         (Flags(Source), dataclasses.replace(TRAINING, skip=("out",)), Flags(RayOptions)),
+    ),
+    "evaluate": (
+        "score a trained model on a split (top-1, top-5, loss, per class, confusion): every sample once, in "
+        "this process, under torchrun or with --ray",
+        (Flags(EvaluateOptions), dataclasses.replace(TRAINING, only=EVALUATE_FIELDS)),
+    ),
+    "export": (
+        "write a trained model as model.safetensors + model.json (timm's layout for timm models), and with --onnx "
+        "an ONNX file checked against onnxruntime",
+        (Flags(ExportOptions),),
     ),
 }

@@ -370,7 +370,7 @@ def embedded_servers_stop_at_once() -> Iterator[None]:
         yield
 
 
-FORKSERVER_USERS = {"test_train.py", "test_loader.py", "test_faults.py"}
+FORKSERVER_USERS = {"test_train.py", "test_loader.py", "test_faults.py", "test_evaluation.py"}
 """Test modules that start ranks or distributed loaders from this process's fork server."""
 
 

@@ -295,16 +295,18 @@ def split_slots(manifest: Manifest, split: str, num_slots: int) -> list[list[Sha
     return deal(list(manifest.shards(split)), num_slots)
 
 
-def val_loader(manifest: Manifest, cfg: LoaderConfig, world: World, pool: Pool | None = None) -> Iterable[Batch]:
-    """This rank's share of the validation split: every sample once across ranks, no padding
-    (`pool`: as train_loader's)."""
+def val_loader(
+    manifest: Manifest, cfg: LoaderConfig, world: World, pool: Pool | None = None, *, split: str = "val"
+) -> Iterable[Batch]:
+    """This rank's share of the validation split (or of `split`, read as validation reads: `raywds
+    evaluate --split train`): every sample once across ranks, no padding (`pool`: as train_loader's)."""
     workers = cfg.slots
-    slots = split_slots(manifest, "val", world.world_size * workers)
+    slots = split_slots(manifest, split, world.world_size * workers)
     mine = slots[world.rank * workers : (world.rank + 1) * workers]
     urls = [[manifest.url(s) for s in slot] for slot in mine]
     skips, where = Skips(cfg.read_policy(skip_unreadable=False)), Whereabouts()
     names = {s.name for slot in mine for s in slot}
-    stages = _read_stages(bind(worker_urls, urls, world.rank), manifest, "val", cfg, skips, where, names)
+    stages = _read_stages(bind(worker_urls, urls, world.rank), manifest, split, cfg, skips, where, names)
     decode = val_decoder(cfg)
     return _loader(
         stages, decode, cfg.validating, world, where, partial=True, skips=skips, labels=labels_of(manifest), pool=pool

@@ -19,11 +19,16 @@ from torch import nn
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError, StorageError
 from raywds.models.sources import parse_model
+from raywds.models.weights import sha256_of
+from raywds.runs.files import CHECKPOINT
 
 EXPORT_JSON = "model.json"
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_EMA = "model_ema.safetensors"
 EXPORT_FORMAT = "raywds-export"
+EXPORT_VERSION = 1
+"""model.json's format version (raywds.models.export writes it); a later one is refused."""
+MODEL_IS = "give a run folder, RUN/best, a checkpoint.pt or an export folder (model.json, model.safetensors)"
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,11 @@ def load_trained(where: str) -> Trained:
     path = Path(where)
     if (path / EXPORT_JSON).is_file():
         return _export(path)
+    if path.suffix == ".onnx":
+        raise ConfigError(f"{where} is an ONNX file, which raywds does not run: {MODEL_IS}")
+    if not path.exists() or (path.is_dir() and not (path / CHECKPOINT).is_file()):
+        what = "holds neither checkpoint.pt nor model.json" if path.is_dir() else "does not exist"
+        raise ConfigError(f"{where} is not a raywds run, checkpoint or export: it {what}; {MODEL_IS}")
     from raywds.runs.checkpoint import load_checkpoint
 
     state = load_checkpoint(where)
@@ -123,13 +133,23 @@ def _export(folder: Path) -> Trained:
 
     try:
         meta = json.loads((folder / EXPORT_JSON).read_text())
+        if not isinstance(meta, dict) or not {"model", "classes", "inputs"} <= set(meta):
+            raise ValueError("no model, classes or inputs in it")
     except (OSError, ValueError) as e:
         raise StorageError(f"export {folder}: {EXPORT_JSON} is damaged ({e})") from None
     if meta.get("format") != EXPORT_FORMAT:
         raise StorageError(f"export {folder}: {EXPORT_JSON} is not a raywds export (format {meta.get('format')!r})")
+    if not isinstance(meta.get("version", 1), int) or meta.get("version", 1) > EXPORT_VERSION:
+        raise StorageError(
+            f"export {folder}: {EXPORT_JSON} is format version {meta.get('version')!r}, and this raywds reads up to "
+            f"{EXPORT_VERSION}: upgrade raywds"
+        )
 
     def weights(name: str) -> dict[str, torch.Tensor]:
+        said = (meta.get("files") or {}).get(name, {}).get("sha256")
         try:
+            if said is not None and sha256_of(folder / name) != said:
+                raise ValueError(f"its sha256 is not the {said[:12]}... {EXPORT_JSON} gives; export again")
             return dict(load_file(str(folder / name)))
         except (SafetensorError, OSError, ValueError) as e:
             raise StorageError(f"export {folder}: {name} is damaged or missing ({e})") from None

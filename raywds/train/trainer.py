@@ -136,25 +136,34 @@ class Trainer:
         return self.metrics
 
     def start_run(self) -> None:
-        """Plan the first epoch and hand it to the loader, then start the run folder: the data, the
-        model, the resume checkpoint and the plan are in hand, so a run refused by any of them has
-        written nothing into --out (raywds.runs.folder)."""
-        if self.keeper.progress.epoch < self.cfg.epochs:
-            self.upcoming = self.begin(self.keeper.progress.epoch)
+        """Plan the first epoch, start the run folder, then hand the epoch to the loader: the data,
+        the model, the resume checkpoint and the plan are in hand before the folder's first write,
+        so a run refused by any of them has written nothing into --out (raywds.runs.folder)."""
+        index = self.keeper.progress.epoch
+        first = self.plan(index) if index < self.cfg.epochs else None
         if self.run_dir is not None:
             self.run_dir.start(self.workers.asked, self.tracking_ids)
             if self.started.weights is not None:  # where the weights came from, beside the config
                 self.run_dir.note("weights", json.dumps(self.started.record()))
+        if first is not None:
+            self.upcoming = first, self.hand(first)
 
-    def begin(self, index: int) -> tuple[Epoch, EpochLoader]:
-        """Plan epoch `index` and hand it to the loader (its workers start making its batches)."""
+    def plan(self, index: int) -> Epoch:
+        """Plan epoch `index`; a plan that would hang is refused here."""
         self.cfg = cfg = self.workers.config(index)  # --loader-workers auto: the epoch's count, chosen now
         self.loader_cfg = LoaderConfig.of(cfg, index)
-        epoch = self.keeper.begin(index, cfg)
-        batches = self.loaders.train(
-            self.manifest, self.loader_cfg, self.world, epoch.plan, epoch=index, position=epoch.position
+        return self.keeper.begin(index, cfg)
+
+    def hand(self, epoch: Epoch) -> EpochLoader:
+        """Hand a planned epoch to the loader (its workers start making its batches)."""
+        return self.loaders.train(
+            self.manifest, self.loader_cfg, self.world, epoch.plan, epoch=epoch.index, position=epoch.position
         )
-        return epoch, batches
+
+    def begin(self, index: int) -> tuple[Epoch, EpochLoader]:
+        """Plan epoch `index` and hand it to the loader."""
+        epoch = self.plan(index)
+        return epoch, self.hand(epoch)
 
     def look_ahead(self, index: int) -> None:
         """Begin epoch `index` while the one before it validates and reports: its first batches

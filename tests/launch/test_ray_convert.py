@@ -82,6 +82,52 @@ def test_an_unreadable_image_under_strict_is_the_tasks_one_line_not_retried(
     assert "Traceback" not in err and not (tmp_path / "out" / "manifest.json").exists()
 
 
+KEEPS = "run the same command again: it keeps every shard written so far"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["timeout -s INT", "timeout -s TERM"])
+def test_a_driver_stopped_through_timeout_says_so_in_one_line_and_the_rerun_keeps_its_shards(
+    signum: int, tree: Path, tmp_path: Path, local_ray: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`timeout` signals the driver and then its process group, while the driver's tasks write
+    shards on the cluster: one line and 128 + the signal's number, not Ray's Check failure from a
+    cancel crossing a task's reply (SIGINT) nor its core worker's stack and abort (SIGTERM); the
+    run again keeps what was journalled and ends with the local converter's shards."""
+    import ray
+
+    here, there = tmp_path / "local", tmp_path / "ray"
+    convert(tree, here, ConvertOptions(maxcount=4, seed=4))
+    args = ["convert", str(tree), str(there), "--ray", "--maxcount", "4", "--seed", "4"]
+    address = ray.get_runtime_context().gcs_address  # this process's cluster (its token is in os.environ)
+    name = signal.Signals(signum).name
+    run = subprocess.Popen(
+        ["timeout", "--preserve-status", "-s", name[3:], "600", *RAYWDS, *args, "--address", address],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(journalled(there)) < 4 and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(run.pid, signal.SIGALRM)  # timeout's time is up: its signal to the driver, then to the group
+        err = run.communicate(timeout=60)[1]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 128 + signum, f"it finished before it was stopped:\n{err[-3000:]}"
+    assert [line for line in err.splitlines() if "INFO worker.py" not in line] == [
+        f"raywds: error: convert stopped on {name}: {KEEPS}"
+    ], err[-3000:]
+    kept = journalled(there)
+    assert 4 <= len(kept) < 43  # of 30 train and 13 val shards
+    assert main(args) == 0
+    assert f"kept {len(kept)} finished shards from an earlier run" in capsys.readouterr().out
+    same_dataset(here, there)
+
+
 def private_cluster(ray_temp: Path, **extra: str) -> dict[str, str]:
     """This process's environment (with the test bucket's AWS variables) for a CLI that starts a
     private local cluster, its token in `ray_temp`."""
@@ -117,7 +163,8 @@ def test_from_a_bucket_into_a_bucket_stopped_and_run_again_writes_every_shard_on
         time.sleep(0.1)
     first.send_signal(signal.SIGINT)
     output = first.communicate(timeout=60)[0]
-    assert first.returncode != 0, f"it finished before it was stopped:\n{output[-3000:]}"
+    assert first.returncode == 130, f"it finished before it was stopped:\n{output[-3000:]}"
+    assert output.splitlines()[-1] == f"raywds: error: convert stopped on SIGINT: {KEEPS}", output[-3000:]
     kept = journalled(staging)
     assert 4 <= len(kept) < 22, output[-3000:]
     listed = client.list_objects_v2(Bucket=s3.bucket, Prefix="ds/").get("Contents", [])

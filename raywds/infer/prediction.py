@@ -1,0 +1,251 @@
+"""`raywds predict`, one rank's share: the units (shards, or lists of a folder's files) dealt in
+order to every (rank, loader worker) slot as validation deals its shards (no shuffle, no padding:
+each key once at any world size), those whose part is already written left out, every sample
+centre-cropped as the model was validated, its top-k classes and softmax probabilities written
+with its key, unit by unit, as each unit's last sample is predicted (raywds.infer.parts).
+
+    tally, seconds = predict_here(Prediction(model="runs/local", data="shards/", out="preds"), {"batch_size": 32})
+    pyarrow.dataset.dataset("preds").to_table()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import partial as bind
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raywds.config import TrainConfig
+from raywds.errors import ConfigError
+from raywds.fields import PATH, SHARDS, flag
+from raywds.infer.evaluation import reading_config, with_workers
+from raywds.infer.inputs import Inputs, Unit, dealt, inputs_for
+from raywds.infer.parts import PART_FORMATS, Collector, Identity, Predictions
+from raywds.infer.samples import Marked, made
+from raywds.loader.decodings import decoding
+from raywds.loader.loader import Pass
+from raywds.loader.settings import LoaderConfig
+from raywds.loader.stages import Batch, val_decoder, worker_urls
+from raywds.loader.watch import Whereabouts
+from raywds.models.trained import Trained
+from raywds.train.compute import Compute
+from raywds.world import World
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What `raywds predict` predicts, with which model, and where it writes."""
+
+    model: str = field(metadata=flag(positional=True, form=PATH))
+    """A run folder (its checkpoint.pt), a checkpoint file, or an export folder (model.json + model.safetensors)."""
+    data: str = field(metadata=flag(form=SHARDS))
+    """Shards as a run's --data names them (a folder, manifest.json, a URL, an s3:// or gs:// prefix, a brace list, a
+    glob), or a folder of image files (each row's key: the file's path relative to it)."""
+    out: str = field(metadata=flag(form=PATH))
+    """Folder for the predictions: one part per shard (or per 256 files) and _predictions.json; run again into it,
+    a predict skips the parts already written."""
+    top_k: int = field(default=5, metadata=flag(minimum=1, maximum=100_000))
+    """Classes kept per sample, most probable first."""
+    format: Literal["parquet", "jsonl"] = "parquet"
+    """How each part is written."""
+    split: Literal["all", "train", "val"] = "all"
+    """Which of --data's splits to predict (all: every shard)."""
+
+    @classmethod
+    def of(cls, options: Any) -> Prediction:
+        """The fields of this class that `options` (a subclass's object) holds."""
+        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
+
+    def absolute(self) -> Prediction:
+        """With local paths absolute, for processes that run elsewhere (Ray's workers)."""
+        paths = {n: os.path.abspath(getattr(self, n)) for n in ("model", "out") if "://" not in getattr(self, n)}
+        if os.path.exists(self.data):
+            paths["data"] = os.path.abspath(self.data)
+        return dataclasses.replace(self, **paths)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What a predict did (summed over the ranks)."""
+
+    samples: int = 0
+    errors: int = 0
+    parts: int = 0
+    """Parts written by this predict."""
+    kept: int = 0
+    """Parts already written by an earlier one, left as they were."""
+
+    def plus(self, other: Tally) -> Tally:
+        return Tally(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+def weights_sha256(model: nn.Module) -> str:
+    """sha256 of a model's state dict: each tensor's name, dtype, shape and bytes, in order."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def load(job: Prediction) -> Trained:
+    """The trained model, refused in one line where --top-k exceeds its classes."""
+    from raywds.models.trained import load_trained  # here: where this module is imported, no model is read
+
+    trained = load_trained(job.model)
+    if job.top_k > len(trained.classes):
+        raise ConfigError(
+            f"--top-k {job.top_k} is more than the {len(trained.classes)} classes of {trained.source}: "
+            f"give --top-k {len(trained.classes)} or less"
+        )
+    return trained
+
+
+def identity(job: Prediction, inputs: Inputs, trained: Trained) -> Identity:
+    return Identity(
+        model_sha256=weights_sha256(trained.model),
+        model_source=trained.source,
+        data=inputs.location,
+        data_fingerprint=inputs.fingerprint,
+        split=inputs.split,
+        top_k=job.top_k,
+        part_format=job.format,
+        num_parts=len(inputs.units),
+        num_samples=sum(u.num_samples for u in inputs.units),
+    )
+
+
+@dataclass
+class Setup:
+    """What a predict's ranks (and its Ray Data driver) each work from."""
+
+    trained: Trained
+    cfg: TrainConfig
+    """How --data is read: the model's validation crop and normalisation, the reading flags."""
+    inputs: Inputs
+    folder: Predictions
+
+
+def set_up(job: Prediction, reading: Mapping[str, Any], world: World) -> Setup:
+    """The model, the reading config, the units and the --out folder (refused where it holds others')."""
+    trained = load(job)
+    cfg = with_workers(reading_config(trained, job.data, reading), world)
+    inputs = inputs_for(
+        job.data, split=job.split, s3_endpoint=cfg.s3_endpoint, index_cache=cfg.index_cache, shards_at=cfg.shards_at
+    )
+    folder = Predictions.open(Path(job.out), identity(job, inputs, trained), PART_FORMATS[job.format])
+    return Setup(trained, cfg, inputs, folder)
+
+
+def rank_units(inputs: Inputs, world: World, slots: int) -> list[list[Unit]]:
+    """This rank's slots of the deal of every unit (written or not: every rank deals the same)."""
+    dealt_slots = dealt(inputs.units, world.world_size * slots)
+    return dealt_slots[world.rank * slots : (world.rank + 1) * slots]
+
+
+def batches(inputs: Inputs, cfg: LoaderConfig, world: World, slots: list[list[Unit]]) -> Iterable[Batch]:
+    """The rank's batches over its slots' units, each sample with its key and id, bad ones kept."""
+    skips, where = Marked(cfg.read_policy(skip_unreadable=False)), Whereabouts()
+    names = {u.name for slot in slots for u in slot}
+    stages = [
+        bind(worker_urls, [[u.url for u in slot] for slot in slots], world.rank),
+        inputs.reading(names, cfg, skips.shards, where.note),
+    ]
+    build = bind(
+        made,
+        stages=stages,
+        decode=val_decoder(cfg),
+        skips=skips,
+        batch_size=cfg.batch_size,
+        size=cfg.val_crop_size,
+        fills=decoding(cfg.decode).fills,
+        labels=inputs.labels,
+    )
+    return Pass(build, cfg, world, where)
+
+
+@torch.no_grad()
+def scored(model: nn.Module, batch: Batch, compute: Compute, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's top-k class indices and their softmax probabilities (float32), on the CPU."""
+    images, _ = compute.inputs(batch.images, batch.labels)
+    with compute.autocast():
+        logits = model(images).float()
+    top = logits.softmax(dim=1).topk(top_k, dim=1)
+    return top.indices.cpu(), top.values.cpu()
+
+
+def predict_rank(job: Prediction, reading: Mapping[str, Any], world: World) -> Tally:
+    """This rank's share of the units, each written as one part once predicted whole."""
+    setup = set_up(job, reading, world)
+    folder, cfg = setup.folder, LoaderConfig.of(setup.cfg).validating
+    slots = rank_units(setup.inputs, world, cfg.slots)
+    todo = [[u for u in slot if not folder.done(u)] for slot in slots]
+    collector = Collector(setup.inputs.units, folder, setup.trained.classes)
+    for unit in (u for slot in todo for u in slot):
+        folder.clear_unfinished(unit)
+        collector.empty(unit)
+    compute = Compute.for_run(setup.cfg, world.device)
+    model = compute.model(setup.trained.model).eval()
+    for batch in batches(setup.inputs, cfg, world, todo) if any(todo) else ():
+        classes, probs = scored(model, batch, compute, job.top_k)
+        collector.add(batch, classes, probs)
+    collector.check_complete([u for slot in todo for u in slot])
+    kept = sum(map(len, slots)) - sum(map(len, todo))
+    return Tally(collector.samples, collector.errors, collector.written, kept)
+
+
+def summed(tally: Tally, world: World) -> Tally:
+    """Every rank's tally, summed (one all_reduce)."""
+    if not world.distributed:
+        return tally
+    counts = torch.tensor(dataclasses.astuple(tally), dtype=torch.float64, device=world.device)
+    dist.all_reduce(counts)
+    return Tally(*(int(c) for c in counts.tolist()))
+
+
+@contextlib.contextmanager
+def process_group(world: World, timeout_s: float) -> Iterator[None]:
+    """torchrun's ranks join one process group (for the counts at the end); one process needs none."""
+    if not world.distributed:
+        yield
+        return
+    cuda = world.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(world.local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def predict_here(job: Prediction, reading: Mapping[str, Any]) -> tuple[Tally, float] | None:
+    """Predict in this process, or as one rank of a torchrun job (`reading`: the reading flags given, as
+    TrainConfig names them); rank 0 gets the job's tally and seconds."""
+    world = World.from_env()
+    started = time.perf_counter()
+    with process_group(world, reading.get("pg_timeout") or TrainConfig.pg_timeout):
+        tally = summed(predict_rank(job, reading, world), world)
+    return (tally, time.perf_counter() - started) if world.is_main else None
+
+
+def summary(tally: Tally, out: str, seconds: float) -> str:
+    """The line a predict ends with."""
+    rate = tally.samples / seconds if seconds > 0 else 0.0
+    line = (
+        f"predicted {tally.samples} samples ({tally.errors} errors) in {tally.parts} parts into {out} "
+        f"({seconds:.1f} s, {rate:.0f} images/s)"
+    )
+    return line + (f"; {tally.kept} parts were already there" if tally.kept else "")
