@@ -28,6 +28,7 @@ from raywds.options import (
     IndexWhere,
     PlanConfig,
     PlanOptions,
+    PredictOptions,
     ReportOptions,
     ServeOptions,
     ShardsumOptions,
@@ -332,6 +333,22 @@ def cmd_export(options: ExportOptions) -> None:
     print("\n".join(exported.lines()))
 
 
+def cmd_predict(options: PredictOptions, reading: Training) -> None:
+    from raywds.infer.prediction import Tally, predict_here, summary
+    from raywds.infer.predictoptions import Prediction
+
+    job = Prediction.of(options)
+    done: tuple[Tally, float] | None
+    if options.ray:
+        from raywds.launch.ray_prediction import predict_on_ray
+
+        done = predict_on_ray(job, reading.given, options.data_plane, options.address, options.num_workers)
+    else:
+        done = predict_here(job, reading.given)
+    if done is not None:  # a torchrun rank but the first: rank 0 says
+        print(f"raywds: {summary(*done, options.out)}")
+
+
 COMMANDS: dict[str, Callable[..., None]] = {
     "demo": cmd_demo,
     "convert": cmd_convert,
@@ -347,5 +364,6 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "ray": cmd_ray,
     "evaluate": cmd_evaluate,
     "export": cmd_export,
+    "predict": cmd_predict,
 }
 """Each command, taking the objects raywds.cli.command_options makes of its flags."""

@@ -20,6 +20,7 @@ from raywds.config import MAX_EPOCHS, ModeName, S3Endpoint, TrainConfig, check_k
 from raywds.data.shardoptions import ConvertOptions, IndexOptions
 from raywds.errors import ConfigError
 from raywds.fields import ADDRESS, HOST, PATH, PLACE, SHARDS, TEXT, flag
+from raywds.infer.predictoptions import Prediction, PredictPlane
 from raywds.launch.rayoptions import RayOptions
 from raywds.recipes import RECIPES
 from raywds.serve import BACKENDS, ServerOptions
@@ -249,6 +250,27 @@ class ExportOptions(S3Endpoint):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PredictOptions(Prediction):
+    """What `raywds predict` predicts (raywds.infer.predictoptions.Prediction), and how it uses Ray."""
+
+    ray: bool = False
+    """Predict on the Ray cluster (--address, RAY_ADDRESS, a running `ray start`, else a local one); --data, MODEL
+    and --out must be where every node reads and writes them."""
+    address: str | None = field(default=None, metadata=flag(form=ADDRESS))
+    """With --ray: the Ray cluster's address."""
+    num_workers: int | None = field(default=None, metadata=flag(minimum=1, maximum=100_000))
+    """With --ray: ranks (--data-plane loader) or model replicas (--data-plane ray) (default: one a GPU of the
+    cluster; without GPUs, 2 ranks, or one replica per CPU less those left to read and decode)."""
+    data_plane: PredictPlane = "loader"
+    """With --ray: each rank reads and decodes with its own loader workers in a Ray Train worker (loader), or
+    Ray Data read tasks decode for a pool of model replicas (ray)."""
+
+
+PREDICT_FIELDS = tuple(name for name in EVALUATE_FIELDS if name != "val_data")
+"""The TrainConfig fields `raywds predict` takes: how the shards are found and read, as in training."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Source:
     data: str | None = field(default=None, metadata=flag(exclusive="source", form=SHARDS))
     """Shards: a folder, manifest.json, an http(s) URL a shard server serves, an s3:// or gs:// prefix, or
@@ -388,5 +410,10 @@ COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
         "write a trained model as model.safetensors + model.json (timm's layout for timm models), and with --onnx "
         "an ONNX file checked against onnxruntime",
         (Flags(ExportOptions),),
+    ),
+    "predict": (
+        "write a trained model's top-k classes for every sample, keyed, one part per shard: each key once, in this "
+        "process, under torchrun or with --ray; run again, it resumes",
+        (Flags(PredictOptions), dataclasses.replace(TRAINING, only=PREDICT_FIELDS)),
     ),
 }

@@ -96,6 +96,7 @@ def bases(tmp: Path) -> dict[str, list[str]]:
         "doctor": ["doctor", "<run_dir>"],
         "train": ["train", "--data", data, "--out", str(tmp / "run")],
         "ray": ["ray", "--data", data, "--storage-path", str(tmp / "ray")],
+        "export": ["export", "<model>", "--out", str(tmp / "export")],
     }
 
 

@@ -119,7 +119,7 @@ class Folder:
 
     def __init__(self, root: Path, files: list[str]):
         self.location, self.root, self.split = str(root), root, ALL
-        self.labels = Labels(Members(image=(IMAGE,), label="", label_keys=()))
+        self.labels: Labels | None = Labels(Members(image=(IMAGE,), label="", label_keys=()))
         self.files = {}
         self.units = []
         for n, start in enumerate(range(0, len(files), FILES_PER_UNIT)):

@@ -114,21 +114,26 @@ class Identity:
     num_parts: int
     num_samples: int
 
-    def differences(self, other: Identity) -> list[str]:
-        """What differs from `other`, in words, the model first."""
-        words = {
-            "model_sha256": "another model",
-            "data_fingerprint": "other data",
-            "split": "another --split",
-            "top_k": "another --top-k",
-            "part_format": "another --format",
-        }
-        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
-        return [
-            f"{said} ({theirs[name]}, not {mine[name]})" if name != "model_sha256" else f"{said} ({other.model_source})"
-            for name, said in words.items()
-            if mine[name] != theirs[name]
-        ]
+    def differences(self, held: Identity) -> list[str]:
+        """What this predict has that differs from the folder's `held`, in words, the model first."""
+        said = []
+        if self.model_sha256 != held.model_sha256:
+            said.append(
+                f"another model ({self.model_source}, weights {self.model_sha256[:12]}…, not {held.model_sha256[:12]}…)"
+            )
+        if self.data_fingerprint != held.data_fingerprint:
+            changed = self.data == held.data
+            said.append(
+                f"--data {self.data} " + ("changed since (names, counts or contents)" if changed else "(other data)")
+            )
+        for flag, mine, theirs in (
+            ("--split", self.split, held.split),
+            ("--top-k", self.top_k, held.top_k),
+            ("--format", self.part_format, held.part_format),
+        ):
+            if mine != theirs:
+                said.append(f"{flag} {mine} (the folder's: {theirs})")
+        return said
 
 
 def part_name(unit: Unit, part_format: PartFormat) -> str:
@@ -156,7 +161,7 @@ class Predictions:
             different = identity.differences(held)
             if different:
                 raise ConfigError(
-                    f"--out {out} holds predictions of {held.model_source} on {held.data}; this is "
+                    f"--out {out} holds predictions of {held.model_source} on {held.data}; this predict has "
                     f"{', '.join(different)}: give another --out (or remove that one) rather than mix them"
                 )
             return cls(out, identity, part_format)

@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial as bind
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,10 +27,10 @@ from torch import nn
 
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
-from raywds.fields import PATH, SHARDS, flag
 from raywds.infer.evaluation import reading_config, with_workers
 from raywds.infer.inputs import Inputs, Unit, dealt, inputs_for
 from raywds.infer.parts import PART_FORMATS, Collector, Identity, Predictions
+from raywds.infer.predictoptions import Prediction
 from raywds.infer.samples import Marked, made
 from raywds.loader.decodings import decoding
 from raywds.loader.loader import Pass
@@ -41,38 +40,6 @@ from raywds.loader.watch import Whereabouts
 from raywds.models.trained import Trained
 from raywds.train.compute import Compute
 from raywds.world import World
-
-
-@dataclass(frozen=True, kw_only=True)
-class Prediction:
-    """What `raywds predict` predicts, with which model, and where it writes."""
-
-    model: str = field(metadata=flag(positional=True, form=PATH))
-    """A run folder (its checkpoint.pt), a checkpoint file, or an export folder (model.json + model.safetensors)."""
-    data: str = field(metadata=flag(form=SHARDS))
-    """Shards as a run's --data names them (a folder, manifest.json, a URL, an s3:// or gs:// prefix, a brace list, a
-    glob), or a folder of image files (each row's key: the file's path relative to it)."""
-    out: str = field(metadata=flag(form=PATH))
-    """Folder for the predictions: one part per shard (or per 256 files) and _predictions.json; run again into it,
-    a predict skips the parts already written."""
-    top_k: int = field(default=5, metadata=flag(minimum=1, maximum=100_000))
-    """Classes kept per sample, most probable first."""
-    format: Literal["parquet", "jsonl"] = "parquet"
-    """How each part is written."""
-    split: Literal["all", "train", "val"] = "all"
-    """Which of --data's splits to predict (all: every shard)."""
-
-    @classmethod
-    def of(cls, options: Any) -> Prediction:
-        """The fields of this class that `options` (a subclass's object) holds."""
-        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
-
-    def absolute(self) -> Prediction:
-        """With local paths absolute, for processes that run elsewhere (Ray's workers)."""
-        paths = {n: os.path.abspath(getattr(self, n)) for n in ("model", "out") if "://" not in getattr(self, n)}
-        if os.path.exists(self.data):
-            paths["data"] = os.path.abspath(self.data)
-        return dataclasses.replace(self, **paths)
 
 
 @dataclass(frozen=True)
@@ -138,9 +105,10 @@ class Setup:
     folder: Predictions
 
 
-def set_up(job: Prediction, reading: Mapping[str, Any], world: World) -> Setup:
-    """The model, the reading config, the units and the --out folder (refused where it holds others')."""
-    trained = load(job)
+def set_up(job: Prediction, reading: Mapping[str, Any], world: World, trained: Trained | None = None) -> Setup:
+    """The model (`trained`, where the caller loaded it), the reading config, the units and the --out
+    folder (refused where it holds others')."""
+    trained = trained if trained is not None else load(job)
     cfg = with_workers(reading_config(trained, job.data, reading), world)
     inputs = inputs_for(
         job.data, split=job.split, s3_endpoint=cfg.s3_endpoint, index_cache=cfg.index_cache, shards_at=cfg.shards_at
@@ -186,9 +154,9 @@ def scored(model: nn.Module, batch: Batch, compute: Compute, top_k: int) -> tupl
     return top.indices.cpu(), top.values.cpu()
 
 
-def predict_rank(job: Prediction, reading: Mapping[str, Any], world: World) -> Tally:
+def predict_rank(job: Prediction, reading: Mapping[str, Any], world: World, trained: Trained | None = None) -> Tally:
     """This rank's share of the units, each written as one part once predicted whole."""
-    setup = set_up(job, reading, world)
+    setup = set_up(job, reading, world, trained)
     folder, cfg = setup.folder, LoaderConfig.of(setup.cfg).validating
     slots = rank_units(setup.inputs, world, cfg.slots)
     todo = [[u for u in slot if not folder.done(u)] for slot in slots]
@@ -241,7 +209,7 @@ def predict_here(job: Prediction, reading: Mapping[str, Any]) -> tuple[Tally, fl
     return (tally, time.perf_counter() - started) if world.is_main else None
 
 
-def summary(tally: Tally, out: str, seconds: float) -> str:
+def summary(tally: Tally, seconds: float, out: str) -> str:
     """The line a predict ends with."""
     rate = tally.samples / seconds if seconds > 0 else 0.0
     line = (

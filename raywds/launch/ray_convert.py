@@ -103,31 +103,35 @@ def _result(ref: Any, job: ShardJob) -> dict[str, Any]:
 
 
 def _connect(address: str | None) -> None:
-    """cluster.connect, SIGINT held while it connects, and SIGINT and SIGTERM handled afterwards
-    as before it (by raywds's CLI: one line, exit 130 or 143). ray.init sets the driver's SIGTERM
-    handlers: its own (exit 15), and its core worker's, which prints a C++ stack and aborts. A
-    KeyboardInterrupt inside ray.init leaves a traceback from its shutdown at exit; a second SIGINT
-    while it connects stops it there all the same."""
+    """cluster.connect, SIGINT held until Ray has connected, then SIGINT and SIGTERM handled as
+    before it (under raywds's CLI: one line, exit 130 or 143). ray.init takes the driver's SIGTERM:
+    its own handler exits with code 15 (taken here for the one from before), its core worker's
+    prints a C++ stack and aborts. A KeyboardInterrupt inside ray.init leaves a traceback from
+    Ray's shutdown at exit; a second SIGINT while Ray connects stops it there all the same."""
     if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
         cluster.connect(address, training=False)
         return
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     got: list[int] = []
 
     def hold(signum: int, frame: Any) -> None:
-        if got and callable(before[signum]):
-            before[signum](signum, frame)
         got.append(signum)
+        if len(got) > 1 and callable(sigint):
+            sigint(signum, frame)
 
-    if callable(before[signal.SIGINT]):
+    if callable(sigint):
         signal.signal(signal.SIGINT, hold)
     try:
         cluster.connect(address, training=False)
+    except SystemExit as e:  # SIGTERM to ray.init's own handler while it starts
+        if e.code != signal.SIGTERM or not callable(sigterm):
+            raise
+        sigterm(signal.SIGTERM, None)
     finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-    if got and callable(before[signal.SIGINT]):
-        before[signal.SIGINT](got[0], None)
+        signal.signal(signal.SIGINT, sigint if sigint is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, sigterm if sigterm is not None else signal.SIG_DFL)
+    if got and callable(sigint):
+        sigint(signal.SIGINT, None)
 
 
 def convert_on_ray(

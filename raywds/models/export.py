@@ -29,11 +29,26 @@ from torch import nn
 
 import raywds
 from raywds.errors import ConfigError, RaywdsError, StorageError
-from raywds.models.onnxfile import CheckImages, OnnxCheck, check_config, check_manifest, check_onnx, need_onnx
-from raywds.models.onnxfile import validation_images, write_onnx
+from raywds.models.onnxfile import (
+    CheckImages,
+    OnnxCheck,
+    check_config,
+    check_manifest,
+    check_onnx,
+    need_onnx,
+    validation_images,
+    write_onnx,
+)
 from raywds.models.sources import Timm, parse_model
-from raywds.models.trained import EXPORT_EMA, EXPORT_FORMAT, EXPORT_JSON, EXPORT_VERSION, EXPORT_WEIGHTS, Trained
-from raywds.models.trained import load_trained
+from raywds.models.trained import (
+    EXPORT_EMA,
+    EXPORT_FORMAT,
+    EXPORT_JSON,
+    EXPORT_VERSION,
+    EXPORT_WEIGHTS,
+    Trained,
+    load_trained,
+)
 from raywds.models.weights import sha256_of
 
 log = logging.getLogger(__name__)
@@ -75,7 +90,9 @@ def export_model(
     trained = load_trained(model)
     module = trained.ema if ema else trained.model
     if module is None:
-        raise ConfigError(f"--ema: {trained.source} holds no --model-ema average beside its weights; export without --ema")
+        raise ConfigError(
+            f"--ema: {trained.source} holds no --model-ema average beside its weights; export without --ema"
+        )
     if onnx is not None:  # the data is found before anything is written
         cfg = check_config(trained, onnx)
         manifest = check_manifest(cfg, given=onnx.data is not None)

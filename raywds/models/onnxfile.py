@@ -10,7 +10,6 @@ normalised as raywds validates, and its logits are compared with the model's.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import warnings
@@ -102,8 +101,10 @@ def check_config(trained: Trained, images: CheckImages) -> TrainConfig:
     validation inputs, read in this process."""
     saved = trained.config
     if images.data is None and not saved.get("data"):
-        raise ConfigError(f"--onnx checks the ONNX file on validation images, and {trained.source} names no data: "
-                          "give --data SHARDS with a val split")
+        raise ConfigError(
+            f"--onnx checks the ONNX file on validation images, and {trained.source} names no data: "
+            "give --data SHARDS with a val split"
+        )
     where = {"data": images.data} if images.data else {k: saved.get(k) for k in ("data", "val_data", "shards_at")}
     inputs = trained.inputs
     return TrainConfig(
@@ -129,11 +130,14 @@ def check_manifest(cfg: TrainConfig, given: bool) -> Any:
     except RaywdsError as e:
         if given:
             raise
-        raise type(e)(f"--onnx checks on the run's validation images, which cannot be read ({e}); "
-                      "give --data SHARDS with a val split") from None
+        raise type(e)(
+            f"--onnx checks on the run's validation images, which cannot be read ({e}); "
+            "give --data SHARDS with a val split"
+        ) from None
     if not manifest.shards("val"):
-        raise ConfigError(f"--onnx checks on validation images, and {cfg.data} has no val split: "
-                          "give --data SHARDS with one")
+        raise ConfigError(
+            f"--onnx checks on validation images, and {cfg.data} has no val split: give --data SHARDS with one"
+        )
     return manifest
 
 
@@ -148,13 +152,18 @@ def validation_images(manifest: Any, cfg: TrainConfig, count: int) -> Iterator[t
     mean_255 = torch.tensor([m * 255 for m in mean]).view(1, 3, 1, 1)
     std_255 = torch.tensor([s * 255 for s in std]).view(1, 3, 1, 1)
     left = count
-    with contextlib.closing(iter(val_loader(manifest, LoaderConfig.of(cfg), World()))) as batches:
+    batches = iter(val_loader(manifest, LoaderConfig.of(cfg), World()))
+    try:
         for batch in batches:
+            if not isinstance(batch.images, torch.Tensor):  # cfg.decode is "cpu": decoded in the loader
+                raise ConfigError(f"the check's loader gave {type(batch.images).__name__}, not decoded images")
             images = batch.images[:left]
             yield (images.float() - mean_255) / std_255
             left -= len(images)
             if left <= 0:
                 return
+    finally:
+        getattr(batches, "close", lambda: None)()  # the loader's workers stop, read to the end or not
 
 
 def write_onnx(model: nn.Module, path: Path, crop: int) -> dict[str, Any]:
@@ -182,8 +191,7 @@ def write_onnx(model: nn.Module, path: Path, crop: int) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001  # the exporter raises many kinds; each is one line here
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise RaywdsError(
-            f"torch.onnx.export (torch {torch.__version__}) could not export this model: {first}; "
-            "export without --onnx"
+            f"torch.onnx.export (torch {torch.__version__}) could not export this model: {first}; export without --onnx"
         ) from None
     import onnx
 

@@ -76,7 +76,7 @@ class CheckpointRow(TypedDict):
     epoch_samples_done: NotRequired[int]
     """Samples of the epoch trained, on every rank (raywds train; the Lightning example leaves it out)."""
     reason: NotRequired[str]
-    """A checkpoint taken on a notice: `preemption` (Ray's) or `sigterm` (raywds.train.notice)."""
+    """A checkpoint taken on a notice: `preemption` (Ray's), `sigterm` or `sigint` (raywds.train.notice)."""
     deadline: NotRequired[float | None]
     """When the notice said the node or process goes (Unix seconds)."""
     nodes: NotRequired[list[str]]

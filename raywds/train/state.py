@@ -66,6 +66,11 @@ def restore(
     Shards an append added after the checkpoint's are trained on from the next epoch that starts
     (EpochKeeper.grew)."""
     manifest = keeper.manifest
+    saved_model = (state.get("config") or {}).get("model")
+    if started is not None and saved_model and saved_model != str(started.name):
+        raise ConfigError(
+            f"the checkpoint was trained as --model {saved_model}, not {started.name}: resume with --model {saved_model}"
+        )
     before = grown(state["shards"], manifest)
     if state["classes"] != manifest.classes:
         saved = state["classes"]

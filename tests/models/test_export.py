@@ -12,6 +12,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -24,13 +25,22 @@ from support.runs import small_config
 
 import raywds
 from raywds.cli import main
+from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError, StorageError
 from raywds.launch.local import run_local
 from raywds.models import export as export_module
-from raywds.models.export import OnnxRejected, export_model
-from raywds.models.onnxfile import EXAMPLE_BATCH, TOLERANCE, CheckImages, check_config, check_onnx, validation_images
-from raywds.models.trained import Inputs, load_trained
+from raywds.models.export import export_model
+from raywds.models.onnxfile import (
+    EXAMPLE_BATCH,
+    TOLERANCE,
+    CheckImages,
+    check_config,
+    check_manifest,
+    check_onnx,
+    validation_images,
+)
+from raywds.models.trained import Inputs, Trained, load_trained
 from raywds.runs.checkpoint import load_checkpoint
 
 CLI_LINE = "raywds: exported demo (10 classes) to {out}: model.safetensors, model_ema.safetensors, model.json"
@@ -159,11 +169,11 @@ def test_the_onnx_file_agrees_with_the_model_on_the_runs_validation_images(
     run: Path, with_onnx: tuple[Path, list[str]]
 ) -> None:
     out, said = with_onnx
+    check = json.loads((out / "model.json").read_text())["onnx"]["check"]
     assert said[1] == (
-        f"raywds: onnx: max |logit difference| {json.loads((out / 'model.json').read_text())['onnx']['check']['max_abs_diff']:.2g}, "
+        f"raywds: onnx: max |logit difference| {check['max_abs_diff']:.2g}, "
         "top-1 agreement 50/50 (1.000) on 50 validation images"
     )
-    check = json.loads((out / "model.json").read_text())["onnx"]["check"]
     assert check["batch_sizes"] == [32, 18] and EXAMPLE_BATCH not in check["batch_sizes"]  # the dynamic axis ran
     assert check["passed"] and check["max_abs_diff"] <= TOLERANCE
     session = onnxruntime.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
@@ -177,10 +187,9 @@ def test_the_onnx_file_agrees_with_the_model_on_the_runs_validation_images(
         assert got.shape == (size, 10) and np.abs(got - expected).max() < 1e-4
 
 
-def _data(trained: object) -> tuple[object, object]:
-    from raywds.models.onnxfile import check_manifest
-
-    cfg = check_config(trained, CheckImages())  # type: ignore[arg-type]
+def _data(trained: Trained) -> tuple[Any, TrainConfig]:
+    """The run's val split, as the check reads it."""
+    cfg = check_config(trained, CheckImages())
     return check_manifest(cfg, given=False), cfg
 
 
@@ -195,28 +204,34 @@ def _one_weight_changed(path: Path, into: Path, name: str = "head.2.bias", by: f
     return into
 
 
-def test_the_check_refuses_an_onnx_file_with_one_wrong_weight(with_onnx: tuple[Path, list[str]], tmp_path: Path) -> None:
+def test_the_check_refuses_an_onnx_file_with_one_wrong_weight(
+    with_onnx: tuple[Path, list[str]], tmp_path: Path
+) -> None:
     """One class's bias moved by 0.01: each image's logit for it is 0.01 off, ten times the tolerance."""
     out, _ = with_onnx
     trained = load_trained(str(out))
     good = check_onnx(out / "model.onnx", trained.model, validation_images(*_data(trained), 50))
     bad = check_onnx(
-        _one_weight_changed(out / "model.onnx", tmp_path / "bad.onnx"), trained.model, validation_images(*_data(trained), 50)
+        _one_weight_changed(out / "model.onnx", tmp_path / "bad.onnx"),
+        trained.model,
+        validation_images(*_data(trained), 50),
     )
     assert good.passed and good.images == bad.images == 50
     assert not bad.passed and bad.max_diff == pytest.approx(0.01, rel=1e-3)
 
 
 def test_an_export_whose_onnx_file_fails_the_check_keeps_it_aside_and_exits_1(
-    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raywds_cli: Callable[..., tuple]
+    run: Path,
+    with_onnx: tuple[Path, list[str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    raywds_cli: Callable[..., tuple],
 ) -> None:
-    """torch.onnx's file as it is written, then one weight in it wrong: as a faulty exporter writes it."""
-    real = export_module.write_onnx
+    """An exporter that writes torch.onnx's file for this model with one weight wrong."""
 
     def faulty(model: torch.nn.Module, path: Path, crop: int) -> dict:
-        about = real(model, path, crop)
-        _one_weight_changed(path, path, by=1.0)
-        return about
+        _one_weight_changed(with_onnx[0] / "model.onnx", path, by=1.0)
+        return {"opset": 20}
 
     monkeypatch.setattr(export_module, "write_onnx", faulty)
     out = tmp_path / "out"
@@ -244,7 +259,7 @@ def test_onnx_data_that_cannot_be_read_is_one_line_before_anything_is_written(
     run: Path, tmp_path: Path, raywds_cli: Callable[..., tuple]
 ) -> None:
     code, _, err = raywds_cli(str(run), "--out", str(tmp_path / "out"), "--onnx", "--data", str(tmp_path / "none"))
-    assert code == 1 and err.startswith(f"raywds: error: ") and str(tmp_path / "none") in err
+    assert code == 1 and err.startswith("raywds: error: ") and str(tmp_path / "none") in err
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []
 
 
@@ -285,8 +300,8 @@ def test_a_damaged_export_is_one_line(run: Path, tmp_path: Path, raywds_cli: Cal
         load_trained(str(weights_cut))
     with pytest.raises(
         StorageError,
-        match=rf"^export {flipped}: model_ema.safetensors is damaged or missing \(its sha256 is not the [0-9a-f]{{12}}\.\.\. "
-        r"model.json gives; export again\)$",
+        match=rf"^export {flipped}: model_ema.safetensors is damaged or missing "
+        r"\(its sha256 is not the [0-9a-f]{12}\.\.\. model.json gives; export again\)$",
     ):
         load_trained(str(flipped))
     with pytest.raises(StorageError, match=r"is format version 2, and this raywds reads up to 1: upgrade raywds$"):
@@ -309,12 +324,20 @@ def test_a_model_that_is_not_a_raywds_run_is_one_line(
     torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
     onnx_file = with_onnx[0] / "model.onnx"
     for model, line in [
-        (tmp_path / "photos", f"{tmp_path / 'photos'} is not a raywds run, checkpoint or export: it holds neither "
-         f"checkpoint.pt nor model.json; {model_is}"),
-        (tmp_path / "nowhere", f"{tmp_path / 'nowhere'} is not a raywds run, checkpoint or export: it does not "
-         f"exist; {model_is}"),
+        (
+            tmp_path / "photos",
+            f"{tmp_path / 'photos'} is not a raywds run, checkpoint or export: it holds neither "
+            f"checkpoint.pt nor model.json; {model_is}",
+        ),
+        (
+            tmp_path / "nowhere",
+            f"{tmp_path / 'nowhere'} is not a raywds run, checkpoint or export: it does not exist; {model_is}",
+        ),
         (onnx_file, f"{onnx_file} is an ONNX file, which raywds does not run: {model_is}"),
-        (tmp_path / "other.pt", f"checkpoint {tmp_path / 'other.pt'} is not a raywds checkpoint (no model state in it)"),
+        (
+            tmp_path / "other.pt",
+            f"checkpoint {tmp_path / 'other.pt'} is not a raywds checkpoint (no model state in it)",
+        ),
     ]:
         assert raywds_cli(str(model), "--out", str(tmp_path / "out"))[1:] == ("", f"raywds: error: {line}\n")
     with pytest.raises(ConfigError, match="is an ONNX file"):  # as evaluate and predict are given it

@@ -98,6 +98,16 @@ REFUSALS = [
         ["--resume", "{finished}", "--data", "{uneven}", "--epochs", "2"],
         "the train shards changed since the checkpoint",
     ),
+    Refusal(
+        "--resume with another --model",
+        ["--resume", "{finished}", "--epochs", "2", "--model", "resnet18"],
+        "the checkpoint was trained as --model demo, not resnet18: resume with --model demo",
+    ),
+    Refusal(
+        "weights of another architecture",
+        ["--initial-checkpoint", "{finished}", "--model", "resnet18"],
+        "the weights raywds checkpoint {finished} do not fit this --model: ",
+    ),
     Refusal("a run folder another process holds", [], "run folder {run} is in use by process {holder} on ", held=True),
 ]
 
