@@ -1,61 +1,74 @@
 """raywds's fine-tuning against timm's own `train.py`, on the same shards, from the same weights.
 
-    .venv/bin/python benchmarks/finetune_bench.py --timm-train /tmp/timm_train.py [--images DIR]
-        [--model test_resnet] [--image-size 160] [--classes 10] [--train-variants 10] [--val-variants 2]
-        [--epochs 3] [--batch-size 64] [--workers 2] [--lr 0.05] [--rounds 3]
+    .venv/bin/python benchmarks/finetune_bench.py --timm-train PATH/train.py [--images DIR]
+        [--model test_resnet] [--image-size 224] [--shrink 8] [--classes 10] [--train-variants 10]
+        [--val-variants 2] [--epochs 3] [--batch-size 64] [--workers 2] [--lr 0.05] [--rounds 3]
 
-timm's `train.py` is not in the timm wheel; it is the training script of the
-huggingface/pytorch-image-models repository. Take it from the tag of the installed timm
-(`.venv/bin/python -c "import timm; print(timm.__version__)"`):
+timm's `train.py` is not in the timm wheel: it is the training script of the
+huggingface/pytorch-image-models repository. Take it at the tag of the installed timm:
 
-    git clone --depth 1 --branch v1.0.X https://github.com/huggingface/pytorch-image-models /tmp/pim
+    git clone --depth 1 --branch v$(.venv/bin/python -c "import timm; print(timm.__version__)") \
+        https://github.com/huggingface/pytorch-image-models /tmp/pim
     .venv/bin/python benchmarks/finetune_bench.py --timm-train /tmp/pim/train.py
 
 The data: the photos in DIR (by default ../shared/data/imagenet-sample-100, 100 real ImageNet
-JPEGs), sorted by name and dealt into --classes classes of consecutive photos (so one class
-holds neighbouring synsets). Each photo gives --train-variants training images and
---val-variants validation images, each its own random crop (60 to 100% of the area), flip and
-JPEG quality, re-encoded at the photo's size: no two are the same bytes, and the validation
-images are new views of the photos trained on, so a few epochs can learn them. The ImageFolder
-tree is converted by `raywds convert` into shards of 100 samples; `_info.json` beside them is
-what lets timm's `wds/` reader use the same files.
+JPEGs), sorted by name and dealt into --classes classes of consecutive photos (one class holds
+neighbouring synsets). Each photo gives --train-variants training and --val-variants validation
+images, each its own random crop (60 to 100% of the area), flip and JPEG quality, resized back
+to the photo's size: no two are the same bytes, and the validation images are new views of the
+photos trained on, so a few epochs can learn them. `raywds convert` writes the tree as shards of
+100 samples; its `_info.json` is what lets timm's `wds/` reader use the same files.
 
-The weights: timm's --model with --classes outputs, initialised with torch's seed 0 and written
+The weights: timm's --model with --classes outputs, initialised from torch's seed 0 and written
 as one .safetensors file; both tools start from it (`--initial-checkpoint`), so neither replaces
 the classifier. There is no network to the Hugging Face Hub here, so the weights are random but
-fixed; the top-1 says that both learn alike, not what real pretrained weights would reach.
+fixed: the top-1 says whether both learn alike, not what pretrained weights would reach.
 
-The runs, paired and interleaved (raywds, timm, timm, raywds, ...), each a fresh process on the
+The network: on a 2-core CPU even timm's test_resnet takes longer a step than the loaders take a
+batch, so both tools' processes get a sitecustomize.py (PYTHONPATH) that makes every model
+timm.create_model builds average-pool its input by --shrink before its first layer (a forward
+pre-hook: no tensors added, the weights load as they are). The loaders still decode, crop and
+hand over the full --image-size crops; the step is then about as short as a GPU's.
+`--shrink 1` trains the network as it is.
+
+The runs, paired and interleaved (raywds, timm; timm, raywds; ...), each a fresh process on the
 CPU: `raywds train --mode split` (every training sample once an epoch) and timm's `train.py
---dataset wds/imagenet --device cpu`, with the same epochs, batch, loader workers, crop size,
-SGD (momentum 0.9, nesterov), lr, weight decay (not on norms and biases), cosine schedule per
-step without warm-up, no label smoothing, no colour jitter, bilinear resizing, and mean, std and
-crop ratio given to both. timm's wds reader makes each worker's share whole batches, going
-round again where it runs short, so its epoch may repeat samples (and with several ranks it
-may miss some); raywds's split mode reads every sample once. Each tool's images/s counts what
-it trained on.
+--dataset wds/imagenet --device cpu` (its prefetcher normalises the uint8 batches in the main
+process, as raywds does), with the same epochs, batch, loader workers, crop size, SGD (momentum
+0.9, nesterov), lr, weight decay (none on norms and biases), cosine schedule by step without
+warm-up, no label smoothing, no colour jitter, bilinear resizing, mean, std, crop ratio, and
+seed (the round's number). timm's wds reader makes each worker's share of an epoch whole
+batches, going round its shards again where they run short, so its epoch repeats samples (with
+shards unevenly dealt, or several ranks, it also misses some); raywds's split mode reads every
+sample once. Each tool's images/s counts what it trained on.
 
 Figures, each the median over --rounds rounds:
   train images/s   samples trained in epochs 2..N over those epochs' training loops (from the
-                   loop's start to its last step: raywds's metrics.jsonl epoch rows; timm's
-                   log, its average step time times its steps), so the first epoch's worker
-                   start is left out
-  run images/s     every sample trained over the whole command's wall time, process start,
+                   loop's start to its last step: raywds's metrics.jsonl `stages.seconds`;
+                   timm's log, its average step time times its steps), so the first epoch's
+                   worker start is left out
+  run images/s     every sample trained over the whole command's wall time: process start,
                    imports, validation and checkpoints included
-  val top-1        the last epoch's validation top-1 (raywds's val_top1; timm's eval_top1
-                   from its summary.csv)
-and the ratio raywds / timm of each (goal: at least 1.5x train images/s at equal top-1 within
-noise), with where raywds's time went (its metrics' stages) and timm's data wait per step.
+  CPU ms a sample  the whole command's CPU time (user and system, every process of it) over the
+                   samples trained: what other jobs on a shared machine do not change much
+  val top-1        the last epoch's (raywds's val_top1; timm's eval_top1 from its summary.csv)
+and the ratio raywds / timm of each, and the ratio of train images/s round by round (goal: at
+least 1.5x at equal top-1 within noise). Each run's line also gives its epochs' images/s, the
+load average before and after it, where raywds's epochs went (its metrics' `stages`, epochs
+2..N: the loop's wait for batches, the batch's copy and normalising, forward, backward; the
+workers' decode, resize and read, summed over workers) and timm's wait for batches an epoch.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import random
 import re
+import resource
 import statistics
 import subprocess
 import tempfile
@@ -122,10 +135,11 @@ class Run:
     """One tool's run: per epoch the samples trained and the training loop's seconds; the last
     validation's top-1; the whole command's seconds; where the time went."""
 
+    wall: float
+    cpu: float
     samples: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     top1: float = 0.0
-    wall: float = 0.0
     notes: dict[str, float] = field(default_factory=dict)
 
     def train_rate(self) -> float:
@@ -135,6 +149,10 @@ class Run:
 
     def run_rate(self) -> float:
         return sum(self.samples) / self.wall
+
+    def cpu_ms(self) -> float:
+        """The whole command's CPU milliseconds per trained sample."""
+        return 1000 * self.cpu / sum(self.samples)
 
 
 def make_tree(images: Path, root: Path, classes: int, train_variants: int, val_variants: int) -> int:
@@ -178,16 +196,19 @@ def write_weights(model: str, classes: int, path: Path) -> None:
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
 
 
-def timed(line: list[str], log: Path, env: dict[str, str]) -> float:
-    """Run `line`, its stdout and stderr into `log`; its wall seconds. A failure ends the benchmark."""
+def timed(line: list[str], log: Path, env: dict[str, str]) -> tuple[float, float]:
+    """Run `line`, its stdout and stderr into `log`; its wall seconds and the CPU seconds (user and
+    system) of its processes, loader workers included. A failure ends the benchmark."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with log.open("w") as out:
         done = subprocess.run(line, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1800)
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         tail = log.read_text()[-4000:]
         raise SystemExit(f"{' '.join(line[:3])} ... failed (exit {done.returncode}); the end of {log}:\n{tail}")
-    return wall
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 @dataclass(frozen=True)
@@ -206,6 +227,8 @@ class Settings:
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     crop_pct: float = 0.875
     seed: int = 0
+    """Each round's own (the round's number), the same for both tools: top-1's spread over rounds
+    is then the noise of the data order and augmentation."""
 
 
 STAGES = ("wait_s", "copy_s", "forward_s", "backward_s", "decode_s", "resize_s", "read_s")
@@ -223,7 +246,7 @@ def run_raywds(shards: Path, weights: Path, s: Settings, out: Path, env: dict[st
         "--mean", ",".join(map(str, s.mean)), "--std", ",".join(map(str, s.std)), "--crop-pct", str(s.crop_pct),
         "--seed", str(s.seed), "--out", str(out / "run"),
     ]  # fmt: skip
-    run = Run(wall=timed(line, out / "log.txt", env))
+    run = Run(*timed(line, out / "log.txt", env))
     rows = [json.loads(x) for p in (out / "run").rglob("metrics.jsonl") for x in p.read_text().splitlines()]
     epochs = [r for r in rows if r.get("kind") == "epoch"]
     if len(epochs) != s.epochs:
@@ -251,7 +274,7 @@ def run_timm(train_py: Path, shards: Path, weights: Path, s: Settings, out: Path
         "--crop-pct", str(s.crop_pct), "--device", "cpu", "--seed", str(s.seed), "--log-interval", "1000",
         "--output", str(out), "--experiment", "run", "--checkpoint-hist", "1",
     ]  # fmt: skip
-    run = Run(wall=timed(line, out / "log.txt", env))
+    run = Run(*timed(line, out / "log.txt", env))
     last: dict[int, re.Match[str]] = {}
     for match in TIMM_STEP.finditer((out / "log.txt").read_text()):
         last[int(match["epoch"])] = match  # the epoch's last line holds its averages over every step
@@ -260,12 +283,14 @@ def run_timm(train_py: Path, shards: Path, weights: Path, s: Settings, out: Path
     data_wait = []
     for epoch in sorted(last):
         steps = int(last[epoch]["steps"])
+        if int(last[epoch]["step"]) != steps - 1:
+            raise SystemExit(f"timm's log ends epoch {epoch} at step {last[epoch]['step']} of {steps}: {out}")
         run.samples.append(steps * s.batch_size)  # timm's wds epochs are whole batches
         run.seconds.append(steps * float(last[epoch]["avg"]))
-        data_wait.append(float(last[epoch]["data"]))
+        data_wait.append(steps * float(last[epoch]["data"]))
     with (out / "run" / "summary.csv").open() as f:
         run.top1 = float(list(csv.DictReader(f))[-1]["eval_top1"]) / 100
-    run.notes["data wait per step (s)"] = statistics.median(data_wait[1:] or data_wait)
+    run.notes["wait_s"] = statistics.median(data_wait[1:] or data_wait)  # as raywds's: epochs 2..N
     return run
 
 
@@ -316,38 +341,49 @@ def main() -> None:
             for tool in ("raywds", "timm") if r % 2 == 0 else ("timm", "raywds"):
                 out = work / f"{tool}-{r}"
                 out.mkdir(parents=True)
+                seeded = dataclasses.replace(s, seed=r)
+                load = os.getloadavg()[0]
                 if tool == "raywds":
-                    run = run_raywds(shards, weights, s, out, env)
+                    run = run_raywds(shards, weights, seeded, out, env)
                 else:
-                    run = run_timm(args.timm_train, shards, weights, s, out, env)
+                    run = run_timm(args.timm_train, shards, weights, seeded, out, env)
+                run.notes["load before"] = load
+                run.notes["load after"] = os.getloadavg()[0]
                 runs[tool].append(run)
                 print(
-                    f"  round {r + 1} {tool:6s}: train {run.train_rate():6.1f} img/s, run {run.run_rate():6.1f} img/s"
-                    f" ({run.wall:.1f} s), top-1 {run.top1:.3f}, epochs' samples {run.samples}, "
+                    f"  round {r + 1} {tool:6s}: epochs' images/s "
+                    + ", ".join(f"{n / t:.1f}" for n, t in zip(run.samples, run.seconds))
+                    + f" (samples {run.samples}); run {run.wall:.1f} s, {run.cpu:.1f} CPU s; top-1 {run.top1:.3f}; "
                     + ", ".join(f"{k} {v:.3g}" for k, v in run.notes.items())
                 )
         report(runs, args.epochs)
 
 
+FIGURES = {
+    "train images/s": Run.train_rate,
+    "run images/s": Run.run_rate,
+    "run seconds": lambda r: r.wall,
+    "CPU ms a sample": Run.cpu_ms,
+    "val top-1": lambda r: r.top1,
+}
+"""The table's columns: each the median over rounds of one figure of a run."""
+
+
 def report(runs: dict[str, list[Run]], epochs: int) -> None:
     med = {
-        tool: (
-            statistics.median(r.train_rate() for r in rs),
-            statistics.median(r.run_rate() for r in rs),
-            statistics.median(r.wall for r in rs),
-            statistics.median(r.top1 for r in rs),
-        )
-        for tool, rs in runs.items()
+        tool: {name: statistics.median(f(r) for r in rs) for name, f in FIGURES.items()} for tool, rs in runs.items()
     }
-    print(f"\n| tool | train images/s (epochs 2-{epochs}) | run images/s | run seconds | val top-1 |")
-    print("|---|---|---|---|---|")
-    for tool, (train, whole, wall, top1) in med.items():
-        print(f"| {tool} | {train:.1f} | {whole:.1f} | {wall:.1f} | {top1:.3f} |")
-    ray, timm = med["raywds"], med["timm"]
+    names = [f"train images/s (epochs 2-{epochs})", *list(FIGURES)[1:]]
+    print(f"\n| tool | {' | '.join(names)} |\n|---|{'---|' * len(names)}")
+    for tool, figures in med.items():
+        print(
+            f"| {tool} | " + " | ".join(f"{v:.3f}" if "top-1" in k else f"{v:.1f}" for k, v in figures.items()) + " |"
+        )
+    print("| raywds / timm | " + " | ".join(f"{med['raywds'][k] / med['timm'][k]:.2f}x" for k in FIGURES) + " |")
+    paired = [a.train_rate() / b.train_rate() for a, b in zip(runs["raywds"], runs["timm"])]
     print(
-        f"raywds / timm: train images/s {ray[0] / timm[0]:.2f}x (goal >= 1.5x), run images/s {ray[1] / timm[1]:.2f}x,"
-        f" top-1 {ray[3]:.3f} against {timm[3]:.3f}; per round: "
-        + ", ".join(f"{a.train_rate() / b.train_rate():.2f}x" for a, b in zip(runs["raywds"], runs["timm"]))
+        f"train images/s raywds / timm, each round: {', '.join(f'{x:.2f}x' for x in paired)}; median"
+        f" {statistics.median(paired):.2f}x (goal >= 1.5x at equal top-1)"
     )
 
 

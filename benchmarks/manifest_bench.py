@@ -1,11 +1,12 @@
 """Loading a manifest as the data grows: `manifest.json` against its columns (`manifest.npz`,
 raywds.data.columns), on synthetic manifests of ImageNet's size (1,282 shards) and LAION-400M's
-(400,000 shards of ~1,000 samples), as `raywds convert` writes them (names, counts, sizes and
-sha256 of each shard).
+(400,000 shards of ~1,000 samples) and a quarter of that (the size tests/data/test_columns.py
+counts the work of), as `raywds convert` writes them (names, counts, sizes and sha256 of each shard).
 
 For each: the files' sizes; `read_manifest` in seconds (median of 3, numpy already imported, as
-it is in every rank) and its memory (tracemalloc: held after, and the peak); and making every
-shard's record once (`list(manifest.shards("train"))`, what a split plan does).
+it is in every rank), and how many times faster the columns load than the JSON; its memory
+(tracemalloc: held after, and the peak); and making every shard's record once
+(`list(manifest.shards("train"))`, what a split plan does).
 
     .venv/bin/python benchmarks/manifest_bench.py            # the table in docs/performance.md
     .venv/bin/python benchmarks/manifest_bench.py --quick    # a smoke run
@@ -72,17 +73,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes only")
     args = parser.parse_args()
-    print("| shards | read from | file | load | held / peak memory | every shard's record once |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for count in [1282, 20_000] if args.quick else [1282, 400_000]:
+    print("| shards | read from | file | load | x the JSON's speed | held / peak memory | every shard's record once |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for count in [1282, 20_000] if args.quick else [1282, 100_000, 400_000]:
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             synthetic(folder, count)
+            json_s = 0.0
             for use_columns, name in ((False, MANIFEST), (True, COLUMNS)):
                 m = measure(folder, use_columns)
+                json_s = json_s or m["load_s"]
+                faster = f"{json_s / m['load_s']:.0f}x" if use_columns else "—"
                 size = (folder / name).stat().st_size / 1e6
                 print(
-                    f"| {count:,} | `{name}` | {size:.2f} MB | {m['load_s']:.3f} s "
+                    f"| {count:,} | `{name}` | {size:.2f} MB | {m['load_s']:.3f} s | {faster} "
                     f"| {m['held'] / 1e6:.1f} / {m['peak'] / 1e6:.1f} MB | {m['list_s']:.3f} s |",
                     flush=True,
                 )

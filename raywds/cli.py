@@ -14,6 +14,7 @@ import argparse
 import functools
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -50,15 +51,27 @@ def command_options(args: argparse.Namespace) -> list[Any]:
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM, where no run takes it as a notice: the command stops where it is, as on Ctrl-C
-    (the `with` blocks unwind: a shard server started here is stopped too)."""
+    """SIGTERM or SIGINT, where no run takes it as a notice: the command stops where it is, as on
+    Ctrl-C (the `with` blocks unwind: a shard server started here is stopped too)."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
 
 
+SAME_DELIVERY_S = 1.0
+"""A signal this soon after the first is the same delivery, as raywds.train.notice takes it:
+`timeout` signals its command, then the command's process group."""
+
+_stopping = [0.0]
+"""When the first signal came (time.monotonic), 0 before one."""
+
+
 def _stop(signum: int, frame: Any) -> None:
+    now = time.monotonic()
+    if _stopping[0] and now - _stopping[0] < SAME_DELIVERY_S:
+        return
+    _stopping[0] = _stopping[0] or now
     raise Stopped(signum)
 
 
@@ -76,7 +89,10 @@ def _stopped(command: str, e: KeyboardInterrupt) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = MainOptions(**values(args, MainOptions)).debug
+    _stopping[0] = 0.0
     signal.signal(signal.SIGTERM, _stop)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored (nohup)
+        signal.signal(signal.SIGINT, _stop)
     console.configure()
     try:
         COMMANDS[args.command](*command_options(args))  # options that do not hold are one line too

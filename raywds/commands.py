@@ -296,7 +296,7 @@ def cmd_ray(source: Source, training: Training, ray: RayOptions) -> None:
 
 
 def cmd_evaluate(options: EvaluateOptions, reading: Training) -> None:
-    from raywds.infer.evaluation import reading_config
+    from raywds.infer.evaluation import Scored, reading_config
     from raywds.infer.scorecard import FILES, check_out, default_out, summary_line, write
     from raywds.models.trained import load_trained
 
@@ -304,6 +304,7 @@ def cmd_evaluate(options: EvaluateOptions, reading: Training) -> None:
     check_out(out)
     trained = load_trained(options.model)
     cfg = reading_config(trained, options.data, reading.given)
+    scored: Scored | None
     if options.ray:
         from raywds.launch.ray_evaluation import evaluate_on_ray
 
@@ -317,9 +318,11 @@ def cmd_evaluate(options: EvaluateOptions, reading: Training) -> None:
     if scored is None:  # a torchrun rank but the first: rank 0 writes and says
         return
     write(scored, model=options.model, out=out)
+    ranks = len(scored.per_rank)
     print(
-        f"raywds: {scored.model_source} on {sum(scored.per_rank)} {options.split} samples of {options.data} "
-        f"({len(scored.per_rank)} rank(s))  wrote {out}/ {', '.join(FILES)}  ({scored.seconds:.0f} s)"
+        f"raywds: scored {scored.model_source} on the {sum(scored.per_rank)} {options.split} samples of "
+        f"{options.data} ({ranks} rank{'s' if ranks > 1 else ''}); wrote {out}: {', '.join(FILES)}  "
+        f"({scored.seconds:.0f} s)"
     )
     print(summary_line(scored))
 

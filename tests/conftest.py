@@ -320,14 +320,15 @@ def ray_temp(user_cluster: raycluster.HeadNode) -> Iterator[Path]:
 
 
 @pytest.fixture(autouse=True)
-def sigterm_handler_restored() -> Iterator[None]:
-    """raywds.cli.main installs a SIGTERM handler (exit 143) in the process that calls it; a test
-    that calls main in this one must not leave it to the tests after it."""
+def signal_handlers_restored() -> Iterator[None]:
+    """raywds.cli.main installs SIGTERM and SIGINT handlers (exit 143, 130) in the process that
+    calls it; a test that calls main in this one must not leave them to the tests after it."""
     import signal
 
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     yield
-    signal.signal(signal.SIGTERM, previous)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture
@@ -370,7 +371,7 @@ def embedded_servers_stop_at_once() -> Iterator[None]:
         yield
 
 
-FORKSERVER_USERS = {"test_train.py", "test_loader.py", "test_faults.py", "test_evaluation.py"}
+FORKSERVER_USERS = {"test_train.py", "test_loader.py", "test_faults.py", "test_evaluation.py", "test_prediction.py"}
 """Test modules that start ranks or distributed loaders from this process's fork server."""
 
 

@@ -97,6 +97,7 @@ def bases(tmp: Path) -> dict[str, list[str]]:
         "train": ["train", "--data", data, "--out", str(tmp / "run")],
         "ray": ["ray", "--data", data, "--storage-path", str(tmp / "ray")],
         "export": ["export", "<model>", "--out", str(tmp / "export")],
+        "evaluate": ["evaluate", "<model>", "--data", data],
     }
 
 

@@ -6,8 +6,9 @@ one all_reduce under torchrun, or the driver's sum of its Ray tasks' (raywds.lau
 No collective runs per batch, so a rank with fewer batches never waits, and the numbers are those
 of one process reading every sample once, at any world size.
 
-    scoring = Scoring.of(load_trained("runs/local"), reading_config(trained, "shards/", {}))
-    scored = scoring.scored(reduced(scoring.rank_sums(world), world))      # on every rank
+    trained = load_trained("runs/local")
+    scoring = Scoring.of(trained, reading_config(trained, "shards/", {"batch_size": 128}), split="val")
+    scored = evaluate(scoring, world)        # this rank's sums, then one all_reduce: on every rank
     scored.scores["weights"].top1, scored.scores["weights"].confusion
 """
 
@@ -87,12 +88,10 @@ class Sums:
 
     def plus(self, other: Sums) -> Sums:
         """These sums and `other`'s (another rank's), added: what an all_reduce of both gives."""
-        return Sums(
-            self.values + other.values.to(self.values.device), self.num_models, self.num_classes, self.world_size
-        )
+        return dataclasses.replace(self, values=self.values + other.values.to(self.values.device))
 
     def to(self, device: str) -> Sums:
-        return Sums(self.values.to(device), self.num_models, self.num_classes, self.world_size)
+        return dataclasses.replace(self, values=self.values.to(device))
 
 
 def reduced(sums: Sums, world: World) -> Sums:
@@ -117,14 +116,8 @@ class Score:
     """int64 counts, rows the true class, columns the predicted."""
 
     def numbers(self) -> dict[str, Any]:
-        return {
-            "top1": self.top1,
-            "top5": self.top5,
-            "loss": self.loss,
-            "samples": self.samples,
-            "correct_top1": self.correct_top1,
-            "correct_top5": self.correct_top5,
-        }
+        """All but the matrix, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "confusion"}
 
 
 @dataclass(frozen=True)
@@ -178,18 +171,13 @@ def with_workers(cfg: TrainConfig, world: World) -> TrainConfig:
     return dataclasses.replace(cfg, loader_workers=max(1, min(world.cores - 1, AUTO_WORKERS)))
 
 
-def numbered(classes: list[str]) -> bool:
-    """Whether a manifest's classes are bare label numbers 0..K-1 (shards whose labels are integers)."""
-    return classes == [str(i) for i in range(len(classes))]
-
-
 def check_classes(model: list[str], manifest: Manifest, data: str) -> None:
     """Refuse data whose labels do not mean the model's classes: another class list (by name), or,
     where the shards carry bare integer labels, labels past the model's last class."""
     have = manifest.classes
     if have == model:
         return
-    if numbered(have):
+    if have == [str(i) for i in range(len(have))]:  # bare integer labels (raywds.data.members): their range
         if len(have) <= len(model):
             return
         raise DataError(

@@ -152,20 +152,21 @@ class Predictions:
         """The folder, refused in one line where it holds another model's or data's predictions,
         or files that are not predictions; its manifest written where it has none."""
         where = out / MANIFEST
-        if where.is_file():
+        held = {p.name for p in out.iterdir() if not p.name.startswith(".")} if out.is_dir() else set()
+        if MANIFEST in held or where.is_file():  # (another rank may have written it since the listing)
             try:
                 raw = json.loads(where.read_text())
-                held = Identity(**{f.name: raw[f.name] for f in dataclasses.fields(Identity)})
+                kept = Identity(**{f.name: raw[f.name] for f in dataclasses.fields(Identity)})
             except (ValueError, KeyError, TypeError) as e:
                 raise StorageError(f"--out {out}: {MANIFEST} is damaged ({e}); give another --out") from None
-            different = identity.differences(held)
+            different = identity.differences(kept)
             if different:
                 raise ConfigError(
-                    f"--out {out} holds predictions of {held.model_source} on {held.data}; this predict has "
+                    f"--out {out} holds predictions of {kept.model_source} on {kept.data}; this predict has "
                     f"{', '.join(different)}: give another --out (or remove that one) rather than mix them"
                 )
             return cls(out, identity, part_format)
-        if out.is_dir() and any(not p.name.startswith(".") for p in out.iterdir()):
+        if held:
             raise ConfigError(f"--out {out} holds files but no {MANIFEST}: give an empty or new folder")
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +221,7 @@ class Collector:
         ids, labels = batch.ids.tolist(), batch.labels.tolist()
         for i, (key, top, p) in enumerate(zip(batch.keys, classes.tolist(), probs.tolist())):
             unit = unit_of(self.units, self.firsts, ids[i])
-            self.row(unit, key, labels[i], top, p, bad.get((unit.url, key)))
+            self.row(unit, key, labels[i], top, p, None)
 
     def row(self, unit: Unit, key: str, label: int, top: list[int], probs: list[float], error: str | None) -> None:
         row = {

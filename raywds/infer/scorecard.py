@@ -69,28 +69,29 @@ def most_confused(confusion: np.ndarray, count: int = MOST_CONFUSED) -> list[tup
 
 
 def metrics(scored: Scored, model: str) -> dict[str, Any]:
+    """metrics.json: the first model's numbers at the top, another's (the EMA's) under its name."""
     (first, score), *rest = scored.scores.items()
-    pairs = most_confused(score.confusion)
     names = scored.classes
-    return {
+    pairs = [dict(true=names[t], predicted=names[p], samples=n) for t, p, n in most_confused(score.confusion)]
+    return dict(
         **score.numbers(),
-        "scored": first,
+        scored=first,
         **{name: s.numbers() for name, s in rest},
-        "model": model,
-        "source": scored.model_source,
-        "model_name": scored.model_name,
-        "data": scored.data,
-        "val_data": scored.val_data,
-        "split": scored.split,
-        "splits": scored.splits,
-        "samples_per_rank": scored.per_rank,
-        "ranks": len(scored.per_rank),
-        "loader_workers": scored.loader_workers,
-        "batch_size": scored.batch_size,
-        "classes": len(names),
-        "most_confused": [{"true": names[t], "predicted": names[p], "samples": n} for t, p, n in pairs],
-        "seconds": round(scored.seconds, 3),
-    }
+        model=model,
+        source=scored.model_source,
+        model_name=scored.model_name,
+        data=scored.data,
+        val_data=scored.val_data,
+        split=scored.split,
+        splits=scored.splits,
+        samples_per_rank=scored.per_rank,
+        ranks=len(scored.per_rank),
+        loader_workers=scored.loader_workers,
+        batch_size=scored.batch_size,
+        classes=len(names),
+        most_confused=pairs,
+        seconds=round(scored.seconds, 3),
+    )
 
 
 def _csv(rows: list[list[Any]]) -> bytes:
@@ -129,6 +130,7 @@ def confused_png(score: Score, classes: list[str], title: str) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     pairs = most_confused(score.confusion)
     truths = score.confusion.sum(axis=1)
@@ -139,8 +141,9 @@ def confused_png(score: Score, classes: list[str], title: str) -> bytes:
         bars = ax.barh(labels, counts, color="tab:red")
         ax.bar_label(bars, [f"{n} ({n / max(int(truths[t]), 1):.0%} of its class)" for t, _, n in pairs], padding=3)
         ax.invert_yaxis()
-        ax.set_xlabel("samples of the true class predicted as the other")
+        ax.set(xlabel="samples of the true class predicted as the other", ylabel="true \u2192 predicted")
         ax.set_xlim(0, max(counts) * 1.35)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     else:
         ax.text(0.5, 0.5, "no sample was confused", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
@@ -156,8 +159,8 @@ def write(scored: Scored, *, model: str, out: Path) -> Path:
     """The result folder `out` (made where missing; its files replaced whole); metrics.json last."""
     (first, score), *_ = scored.scores.items()
     title = (
-        f"most confused pairs (true \u2192 predicted) of {len(scored.classes)} classes: {model}"
-        f"{' (EMA)' if first == EMA else ''} on {scored.split}, {summary_line(scored).split('  samples')[0]}"
+        f"{model}{' (EMA)' if first == EMA else ''} on {score.samples} {scored.split} samples of {scored.data}\n"
+        f"{summary_line(scored).split('  samples')[0]}; the most confused pairs of {len(scored.classes)} classes"
     )
     contents = {
         PER_CLASS: per_class(score, scored.classes),

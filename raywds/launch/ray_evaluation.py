@@ -78,7 +78,8 @@ def evaluate_on_ray(
     scoring = Scoring.of(trained, absolute(cfg), split=split, ema=ema)  # refused here, before any task
     workers = cfg.loader_workers if isinstance(cfg.loader_workers, int) else None
     plan = cluster.plan_workers(ray.cluster_resources(), num_workers, loader_workers=workers)  # RAY
-    log.info(f"evaluating on {plan.describe()}")
+    each = "a GPU" if plan.use_gpu else f"{plan.cpus_per_worker:g} CPU"
+    log.info(f"evaluating with {plan.num_workers} Ray tasks, {each} each")
     task = ray.remote(_rank).options(  # RAY
         num_cpus=plan.cpus_per_worker,
         num_gpus=1 if plan.use_gpu else 0,

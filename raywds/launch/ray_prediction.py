@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial as bind
 from typing import Any, cast
@@ -36,10 +37,10 @@ from ray.data.datasource import Datasource, ReadTask
 
 from raywds.config import TrainConfig
 from raywds.data import stores
-from raywds.errors import ConfigError, RaywdsError, one_line, own_cause
+from raywds.errors import ConfigError, RaywdsError, StorageError, one_line, own_cause
 from raywds.infer.inputs import Inputs, Reading, Unit, unit_of
 from raywds.infer.parts import Collector
-from raywds.infer.prediction import Setup, Tally, predict_rank, scored, set_up
+from raywds.infer.prediction import Setup, Tally, load, predict_rank, scored, set_up, weights_sha256
 from raywds.infer.predictoptions import Prediction
 from raywds.infer.samples import decoded_columns
 from raywds.launch import cluster
@@ -48,7 +49,6 @@ from raywds.loader.labels import Labels
 from raywds.loader.readers import Failures
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, Decoder, val_decoder
-from raywds.models.trained import Trained
 from raywds.train.compute import Compute
 from raywds.world import World
 
@@ -157,21 +157,29 @@ def _read(read: Reading, url: str, decode: Decoder, size: int, labels: Labels | 
 
 
 class Replica:
-    """A model replica in Ray Data's actor pool: a block of decoded crops -> its rows' top-k."""
+    """A model replica in Ray Data's actor pool: a block of decoded crops -> its rows' top-k. It reads
+    MODEL itself (a path every node reads, as --data), refused where its weights are not the driver's."""
 
-    def __init__(self, shared: list[Any], top_k: int, cfg: TrainConfig):
-        trained: Trained = ray.get(shared[0])  # RAY
+    def __init__(self, job: Prediction, sha256: str, cfg: TrainConfig):
+        trained = load(job)
+        if weights_sha256(trained.model) != sha256:
+            node = ray.util.get_node_ip_address()  # RAY
+            raise StorageError(
+                f"{trained.source} on node {node} holds other weights than on the driver: "
+                "give MODEL as a path that every node reads the same"
+            )
         self.compute = Compute.for_run(cfg, _device())
         self.model = self.compute.model(trained.model).eval()
-        self.top_k = top_k
+        self.top_k = job.top_k
 
     def __call__(self, block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
-        images = torch.from_numpy(np.ascontiguousarray(block["image"])).permute(0, 3, 1, 2)
-        labels = torch.from_numpy(block["label"])
-        batch = Batch(images, labels, torch.from_numpy(block["id"]), list(block["key"]))
-        classes, probs = scored(self.model, batch, self.compute, self.top_k)
+        with warnings.catch_warnings():  # Arrow's buffers are read-only; nothing here writes to them
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            images = torch.from_numpy(np.ascontiguousarray(block["image"])).permute(0, 3, 1, 2)
+        labels, ids = torch.tensor(block["label"]), torch.tensor(block["id"])
+        classes, probs = scored(self.model, Batch(images, labels, ids, list(block["key"])), self.compute, self.top_k)
         kept = {k: block[k] for k in ("id", "key", "label", "error")}
         return {**kept, "top_classes": classes.numpy(), "top_probs": probs.numpy()}
 
@@ -207,16 +215,17 @@ def on_ray_data(job: Prediction, reading: dict[str, Any], setup: Setup, num_work
     if todo:
         count, gpu = replicas(num_workers)
         log.info(f"predicting with {count} model replica(s) on {'GPUs' if gpu else 'CPUs'}")
+        logging.getLogger("ray.data").setLevel(logging.WARNING)  # each execution's start and stats at INFO
         ctx = ray.data.DataContext.get_current()  # RAY
         ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
         ctx.execution_options.preserve_order = False  # blocks as they finish: the driver gathers by unit
         ds = ray.data.read_datasource(UnitSource(inputs, todo, cfg), override_num_blocks=len(todo))  # RAY
         scored_ds = ds.map_batches(  # RAY
             Replica,
-            fn_constructor_args=([ray.put(setup.trained)], job.top_k, setup.cfg),  # RAY
+            fn_constructor_args=(job, setup.folder.identity.model_sha256, setup.cfg),
             batch_size=cfg.batch_size,
             batch_format="numpy",
-            concurrency=count,
+            compute=ray.data.ActorPoolStrategy(size=count),  # RAY
             num_cpus=0 if gpu else 1,
             num_gpus=1 if gpu else 0,
         )

@@ -93,38 +93,56 @@ def export_model(
         raise ConfigError(
             f"--ema: {trained.source} holds no --model-ema average beside its weights; export without --ema"
         )
+    images = None
     if onnx is not None:  # the data is found before anything is written
         cfg = check_config(trained, onnx)
-        manifest = check_manifest(cfg, given=onnx.data is not None)
-    out.parent.mkdir(parents=True, exist_ok=True)
+        images = (check_manifest(cfg, given=onnx.data is not None), cfg, onnx.count)
     tmp = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    tmp.mkdir()
     try:
-        written = _weights(tmp, trained, module, ema)
-        meta = _meta(model, trained, ema)
-        check = None
-        if onnx is not None:
-            about = write_onnx(module, tmp / ONNX_FILE, trained.inputs.crop)
-            check = check_onnx(tmp / ONNX_FILE, module, validation_images(manifest, cfg, onnx.count))
-            about.update(file=ONNX_FILE if check.passed else ONNX_REJECTED, check=check.to_dict())
-            if not check.passed:
-                (tmp / ONNX_FILE).rename(tmp / ONNX_REJECTED)
-            meta["onnx"] = about
-        meta["files"] = {p.name: {"sha256": sha256_of(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
-        _write_json(tmp / EXPORT_JSON, meta)
-        _read_back(tmp, module, trained.ema if not ema else None)
-        _place(tmp, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        written, check = _write(tmp, model, trained, module, ema, images)
+        _place(tmp, out, force)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise StorageError(f"cannot write the export to {out}: {e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    exported = Exported(out, trained.name, len(trained.classes), [*written, EXPORT_JSON], check)
     if check is not None and not check.passed:
         raise OnnxRejected(
             f"{check.line()}: over the tolerance (|difference| at most {check.tolerance:g} and every top-1 the "
             f"same), so the file is {out / ONNX_REJECTED}, not {ONNX_FILE}, beside the rest of the export; "
-            f"torch.onnx (torch {torch.__version__}) exported this model wrongly: use model.safetensors"
+            f"torch.onnx (torch {torch.__version__}) and onnxruntime ({_version('onnxruntime')}) do not compute "
+            "this model: use model.safetensors, or another torch or onnxruntime"
         )
-    return exported
+    return Exported(out, trained.name, len(trained.classes), [*written, EXPORT_JSON], check)
+
+
+def _write(
+    folder: Path, model: str, trained: Trained, module: nn.Module, ema: bool, images: tuple[Any, Any, int] | None
+) -> tuple[list[str], OnnxCheck | None]:
+    """The export's files in `folder`, read back; the weights' names and the ONNX check."""
+    written = _weights(folder, trained, module, ema)
+    meta = _meta(model, trained, ema)
+    check = None
+    if images is not None:
+        about = write_onnx(module, folder / ONNX_FILE, trained.inputs.crop)
+        check = check_onnx(folder / ONNX_FILE, module, validation_images(*images))
+        about.update(file=ONNX_FILE if check.passed else ONNX_REJECTED, check=check.to_dict())
+        if not check.passed:
+            (folder / ONNX_FILE).rename(folder / ONNX_REJECTED)
+        meta["onnx"] = about
+    meta["files"] = {p.name: {"sha256": sha256_of(p), "bytes": p.stat().st_size} for p in sorted(folder.iterdir())}
+    _write_json(folder / EXPORT_JSON, meta)
+    _read_back(folder, module, trained.ema if not ema else None)
+    return written, check
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -259,9 +277,10 @@ def _sync(path: Path) -> None:
         os.close(fd)
 
 
-def _place(tmp: Path, out: Path) -> None:
+def _place(tmp: Path, out: Path, force: bool) -> None:
     """The whole export renamed to `out`; an export there before (--force) or an empty folder goes."""
     _sync(tmp)
+    _check_out(out, force)  # again: another export may have been placed there meanwhile
     if not out.exists():
         tmp.rename(out)
         return

@@ -95,7 +95,9 @@ def test_the_files_and_the_line(run: Path, uneven: Path, capsys: pytest.CaptureF
     code, out, err = evaluate_cli(capsys, str(run), "--data", str(uneven), "--loader-workers", "0")
     assert code == 0, err
     folder = run / "evaluation-val"
-    assert out[-2].startswith(f"raywds: checkpoint {run} on 50 val samples of {uneven} (1 rank(s))  wrote {folder}/")
+    assert out[-2].startswith(
+        f"raywds: scored checkpoint {run} on the 50 val samples of {uneven} (1 rank); wrote {folder}: "
+    )
     line = LINE.match(out[-1])
     assert line is not None and line.group(5), out[-1]
     trained = load_trained(str(run))

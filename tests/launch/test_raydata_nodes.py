@@ -16,6 +16,8 @@ from support.raycluster import HeadNode
 
 from raywds.data.manifest import read_manifest
 
+pytestmark = pytest.mark.multinode
+
 DEMO_TOP1 = 0.99
 """The demo's validation top-1 with each rank's own loader (README, docs/performance.md: 0.99 to 1.00 after
 6 epochs; 0.997 after the 3 this test trains, `raywds train --demo --epochs 3`)."""

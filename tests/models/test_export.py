@@ -29,6 +29,8 @@ from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError, StorageError
 from raywds.launch.local import run_local
+from raywds.loader.loader import val_loader
+from raywds.loader.settings import LoaderConfig
 from raywds.models import export as export_module
 from raywds.models.export import export_model
 from raywds.models.onnxfile import (
@@ -42,6 +44,8 @@ from raywds.models.onnxfile import (
 )
 from raywds.models.trained import Inputs, Trained, load_trained
 from raywds.runs.checkpoint import load_checkpoint
+from raywds.train.compute import Compute
+from raywds.world import World
 
 CLI_LINE = "raywds: exported demo (10 classes) to {out}: model.safetensors, model_ema.safetensors, model.json"
 
@@ -179,7 +183,10 @@ def test_the_onnx_file_agrees_with_the_model_on_the_runs_validation_images(
     session = onnxruntime.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     assert [i.shape for i in session.get_inputs()] == [["batch", 3, 28, 28]]
     trained = load_trained(str(out))
-    batch = next(validation_images(*_data(trained), 7))
+    manifest, cfg = _data(trained)
+    batch = next(validation_images(manifest, cfg, 7))
+    raw = next(iter(val_loader(manifest, LoaderConfig.of(cfg), World())))
+    assert torch.equal(batch, Compute.for_run(cfg, "cpu").inputs(raw.images, raw.labels)[0][:7])  # as training's
     for size in (1, 7):  # a batch of one too: predict's smallest
         got = session.run(None, {"images": batch[:size].numpy()})[0]
         with torch.no_grad():
@@ -241,7 +248,8 @@ def test_an_export_whose_onnx_file_fails_the_check_keeps_it_aside_and_exits_1(
     assert err.endswith(
         f" on 20 validation images: over the tolerance (|difference| at most 0.001 and every top-1 the same), so the "
         f"file is {out}/model.onnx.rejected, not model.onnx, beside the rest of the export; torch.onnx "
-        f"(torch {torch.__version__}) exported this model wrongly: use model.safetensors\n"
+        f"(torch {torch.__version__}) and onnxruntime ({onnxruntime.__version__}) do not compute this model: use "
+        "model.safetensors, or another torch or onnxruntime\n"
     )
     assert sorted(p.name for p in out.iterdir()) == [
         "model.json",

@@ -1,6 +1,5 @@
 """metrics.jsonl's rows: every row a real run writes says its kind and holds exactly the keys of
-that kind's definition (raywds.runs.rows), and the readers (report, the notebook's progress
-bar, TensorBoard) read a file written before rows carried a kind as they read a new one."""
+that kind's definition (raywds.runs.rows), required and optional."""
 
 from __future__ import annotations
 

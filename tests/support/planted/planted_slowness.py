@@ -6,7 +6,8 @@
 
 `environment` puts this folder on PYTHONPATH, where `sitecustomize` (run by every interpreter
 as it starts) reads PLANTED_SLOW_FORWARD_S and plants the slow forward pass once raywds's
-trainer is imported, so that a node's Ray workers compute slower than the head's.
+trainer is imported, so that a node's Ray workers compute slower than the head's (and in every
+model raywds.models.trained.load_trained reads: a slow `raywds predict`).
 """
 
 from __future__ import annotations
@@ -169,10 +170,27 @@ def environment(seconds: float = 0.0, *, shard_s: float = 0.0, hold_dir: str | N
     return env
 
 
+TRAINED = "raywds.models.trained"
+
+
+def _slow_trained(module: Any, seconds: float) -> None:
+    """Every model `load_trained` reads (evaluate, predict) spins `seconds` in each forward pass."""
+    real = module.load_trained
+
+    @functools.wraps(real)
+    def load_trained(*args: Any, **kwargs: Any) -> Any:
+        trained = real(*args, **kwargs)
+        trained.model.register_forward_hook(lambda *_: spin(seconds))
+        return trained
+
+    module.load_trained = load_trained
+
+
 def from_environment() -> None:
     seconds = float(os.environ.get(FORWARD_ENV) or 0)
     if seconds:
         slow_forward(seconds)
+        _plant_on_import(TRAINED, seconds, _slow_trained)
     shard_s = float(os.environ.get(SHARD_ENV) or 0)
     if shard_s:
         _plant_on_import(CONVERTER, shard_s, _slow_shards)
