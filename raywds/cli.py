@@ -65,6 +65,9 @@ SAME_DELIVERY_S = 1.0
 
 _stopping = [0.0]
 """When the first signal came (time.monotonic), 0 before one."""
+_signalled = [0]
+"""Which signal came first (0 before one): a library that catches the KeyboardInterrupt raised for
+it and raises its own (Ray Train's fit) loses the number."""
 
 
 def _stop(signum: int, frame: Any) -> None:
@@ -72,12 +75,13 @@ def _stop(signum: int, frame: Any) -> None:
     if _stopping[0] and now - _stopping[0] < SAME_DELIVERY_S:
         return
     _stopping[0] = _stopping[0] or now
+    _signalled[0] = _signalled[0] or signum
     raise Stopped(signum)
 
 
 def _stopped(command: str, e: KeyboardInterrupt) -> int:
     """Ctrl-C or SIGTERM: one line (with what the command added: what it keeps), 128 + the signal's number."""
-    signum = getattr(e, "signum", signal.SIGINT)
+    signum = getattr(e, "signum", None) or _signalled[0] or signal.SIGINT
     said = "; ".join(getattr(e, "__notes__", []))
     print(
         f"raywds: error: {command} stopped on {signal.Signals(signum).name}{': ' + said if said else ''}",
@@ -89,7 +93,7 @@ def _stopped(command: str, e: KeyboardInterrupt) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = MainOptions(**values(args, MainOptions)).debug
-    _stopping[0] = 0.0
+    _stopping[0], _signalled[0] = 0.0, 0
     signal.signal(signal.SIGTERM, _stop)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored (nohup)
         signal.signal(signal.SIGINT, _stop)

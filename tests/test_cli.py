@@ -396,6 +396,7 @@ MINIMAL = {
     "report": ["r"],
     "doctor": ["r"],
     "evaluate": ["m", "--data", "d"],
+    "predict": ["m", "--data", "d", "--out", "o"],
 }
 """What each command needs besides its name to parse."""
 

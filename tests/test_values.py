@@ -98,6 +98,7 @@ def bases(tmp: Path) -> dict[str, list[str]]:
         "ray": ["ray", "--data", data, "--storage-path", str(tmp / "ray")],
         "export": ["export", "<model>", "--out", str(tmp / "export")],
         "evaluate": ["evaluate", "<model>", "--data", data],
+        "predict": ["predict", "<model>", "--data", data, "--out", str(tmp / "predict")],
     }
 
 

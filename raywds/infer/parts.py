@@ -221,7 +221,7 @@ class Collector:
         ids, labels = batch.ids.tolist(), batch.labels.tolist()
         for i, (key, top, p) in enumerate(zip(batch.keys, classes.tolist(), probs.tolist())):
             unit = unit_of(self.units, self.firsts, ids[i])
-            self.row(unit, key, labels[i], top, p, None)
+            self.row(unit, key, labels[i], top, p, bad.get((unit.url, key)))
 
     def row(self, unit: Unit, key: str, label: int, top: list[int], probs: list[float], error: str | None) -> None:
         row = {

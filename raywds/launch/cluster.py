@@ -10,6 +10,8 @@ import importlib.util
 import logging
 import os
 import re
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +175,39 @@ def environ(values: dict[str, str]) -> Iterator[None]:
             os.environ.pop(k, None)
 
 
+@contextlib.contextmanager
+def signals_kept() -> Iterator[None]:
+    """SIGINT held while Ray connects, then SIGINT and SIGTERM handled as before it (under raywds's
+    CLI: one line, exit 130 or 143). ray.init takes the driver's SIGTERM: its own handler exits with
+    code 15 (taken here for the one from before), its core worker's prints a C++ stack and aborts.
+    A KeyboardInterrupt inside ray.init leaves a traceback from Ray's shutdown at exit; a second
+    SIGINT while Ray connects stops it there all the same."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
+    sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    got: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        got.append(signum)
+        if len(got) > 1 and callable(sigint):
+            sigint(signum, frame)
+
+    if callable(sigint):
+        signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    except SystemExit as e:  # SIGTERM to ray.init's own handler while it starts
+        if e.code != signal.SIGTERM or not callable(sigterm):
+            raise
+        sigterm(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGINT, sigint if sigint is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, sigterm if sigterm is not None else signal.SIG_DFL)
+    if got and callable(sigint):
+        sigint(signal.SIGINT, None)
+
+
 def connect(address: str | None, *, training: bool = True) -> None:
     """Join the cluster at `address`, RAY_ADDRESS or a running `ray start`; else start a local one.
     For `training`, Ray Train's autoscaling coordinator starts now, while the caller gets its data ready."""
@@ -181,7 +216,10 @@ def connect(address: str | None, *, training: bool = True) -> None:
         return
     # A conversion's tasks (not `training`) need none of a run's settings, and without a runtime env
     # of their own they take the idle workers a cluster prestarts (about 1.2 s each otherwise).
-    with environ(LOCAL_CLUSTER_ENV if training else {}):  # read by the processes of a cluster ray.init starts
+    with (
+        environ(LOCAL_CLUSTER_ENV if training else {}),
+        signals_kept(),
+    ):  # read by the processes of a cluster ray.init starts
         ray.init(address=address, log_to_driver=True, runtime_env=RUNTIME_ENV if training else None)  # RAY
     quiet_known_noise()
     warn_slow_imports()

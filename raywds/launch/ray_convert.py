@@ -17,8 +17,6 @@ still match, and the manifest is written last, by the driver.
 from __future__ import annotations
 
 import os
-import signal
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,38 +100,6 @@ def _result(ref: Any, job: ShardJob) -> dict[str, Any]:
         ) from None
 
 
-def _connect(address: str | None) -> None:
-    """cluster.connect, SIGINT held until Ray has connected, then SIGINT and SIGTERM handled as
-    before it (under raywds's CLI: one line, exit 130 or 143). ray.init takes the driver's SIGTERM:
-    its own handler exits with code 15 (taken here for the one from before), its core worker's
-    prints a C++ stack and aborts. A KeyboardInterrupt inside ray.init leaves a traceback from
-    Ray's shutdown at exit; a second SIGINT while Ray connects stops it there all the same."""
-    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
-        cluster.connect(address, training=False)
-        return
-    sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    got: list[int] = []
-
-    def hold(signum: int, frame: Any) -> None:
-        got.append(signum)
-        if len(got) > 1 and callable(sigint):
-            sigint(signum, frame)
-
-    if callable(sigint):
-        signal.signal(signal.SIGINT, hold)
-    try:
-        cluster.connect(address, training=False)
-    except SystemExit as e:  # SIGTERM to ray.init's own handler while it starts
-        if e.code != signal.SIGTERM or not callable(sigterm):
-            raise
-        sigterm(signal.SIGTERM, None)
-    finally:
-        signal.signal(signal.SIGINT, sigint if sigint is not None else signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, sigterm if sigterm is not None else signal.SIG_DFL)
-    if got and callable(sigint):
-        sigint(signal.SIGINT, None)
-
-
 def convert_on_ray(
     src: str,
     out: str,
@@ -158,7 +124,7 @@ def convert_on_ray(
         )
     folder = (staging or upload.staging_folder(out)) if bucket is not None else Path(out)
     converting.check_outside(tree, folder)
-    _connect(address)
+    cluster.connect(address, training=False)  # signals as before it: one line, 130 or 143
     folder.mkdir(parents=True, exist_ok=True)
     # The tasks read SRC and (but into a bucket) write OUT on every node; a missing SRC is the converter's line.
     seen = [(tree, "SRC")] if isinstance(tree, Path) and tree.exists() else []

@@ -34,6 +34,7 @@ import ray
 import ray.data
 from ray.data.block import Block, BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
+from ray.util.debug import log_once
 
 from raywds.config import TrainConfig
 from raywds.data import stores
@@ -218,6 +219,7 @@ def on_ray_data(job: Prediction, reading: dict[str, Any], setup: Setup, num_work
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # each execution's start and stats at INFO
         ctx = ray.data.DataContext.get_current()  # RAY
         ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
+        log_once("ray_data_progress_manager_disabled")  # RAY: internal; uses up Ray Data's warning that they are off
         ctx.execution_options.preserve_order = False  # blocks as they finish: the driver gathers by unit
         ds = ray.data.read_datasource(UnitSource(inputs, todo, cfg), override_num_blocks=len(todo))  # RAY
         scored_ds = ds.map_batches(  # RAY

@@ -253,6 +253,12 @@ def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
                 result = trainer.fit()
         except ray.train.TrainingFailedError as e:  # RAY
             raise failure(e, lost_since(nodes), options.max_failures) from e
+        except KeyboardInterrupt as e:  # SIGTERM or Ctrl-C to this driver (raywds.cli: one line, 143 or 130)
+            e.add_note(
+                f"the workers end with this driver; the run's checkpoints are in {os.path.join(storage, name)}: "
+                "resume from the newest checkpoint_* folder there with --resume"
+            )
+            raise
     if not result.metrics:
         raise RaywdsError(f"Ray training reported no metrics; see the run at {result.path}")
     checkpoint = as_uri(result.checkpoint.path, storage) if result.checkpoint is not None else None
