@@ -39,8 +39,8 @@ from loader_bench import build_tree, photos
 from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
-from raywds.infer.prediction import predict_here
 from raywds.infer.predictoptions import Prediction
+from raywds.launch.prediction import predict_here
 from raywds.launch.ray_prediction import predict_on_ray
 from raywds.models.sources import parse_model
 from raywds.runs.checkpoint import save_checkpoint

@@ -337,8 +337,9 @@ def cmd_export(options: ExportOptions) -> None:
 
 
 def cmd_predict(options: PredictOptions, reading: Training) -> None:
-    from raywds.infer.prediction import Tally, predict_here, summary
+    from raywds.infer.prediction import Tally, summary
     from raywds.infer.predictoptions import Prediction
+    from raywds.launch.prediction import predict_here
 
     job = Prediction.of(options)
     done: tuple[Tally, float] | None

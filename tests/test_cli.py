@@ -397,6 +397,7 @@ MINIMAL = {
     "doctor": ["r"],
     "evaluate": ["m", "--data", "d"],
     "predict": ["m", "--data", "d", "--out", "o"],
+    "export": ["m", "--out", "o"],
 }
 """What each command needs besides its name to parse."""
 

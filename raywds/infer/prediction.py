@@ -4,19 +4,16 @@ each key once at any world size), those whose part is already written left out, 
 centre-cropped as the model was validated, its top-k classes and softmax probabilities written
 with its key, unit by unit, as each unit's last sample is predicted (raywds.infer.parts).
 
-    tally, seconds = predict_here(Prediction(model="runs/local", data="shards/", out="preds"), {"batch_size": 32})
-    pyarrow.dataset.dataset("preds").to_table()
+    tally = predict_rank(Prediction(model="runs/local", data="shards/", out="preds"), {"batch_size": 32}, World())
+    pyarrow.dataset.dataset("preds").to_table()        # raywds.launch.prediction runs it under torchrun
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial as bind
 from pathlib import Path
 from typing import Any
@@ -37,7 +34,7 @@ from raywds.loader.loader import Pass
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, val_decoder, worker_urls
 from raywds.loader.watch import Whereabouts
-from raywds.models.trained import Trained
+from raywds.models.trained import Trained, load_trained
 from raywds.train.compute import Compute
 from raywds.world import World
 
@@ -69,8 +66,6 @@ def weights_sha256(model: nn.Module) -> str:
 
 def load(job: Prediction) -> Trained:
     """The trained model, refused in one line where --top-k exceeds its classes."""
-    from raywds.models.trained import load_trained  # here: where this module is imported, no model is read
-
     trained = load_trained(job.model)
     if job.top_k > len(trained.classes):
         raise ConfigError(
@@ -166,9 +161,13 @@ def predict_rank(job: Prediction, reading: Mapping[str, Any], world: World, trai
         collector.empty(unit)
     compute = Compute.for_run(setup.cfg, world.device)
     model = compute.model(setup.trained.model).eval()
-    for batch in batches(setup.inputs, cfg, world, todo) if any(todo) else ():
-        classes, probs = scored(model, batch, compute, job.top_k)
-        collector.add(batch, classes, probs)
+    try:
+        for batch in batches(setup.inputs, cfg, world, todo) if any(todo) else ():
+            classes, probs = scored(model, batch, compute, job.top_k)
+            collector.add(batch, classes, probs)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: what is written stays
+        e.add_note(f"the {collector.written} parts it wrote stay in {job.out}: the same predict again writes the rest")
+        raise
     collector.check_complete([u for slot in todo for u in slot])
     kept = sum(map(len, slots)) - sum(map(len, todo))
     return Tally(collector.samples, collector.errors, collector.written, kept)
@@ -181,32 +180,6 @@ def summed(tally: Tally, world: World) -> Tally:
     counts = torch.tensor(dataclasses.astuple(tally), dtype=torch.float64, device=world.device)
     dist.all_reduce(counts)
     return Tally(*(int(c) for c in counts.tolist()))
-
-
-@contextlib.contextmanager
-def process_group(world: World, timeout_s: float) -> Iterator[None]:
-    """torchrun's ranks join one process group (for the counts at the end); one process needs none."""
-    if not world.distributed:
-        yield
-        return
-    cuda = world.device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(world.local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def predict_here(job: Prediction, reading: Mapping[str, Any]) -> tuple[Tally, float] | None:
-    """Predict in this process, or as one rank of a torchrun job (`reading`: the reading flags given, as
-    TrainConfig names them); rank 0 gets the job's tally and seconds."""
-    world = World.from_env()
-    started = time.perf_counter()
-    with process_group(world, reading.get("pg_timeout") or TrainConfig.pg_timeout):
-        tally = summed(predict_rank(job, reading, world), world)
-    return (tally, time.perf_counter() - started) if world.is_main else None
 
 
 def summary(tally: Tally, seconds: float, out: str) -> str:

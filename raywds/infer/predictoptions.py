@@ -40,10 +40,13 @@ class Prediction:
         return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
 
     def absolute(self) -> Prediction:
-        """With local paths absolute, for processes that run elsewhere (Ray's workers)."""
-        paths = {n: os.path.abspath(getattr(self, n)) for n in ("model", "out") if "://" not in getattr(self, n)}
-        if os.path.exists(self.data):
-            paths["data"] = os.path.abspath(self.data)
+        """With local paths absolute (a brace list or glob of local shards too), for processes that
+        run in another folder (Ray's workers); URLs and `pipe:` commands stay."""
+        paths = {
+            name: os.path.abspath(value)
+            for name in ("model", "data", "out")
+            if "://" not in (value := getattr(self, name)) and not value.startswith("pipe:") and "," not in value
+        }
         return dataclasses.replace(self, **paths)
 
 

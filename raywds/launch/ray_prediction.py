@@ -100,7 +100,7 @@ def on_ranks(job: Prediction, reading: dict[str, Any], setup: Setup, num_workers
     """`--data-plane loader`: the ranks as Ray tasks, each with its own loader workers."""
     workers = setup.cfg.loader_workers if isinstance(setup.cfg.loader_workers, int) else None
     plan = cluster.plan_workers(ray.cluster_resources(), num_workers, loader_workers=workers)  # RAY
-    log.info(f"predicting on {plan.describe()}")
+    log.info(f"predicting with {plan.num_workers} {'GPU' if plan.use_gpu else 'CPU'} rank(s) as Ray tasks")
     task = ray.remote(_rank).options(  # RAY
         num_cpus=plan.cpus_per_worker,
         num_gpus=1 if plan.use_gpu else 0,
@@ -215,6 +215,7 @@ def on_ray_data(job: Prediction, reading: dict[str, Any], setup: Setup, num_work
     todo = [u for u in todo if u.num_samples]
     if todo:
         count, gpu = replicas(num_workers)
+        count = min(count, len(todo))  # a replica a read task at most: more would have nothing to score
         log.info(f"predicting with {count} model replica(s) on {'GPUs' if gpu else 'CPUs'}")
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # each execution's start and stats at INFO
         ctx = ray.data.DataContext.get_current()  # RAY

@@ -69,7 +69,8 @@ def restore(
     saved_model = (state.get("config") or {}).get("model")
     if started is not None and saved_model and saved_model != str(started.name):
         raise ConfigError(
-            f"the checkpoint was trained as --model {saved_model}, not {started.name}: resume with --model {saved_model}"
+            f"the checkpoint was trained as --model {saved_model}, not {started.name}: "
+            f"resume with --model {saved_model}"
         )
     before = grown(state["shards"], manifest)
     if state["classes"] != manifest.classes:

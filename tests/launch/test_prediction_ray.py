@@ -32,7 +32,8 @@ def test_both_data_planes_predict_every_key_once(
         code = cli.main([*args, "--ray", "--data-plane", plane, "--num-workers", "2", "--loader-workers", "0"])
         said = capsys.readouterr()
         assert code == 0, said.err
-        assert said.out.splitlines()[-1].startswith(f"raywds: predicted 170 samples (0 errors) in 13 parts into {out} (")
+        line = said.out.splitlines()[-1]
+        assert line.startswith(f"raywds: predicted 170 samples (0 errors) in 13 parts into {out} ("), line
         rows = pads.dataset(str(out)).to_table().to_pylist()
         counted = Counter(r["key"] for r in rows)
         assert sorted(counted.elements()) == keys and max(counted.values()) == 1, plane
@@ -40,5 +41,7 @@ def test_both_data_planes_predict_every_key_once(
         tables[plane] = {r["key"]: r for r in rows}
     for key, row in tables["loader"].items():
         other = tables["ray"][key]
-        assert (row["shard"], row["label"], row["top_classes"]) == (other["shard"], other["label"], other["top_classes"])
+        assert [row[c] for c in ("shard", "label", "top_classes")] == [
+            other[c] for c in ("shard", "label", "top_classes")
+        ]
         assert row["top_probs"] == pytest.approx(other["top_probs"], abs=1e-6)
