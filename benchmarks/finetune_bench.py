@@ -238,6 +238,7 @@ resize and read seconds (summed over workers)."""
 
 
 def run_raywds(shards: Path, weights: Path, s: Settings, out: Path, env: dict[str, str]) -> Run:
+    """One `raywds train --mode split` run into `out`, read back from its metrics.jsonl."""
     line = [
         str(RAYWDS), "train", "--data", str(shards), "--model", f"timm/{s.model}",
         "--initial-checkpoint", str(weights), "--mode", "split", "--epochs", str(s.epochs),
@@ -262,6 +263,7 @@ def run_raywds(shards: Path, weights: Path, s: Settings, out: Path, env: dict[st
 
 
 def run_timm(train_py: Path, shards: Path, weights: Path, s: Settings, out: Path, env: dict[str, str]) -> Run:
+    """One run of timm's `train.py` into `out`, read back from its log and summary.csv."""
     line = [
         str(PYTHON), str(train_py), "--data-dir", str(shards), "--dataset", "wds/imagenet",
         "--train-split", "train", "--val-split", "val", "--model", s.model, "--initial-checkpoint", str(weights),
@@ -310,7 +312,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--weight-decay", type=float, default=5e-5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--keep", type=Path, help="keep the data, weights and runs' logs in this folder")
+    parser.add_argument("--keep", type=Path, help="keep the data, weights and runs in this new folder")
     args = parser.parse_args()
     if not args.timm_train.is_file():
         raise SystemExit(f"--timm-train {args.timm_train} is not a file: see `--help` for where to get it")

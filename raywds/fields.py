@@ -109,7 +109,7 @@ def _url_problem(text: str) -> str | None:
             _ = parts.port  # a port that is not a number from 0 to 65535 raises here
         except ValueError as e:
             return f"does not parse as a URL ({e})"
-        if not parts.netloc:
+        if not parts.netloc and parts.scheme != "file":  # file:///path names no host, as it should
             return f"names no host or bucket after {parts.scheme}://"
     return None
 

@@ -339,3 +339,11 @@ def test_a_config_files_values_are_checked_as_the_flags_are(real: Callable[..., 
         (tmp_path / "config.json").write_text(json.dumps(values))
         assert real("train", "--data", "shards", "--config", "config.json") == f"raywds: error: {said}"
     assert TrainConfig(data="x", loader_workers="auto").loader_workers == "auto"
+
+
+def test_a_place_takes_a_file_url_without_a_host_and_refuses_a_bucket_url_without_a_bucket() -> None:
+    """`file:///path` is how Ray Train names a local storage path (--storage-path); `s3://` names nothing."""
+    from raywds.fields import PLACE
+
+    assert PLACE.problem("file:///tmp/runs") is None and PLACE.problem("s3://bucket/runs") is None
+    assert PLACE.problem("s3:///runs") == "names no host or bucket after s3://"
