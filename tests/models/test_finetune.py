@@ -162,6 +162,7 @@ def test_the_weights_preprocessing_is_the_runs(shards: Path, tmp_path: Path, mon
     assert json.loads((tmp_path / "c" / "config.json").read_text())["mean"] == "0.4,0.4,0.4"  # the user's wins
 
 
+@pytest.mark.slow  # a real MLflow server: its start is 15-20 s of the inner loop
 def test_the_tracking_run_records_the_weights_source_and_sha256(
     shards: Path, tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -192,6 +192,7 @@ def test_a_run_with_an_unreachable_mlflow_server_is_refused_in_one_line_before_i
     assert written == [], "refused before it wrote"
 
 
+@pytest.mark.slow  # a real MLflow server: its start is 15-20 s of the inner loop
 def test_a_server_gone_at_the_end_is_not_waited_for_and_the_run_continued_ends_what_it_left_running(
     mlflow_server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
