@@ -51,6 +51,25 @@ class WorkerPlan:
         return f"{count} {kind} worker{'s' if self.num_workers != 1 else ''}"
 
 
+def rank_tasks(
+    function: Callable[..., Any], loader_workers: int | str, num_workers: int | None, max_retries: int
+) -> tuple[Any, Any]:
+    """A job's ranks as Ray tasks without a process group (evaluate, predict): the worker plan the
+    cluster holds (`loader_workers`: a number, else every CPU a rank may take) and `function` as a
+    task of one rank's resources, spread over the nodes, retried `max_retries` times when its
+    worker dies (never on its own exceptions)."""
+    workers = loader_workers if isinstance(loader_workers, int) else None
+    plan = plan_workers(ray.cluster_resources(), num_workers, loader_workers=workers)  # RAY
+    task = ray.remote(function).options(  # RAY
+        num_cpus=plan.cpus_per_worker,
+        num_gpus=1 if plan.use_gpu else 0,
+        max_retries=max_retries,
+        retry_exceptions=False,
+        scheduling_strategy="SPREAD",
+    )
+    return plan, task
+
+
 def plan_workers(
     resources: dict[str, float],
     num_workers: int | tuple[int, int] | None,

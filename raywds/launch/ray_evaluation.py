@@ -76,17 +76,9 @@ def evaluate_on_ray(
     a running `ray start`, else a new local one): every sample once, the numbers of one process."""
     cluster.connect(address, training=False)
     scoring = Scoring.of(trained, absolute(cfg), split=split, ema=ema)  # refused here, before any task
-    workers = cfg.loader_workers if isinstance(cfg.loader_workers, int) else None
-    plan = cluster.plan_workers(ray.cluster_resources(), num_workers, loader_workers=workers)  # RAY
+    plan, task = cluster.rank_tasks(_rank, cfg.loader_workers, num_workers, MAX_RETRIES)
     each = "a GPU" if plan.use_gpu else f"{plan.cpus_per_worker:g} CPU"
     log.info(f"evaluating with {plan.num_workers} Ray tasks, {each} each")
-    task = ray.remote(_rank).options(  # RAY
-        num_cpus=plan.cpus_per_worker,
-        num_gpus=1 if plan.use_gpu else 0,
-        max_retries=MAX_RETRIES,
-        retry_exceptions=False,
-        scheduling_strategy="SPREAD",
-    )
     shared = ray.put(scoring)  # RAY: the model once into the object store, not once a task
     refs = [task.remote(shared, rank, plan.num_workers) for rank in range(plan.num_workers)]  # RAY
     return scoring.scored(functools.reduce(Sums.plus, [_sums(ref, rank) for rank, ref in enumerate(refs)]))

@@ -98,16 +98,8 @@ def _got(ref: Any, what: str) -> Any:
 
 def on_ranks(job: Prediction, reading: dict[str, Any], setup: Setup, num_workers: int | None) -> Tally:
     """`--data-plane loader`: the ranks as Ray tasks, each with its own loader workers."""
-    workers = setup.cfg.loader_workers if isinstance(setup.cfg.loader_workers, int) else None
-    plan = cluster.plan_workers(ray.cluster_resources(), num_workers, loader_workers=workers)  # RAY
+    plan, task = cluster.rank_tasks(_rank, setup.cfg.loader_workers, num_workers, MAX_RETRIES)
     log.info(f"predicting with {plan.num_workers} {'GPU' if plan.use_gpu else 'CPU'} rank(s) as Ray tasks")
-    task = ray.remote(_rank).options(  # RAY
-        num_cpus=plan.cpus_per_worker,
-        num_gpus=1 if plan.use_gpu else 0,
-        max_retries=MAX_RETRIES,
-        retry_exceptions=False,
-        scheduling_strategy="SPREAD",
-    )
     shared = [ray.put(setup.trained)]  # RAY: the model once into the object store, not once a task
     refs = [task.remote(job, reading, shared, rank, plan.num_workers) for rank in range(plan.num_workers)]  # RAY
     tally = Tally()
