@@ -214,6 +214,15 @@ def listing(prefix: str, s3_endpoint: str | None = None) -> list[tuple[str, int,
     return sorted(found)
 
 
+def sync_path(path: Path) -> None:
+    """Flush a file, or a folder's entries (a rename in it), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write a file so that a reader sees either the old file or the whole new one.
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from raywds.data.stores import write_atomic
+from raywds.data.stores import sync_path, write_atomic
 from raywds.errors import ConfigError, DataError, StorageError
 from raywds.infer.inputs import Unit, unit_of
 from raywds.loader.stages import Batch
@@ -191,11 +190,7 @@ class Predictions:
         """The unit's part, whole and durable: a temp file synced, renamed, the folder synced."""
         try:
             write_atomic(self.part(unit), self.part_format.encoded(rows))
-            fd = os.open(self.out, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            sync_path(self.out)
         except OSError as e:
             raise StorageError(f"--out {self.out}: cannot write {self.part(unit).name} ({e})") from None
 

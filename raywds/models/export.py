@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import raywds
+from raywds.data.stores import sync_path
 from raywds.errors import ConfigError, RaywdsError, StorageError
 from raywds.models.onnxfile import (
     CheckImages,
@@ -266,20 +267,12 @@ def _read_back(folder: Path, module: nn.Module, ema: nn.Module | None) -> None:
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
-    _sync(path)
-
-
-def _sync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    sync_path(path)
 
 
 def _place(tmp: Path, out: Path, force: bool) -> None:
     """The whole export renamed to `out`; an export there before (--force) or an empty folder goes."""
-    _sync(tmp)
+    sync_path(tmp)
     _check_out(out, force)  # again: another export may have been placed there meanwhile
     if not out.exists():
         tmp.rename(out)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from raywds.data.stores import sync_path
 from raywds.errors import ConfigError, StorageError
 from raywds.runs import files
 
@@ -112,18 +113,10 @@ def save_checkpoint(state: dict[str, Any], path: Path, *, durable: bool = True) 
                 os.fsync(f.fileno())
         tmp.replace(path)
         if durable:
-            _sync_folder(path.parent)
+            sync_path(path.parent)
     except (RuntimeError, OSError) as e:
         tmp.unlink(missing_ok=True)
         raise _not_written(state, path, e) from None
-
-
-def _sync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _not_written(state: dict[str, Any], path: Path, e: BaseException) -> StorageError:
