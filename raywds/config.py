@@ -273,6 +273,10 @@ class TrainConfig(S3Endpoint):
             raise ConfigError(f"progressive_epochs={self.progressive_epochs}: START:END with 1 <= START <= END")
         return low, high, start, end
 
+    def validates(self, epoch: int) -> bool:
+        """Whether epoch `epoch` (from 1) ends in a validation: every --val-every, and the last."""
+        return epoch % self.val_every == 0 or epoch == self.epochs
+
     def train_size(self, epoch: int) -> int:
         """The training crop's side in epoch `epoch` (from 0): --progressive-resize's schedule
         (FFCV's: linear from MIN at START to MAX at END, in steps of 32 px from MIN), else

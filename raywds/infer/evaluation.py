@@ -141,6 +141,19 @@ class Scored:
     seconds: float
 
 
+def validation_numbers(scored: Scored) -> dict[str, float | int]:
+    """The numbers in-training validation gives an epoch's row (raywds.train.loop.evaluate): val_top1,
+    val_top5, val_loss and val_samples of the weights, and the EMA's with an _ema suffix."""
+    numbers: dict[str, float | int] = {}
+    for name, suffix in ((WEIGHTS, ""), (EMA, "_ema")):
+        if name in scored.scores:
+            each = scored.scores[name]
+            numbers.update({f"val_top1{suffix}": each.top1, f"val_top5{suffix}": each.top5})
+            numbers[f"val_loss{suffix}"] = each.loss
+    numbers["val_samples"] = sum(scored.per_rank)
+    return numbers
+
+
 def reading_config(trained: Trained, data: str, given: Mapping[str, Any]) -> TrainConfig:
     """The config that reads --data for `trained`: the centre crop, resize, mean and std it was
     validated with, and the reading flags `given` (batch size, loader workers, --val-data, ...)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ from raywds import console
 from raywds.config import TrainConfig
 from raywds.data import stores
 from raywds.data.dataset import index_of, manifest_of
+from raywds.data.manifest import Manifest
 from raywds.errors import ConfigError, RaywdsError, one_line, own_cause
 from raywds.launch.cluster import (
     WorkerPlan,
@@ -40,6 +42,7 @@ from raywds.launch.cluster import (
     start_autoscaling_coordinator,
     wait_for_coordinator,
 )
+from raywds.launch.ray_validation import Landing, described, task_resources, validation_config
 from raywds.launch.raydata import Plane, RayData
 from raywds.launch.rayoptions import DEFAULTS, RayOptions
 from raywds.launch.runstore import as_uri, hold_run_folder, load_ray_checkpoint, open_run_dir, ray_storage
@@ -80,9 +83,18 @@ PLANE_TASK_CPUS = 1.0
 """CPUs one Ray Data read-and-decode task reserves."""
 
 
-def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDir | None = None) -> None:
-    """Every rank reports; rank 0 attaches the checkpoint, so Result.metrics is filled, and
-    records the metrics and best/ in the run folder (a local or shared storage path)."""
+def report_to_ray(
+    metrics: Metrics,
+    state: dict[str, Any] | None,
+    run_dir: RunDir | None = None,
+    *,
+    landing: Landing | None = None,
+    validate: bool = False,
+) -> None:
+    """Every rank reports; rank 0 attaches the checkpoint (with the row it reports, metrics.json),
+    so Result.metrics is filled, and records the metrics and best/ in the run folder (a local or
+    shared storage path). `validate`: Ray validates the checkpoint in a task of its own
+    (raywds.launch.ray_validation), whose numbers rank 0 then lands, with what else has finished."""
     if state is not None and run_dir is not None:
         run_dir.record(metrics, state)  # Ray keeps the last K checkpoints; best/ keeps the best by top-1
     if state is None:
@@ -92,7 +104,10 @@ def report_to_ray(metrics: Metrics, state: dict[str, Any] | None, run_dir: RunDi
         state = {**state, "tracking": run_dir.tracking_ids()}
     with tempfile.TemporaryDirectory(prefix="raywds-ckpt-") as tmp:
         save_checkpoint(state, Path(tmp) / files.CHECKPOINT, durable=False)  # Ray copies it to the storage
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))  # RAY
+        (Path(tmp) / files.CHECKPOINT_ROW).write_text(json.dumps(metrics) + "\n")
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), validation=validate)  # RAY
+    if landing is not None:
+        landing.land(metrics)
 
 
 def quiet_ray_reports() -> None:
@@ -158,10 +173,22 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             log.info(f"restarted: resuming from the checkpoint at step {resume['steps']} on {world.world_size} rank(s)")
     run_dir = open_run_dir(cfg) if world.is_main else None
     try:
-        report = functools.partial(report_to_ray, run_dir=run_dir)
+        landing = Landing(run_dir, cfg.validates) if world.is_main and config.get("async_validation") else None
+        report = functools.partial(report_to_ray, run_dir=run_dir, landing=landing)
+        apart = functools.partial(report, validate=True) if config.get("async_validation") else None
         train(
-            cfg, world, report, resume, run_dir=run_dir, loaders=loaders, manifest=manifest, notices=preemption_notice
+            cfg,
+            world,
+            report,
+            resume,
+            run_dir=run_dir,
+            loaders=loaders,
+            manifest=manifest,
+            notices=preemption_notice,
+            apart=apart,
         )
+        if landing is not None:  # the validations still running: their rows and best/ before the run ends
+            landing.land(wait=True)
     finally:
         if run_dir is not None:
             run_dir.close(artifact=cfg.tracking_checkpoint)
@@ -218,7 +245,8 @@ def check_global_batch(cfg: TrainConfig, fewest: int, most: int) -> None:
 
 
 def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
-    """Train `cfg` on the connected cluster with a TorchTrainer, as `options` say; returns rank 0's
+    """Train `cfg` with a TorchTrainer on the cluster in `options.address` (joined as `raywds ray`
+    joins it, unless this process has joined one already), as `options` say; returns rank 0's
     last metrics. `num_workers` (MIN, MAX) is elastic; after a failure (a worker or its node lost)
     Ray restarts the workers up to `max_failures` times, each time from the latest checkpoint, and
     as often waits `node_wait_s` (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for the workers to
@@ -227,6 +255,7 @@ def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
     `worker_resource`: custom Ray resources each training worker reserves (where it may run)."""
     if options.node_wait_s is not None:  # Ray Train reads it in the driver and hands it to its controller
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(options.node_wait_s)
+    connect(options.address)  # raywds's runtime env for the run's processes, and Ray stopped with a Jupyter kernel
     coordinator = start_autoscaling_coordinator()  # started already where connect() joined the cluster
     cfg, plan, plane = place(absolute(cfg), options)
     manifest = manifest_of(cfg)
@@ -239,14 +268,16 @@ def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
         # Fail here in one line (no such file, damaged, not ours, nothing left to train), not in every worker.
         check_unfinished(load_checkpoint(resume), cfg)
     nodes = alive_nodes()
+    reserved = validation_resources(cfg, manifest, plan, plane, options)
     decoding = f", decoding on Ray Data tasks of {PLANE_TASK_CPUS:g} CPU anywhere in the cluster" if plane else ""
-    print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s)){decoding}", flush=True)
+    apart = f", validating each epoch's checkpoint in a Ray task on {described(reserved)}" if reserved else ""
+    print(f"raywds: training on {plan.describe()} ({len(nodes)} node(s)){decoding}{apart}", flush=True)
     storage, local = split_storage(options.storage_path)
     name = options.name or time.strftime("raywds-%Y%m%d-%H%M%S")
     # Rank 0 appends metrics.jsonl to the run folder where it is a path (local, shared or file://).
     cfg = dataclasses.replace(cfg, out=os.path.join(local or storage, name))
     with hold_run_folder(cfg, local):
-        trainer = make_trainer(cfg, plan, storage, name, options, plane)
+        trainer = make_trainer(cfg, plan, storage, name, options, plane, reserved)
         wait_for_coordinator(coordinator)
         try:
             with environ(controller_polls(plan.num_workers)):  # read as fit() starts the controller
@@ -265,7 +296,26 @@ def run(cfg: TrainConfig, options: RayOptions = DEFAULTS) -> RayRun:
     history = sorted(
         (dict(m) for _, m in result.best_checkpoints or [] if kind(m) == "epoch"), key=lambda m: m["epoch"]
     )
-    return RayRun(dict(result.metrics), checkpoint, as_uri(result.path, storage), plan, history)
+    last = dict(result.metrics)
+    if reserved:  # the last epoch's validation, done apart, came after its report
+        last.update(next((m for m in history if m["epoch"] == last.get("epoch") and kind(last) == "epoch"), {}))
+    return RayRun(last, checkpoint, as_uri(result.path, storage), plan, history)
+
+
+def validation_resources(
+    cfg: TrainConfig, manifest: Manifest, plan: WorkerPlan, plane: Plane | None, options: RayOptions
+) -> dict[str, float] | None:
+    """With --async-validation, what each validation task reserves (raywds.launch.ray_validation);
+    None without. Refuses, in one line, data with nothing to validate on."""
+    if not options.async_validation:
+        return None
+    if "val" not in manifest.splits:
+        raise ConfigError(
+            f"--async-validation: --data {cfg.data} has no val split to validate on; give --val-data, "
+            "or leave out --async-validation"
+        )
+    held = plan.num_workers * plan.cpus_per_worker + (PLANE_TASK_CPUS if plane is not None else 0)
+    return task_resources(ray.cluster_resources(), plan, held)  # RAY
 
 
 def place(cfg: TrainConfig, options: RayOptions) -> tuple[TrainConfig, WorkerPlan, Plane | None]:
@@ -309,10 +359,17 @@ PLACES = {"loader": _own_loaders, "ray": _ray_data}
 
 
 def make_trainer(
-    cfg: TrainConfig, plan: WorkerPlan, storage: str, name: str, options: RayOptions, plane: Plane | None = None
+    cfg: TrainConfig,
+    plan: WorkerPlan,
+    storage: str,
+    name: str,
+    options: RayOptions,
+    plane: Plane | None = None,
+    validation: dict[str, float] | None = None,
 ) -> TorchTrainer:
     """The TorchTrainer that runs train_loop_per_worker on `plan`'s workers, as run `name` in
-    `storage` (options.storage_path made absolute)."""
+    `storage` (options.storage_path made absolute); `validation`: the resources of each epoch's
+    validation task (--async-validation), None where the ranks validate."""
     return TorchTrainer(  # RAY
         train_loop_per_worker,
         train_loop_config={
@@ -320,7 +377,9 @@ def make_trainer(
             "plane": plane and dataclasses.asdict(plane),
             "index": index_of(cfg),
             "tracking_env": tracking_env() if cfg.trackers() else {},
+            "async_validation": validation is not None,
         },
+        validation_config=validation_config(validation) if validation is not None else None,
         scaling_config=ray.train.ScalingConfig(
             num_workers=plan.ray_num_workers,  # type: ignore[arg-type]  # V2 takes (min, max); mypy sees V1's
             use_gpu=plan.use_gpu,

@@ -46,8 +46,8 @@ def resource(text: str) -> tuple[str, float]:
 
 @dataclass(frozen=True, kw_only=True)
 class RayOptions:
-    """How a run uses the Ray cluster. `serve` and `address` are the command's: it serves the data
-    and joins the cluster before raywds.launch.ray_train.run, which reads the rest."""
+    """How a run uses the Ray cluster. `serve` is the command's: it serves the data before
+    raywds.launch.ray_train.run, which reads the rest (it joins the cluster in `address`)."""
 
     serve: bool = False
     """Serve the --data folder from this driver, so workers on every node read it over HTTP."""
@@ -83,6 +83,10 @@ class RayOptions:
     )
     """A custom Ray resource each training worker reserves, so the workers run only on nodes that
     have it (`ray start --resources '{"trainer": 8}'`); repeatable."""
+    async_validation: bool = False
+    """Validate each epoch's checkpoint in a Ray task of its own while training goes on (Ray
+    Train's ValidationConfig), not on the ranks between epochs: the numbers land in the same epoch
+    rows, tracking runs and best/ (raywds.launch.ray_validation)."""
     name: str | None = field(default=None, metadata=flag(form=NAME))
     """Ray Train run name (default raywds-DATE-TIME; reusing a name resumes that run)."""
 

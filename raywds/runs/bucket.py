@@ -74,6 +74,15 @@ class BucketRunDir(RunDir):
                 self.push(self.path / name)
         return kept
 
+    def put_text(self, name: str, text: str) -> None:
+        super().put_text(name, text)
+        self.push(self.path / name)
+
+    def get_text(self, name: str) -> str | None:
+        with tempfile.TemporaryDirectory(prefix="raywds-get-") as tmp:
+            got = Path(tmp) / "file"
+            return got.read_text() if s3.get_file(s3.join(self.url, name), got, self.endpoint) else None
+
     def push(self, path: Path) -> None:
         """Put `path` at its place under the run's URL, unless it went up unchanged already."""
         name = path.relative_to(self.path).as_posix()

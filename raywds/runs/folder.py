@@ -28,6 +28,7 @@ from raywds.config import TrainConfig
 from raywds.runs import files, tracking
 from raywds.runs.checkpoint import save_checkpoint
 from raywds.runs.lock import RunLock
+from raywds.runs.rows import kind, read_rows
 from raywds.runs.tensorboard import EventWriter, summary_writer
 from raywds.runs.tracking import Trackers
 
@@ -163,6 +164,28 @@ class RunDir:
         except (OSError, ValueError):
             return None
 
+    def put_text(self, name: str, text: str) -> None:
+        """A small file of the run's at `name` (a path inside the folder), whole or not at all."""
+        self._written()
+        path = self.path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f".{path.name}.part")
+        part.write_text(text)
+        part.replace(path)
+
+    def get_text(self, name: str) -> str | None:
+        """The file `put_text` put at `name`, in this or another process (None: not there yet)."""
+        try:
+            return (self.path / name).read_text()
+        except FileNotFoundError:
+            return None
+
+    def validated(self) -> set[int]:
+        """The epochs whose validation, done apart, this run folder holds a row of."""
+        if not (self.continues or self.started) or not self.metrics_path.is_file():
+            return set()
+        return {int(row["epoch"]) for row in read_rows(self.metrics_path) if kind(row) == "validation"}
+
     def write_config(self, cfg: TrainConfig, name: str = files.CONFIG) -> Path:
         self._written()
         path = self.path / name
@@ -192,16 +215,21 @@ class RunDir:
         save_checkpoint({**state, "tracking": self.tracking_ids()}, self.checkpoint_path)
         self.keep_best(metrics, state)
 
-    def keep_best(self, metrics: Metrics, state: dict[str, Any]) -> bool:
-        """Copy the checkpoint to best/ when its validation top-1 beats the one there (read from
-        best/metrics.json, so it holds across restarts); True when it did."""
+    def beats_best(self, metrics: Metrics) -> bool:
+        """Whether `metrics` hold a validation top-1 better than best/'s (read from best/metrics.json,
+        so it holds across restarts)."""
         if "val_top1" not in metrics:
+            return False
+        record = self.path / files.BEST_ROW
+        return not (record.is_file() and best_top1(json.loads(record.read_text())) >= best_top1(metrics))
+
+    def keep_best(self, metrics: Metrics, state: dict[str, Any]) -> bool:
+        """Copy the checkpoint to best/ when its validation top-1 beats the one there; True when it did."""
+        if not self.beats_best(metrics):
             return False
         self._written()
         best = self.path / files.BEST
         record = self.path / files.BEST_ROW
-        if record.is_file() and best_top1(json.loads(record.read_text())) >= best_top1(metrics):
-            return False
         best.mkdir(exist_ok=True)
         save_checkpoint(state, best / files.CHECKPOINT)
         record.write_text(json.dumps(metrics) + "\n")

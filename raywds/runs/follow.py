@@ -51,7 +51,8 @@ class RunProgress:
         return min(total, self.max_steps) if self.max_steps is not None else total
 
     def add(self, row: dict[str, Any]) -> None:
-        """One row of metrics.jsonl: a progress row, a finished epoch, or an in-epoch checkpoint."""
+        """One row of metrics.jsonl: a progress row, a finished epoch, an in-epoch checkpoint, or an
+        epoch's validation done apart."""
         epochs = f"/{self.epochs}" if self.epochs else ""
         if kind(row) == "progress":
             epoch, self.steps_per_epoch = int(row["epoch"]), int(row["steps_in_epoch"])
@@ -60,6 +61,8 @@ class RunProgress:
             self.status = f"epoch {epoch}{epochs}  loss {row['loss']:.3f}"
         elif kind(row) == "checkpoint":  # its epoch is 0-based, its step counts the whole run
             self.steps = int(row["step"])
+        elif kind(row) == "validation":  # an earlier epoch's, validated apart while training went on
+            self.status = f"epoch {row['epoch']}{epochs} validated  top-1 {row['val_top1']:.3f}"
         else:
             epoch, self.steps = int(row["epoch"]), int(row["step"])
             self.epoch_end_steps[epoch] = self.steps

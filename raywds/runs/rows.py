@@ -5,6 +5,8 @@ each row says its kind. Writers build their rows from these (mypy checks every k
     epoch       a finished epoch: loss, counts, rates, each rank's stage times, validation
     checkpoint  a checkpoint inside an epoch (or a run stopped there by --max-steps)
     progress    rank 0's view inside an epoch, every --log-every seconds
+    validation  an epoch's validation, done apart from training (`raywds ray --async-validation`):
+                its numbers belong to that epoch's row, which `epochs` merges them into
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
-Kind = Literal["epoch", "checkpoint", "progress"]
+Kind = Literal["epoch", "checkpoint", "progress", "validation"]
+KINDS: tuple[str, ...] = ("epoch", "checkpoint", "progress", "validation")
 
 
 class EpochRow(TypedDict):
@@ -99,6 +102,48 @@ class ProgressRow(TypedDict):
     doctor_rank0: str
 
 
+VALIDATION_NUMBERS = ("val_loss", "val_top1", "val_top5", "val_samples", "val_loss_ema", "val_top1_ema", "val_top5_ema")
+"""An epoch row's validation numbers (those of EpochRow's keys that start with val_)."""
+
+
+class ValidationRow(TypedDict):
+    kind: Literal["validation"]
+    epoch: int
+    """From 1: the epoch whose checkpoint was validated."""
+    step: int
+    samples_seen: int
+    """The epoch row's: where the numbers go on a chart's x axis."""
+    val_loss: float
+    val_top1: float
+    val_top5: float
+    val_samples: int
+    val_loss_ema: NotRequired[float]
+    val_top1_ema: NotRequired[float]
+    val_top5_ema: NotRequired[float]
+    validation_s: float
+    """How long the validation task took, its start and the checkpoint's loading included."""
+
+
+def validation_row(epoch_row: Mapping[str, Any], numbers: Mapping[str, Any], seconds: float) -> dict[str, Any]:
+    """The row for an epoch's validation done apart: `numbers` (val_top1, ...) of the checkpoint
+    whose epoch row is `epoch_row`."""
+    row = ValidationRow(
+        kind="validation",
+        epoch=int(epoch_row["epoch"]),
+        step=int(epoch_row["step"]),
+        samples_seen=int(epoch_row["samples_seen"]),
+        val_loss=float(numbers["val_loss"]),
+        val_top1=float(numbers["val_top1"]),
+        val_top5=float(numbers["val_top5"]),
+        val_samples=int(numbers["val_samples"]),
+        validation_s=round(seconds, 3),
+    )
+    for key in ("val_loss_ema", "val_top1_ema", "val_top5_ema"):
+        if key in numbers:
+            row[key] = float(numbers[key])  # type: ignore[literal-required]  # one of ValidationRow's keys
+    return {**row}
+
+
 def checkpoint_row(epoch: int, step: int, samples_seen: int, epoch_samples_done: int) -> dict[str, Any]:
     """raywds train's row for a checkpoint inside epoch `epoch` (from 0)."""
     row = CheckpointRow(
@@ -115,8 +160,8 @@ def checkpoint_row(epoch: int, step: int, samples_seen: int, epoch_samples_done:
 def kind(row: Mapping[str, Any]) -> Kind:
     """The row's kind, as it says."""
     said = row["kind"]
-    if said not in ("epoch", "checkpoint", "progress"):
-        raise ValueError(f"a metrics.jsonl row of kind {said!r}: not one of epoch, checkpoint, progress")
+    if said not in KINDS:
+        raise ValueError(f"a metrics.jsonl row of kind {said!r}: not one of {', '.join(KINDS)}")
     return said  # type: ignore[no-any-return]  # checked against Kind's values just above
 
 
@@ -126,6 +171,12 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def epochs(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The finished epochs' rows, in epoch order; a resumed run may repeat an epoch: the last counts."""
-    last = {row["epoch"]: dict(row) for row in rows if kind(row) == "epoch"}
+    """The finished epochs' rows, in epoch order, each with its validation's numbers where that was
+    done apart (a validation row, written later); a resumed run may repeat an epoch: the last counts."""
+    last: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        if kind(row) == "epoch":
+            last[row["epoch"]] = dict(row)
+        elif kind(row) == "validation" and row["epoch"] in last:
+            last[row["epoch"]].update({key: row[key] for key in VALIDATION_NUMBERS if key in row})
     return [last[e] for e in sorted(last)]

@@ -34,11 +34,16 @@ PROGRESS_SCALARS = ("loss", "lr", "images_per_s_rank0", "data_wait_rank0")
 
 
 def scalars(row: Mapping[str, Any]) -> Iterator[tuple[str, float, int]]:
-    """(tag, value, step) for the numbers of one metrics.jsonl row: an epoch row's at its epoch,
-    a progress row's at its global step; an in-epoch checkpoint's row has none to chart."""
+    """(tag, value, step) for the numbers of one metrics.jsonl row: an epoch row's (or its
+    validation's, done apart) at its epoch, a progress row's at its global step; an in-epoch
+    checkpoint's row has none to chart."""
     if kind(row) == "progress":
         for key in PROGRESS_SCALARS:
             yield f"progress/{key}", row[key], row["step"]
+    elif kind(row) == "validation":  # an epoch's validation done apart: its charts at its epoch
+        for key in EPOCH_SCALARS:
+            if key in row:
+                yield f"epoch/{key}", row[key], row["epoch"]
     elif kind(row) == "epoch":
         for key in EPOCH_SCALARS:
             if key in row:

@@ -59,6 +59,8 @@ EPOCH_METRICS = (
     "val_loss_ema", "val_top1_ema", "val_top5_ema",
 )  # fmt: skip
 """An epoch row's numbers that the trackers get (the val_ ones on epochs that validated)."""
+VALIDATION_METRICS = tuple(key for key in EPOCH_METRICS if key.startswith("val_"))
+"""A validation row's (`raywds ray --async-validation`): the epoch row's val_ numbers, at its step."""
 CHECKPOINT_METRICS = ("samples_seen", "epoch_samples_done")
 """An in-epoch checkpoint row's: how far the epoch is, at the checkpoint cadence."""
 START_WAIT_S = 10.0
@@ -75,13 +77,16 @@ would hold a Sender, which retries itself and which the run's end wakes."""
 
 
 def numbers(row: Mapping[str, Any]) -> tuple[int, dict[str, float]] | None:
-    """(samples seen, the numbers to log) of a metrics.jsonl row; None for a progress row (rank 0's
+    """(samples seen, the numbers to log) of a metrics.jsonl row (a validation row's at its epoch's
+    samples seen, as in-loop validation logs them); None for a progress row (rank 0's
     look inside an epoch every --log-every seconds, for TensorBoard and the console)."""
     keys: tuple[str, ...]
     if kind(row) == "epoch":
         keys = EPOCH_METRICS
     elif kind(row) == "checkpoint":
         keys = CHECKPOINT_METRICS
+    elif kind(row) == "validation":  # an epoch's validation done apart: at that epoch's step
+        keys = VALIDATION_METRICS
     else:
         return None
     return int(row["samples_seen"]), {key: float(row[key]) for key in keys if isinstance(row.get(key), int | float)}

@@ -65,6 +65,7 @@ class Trainer:
         loaders: Loaders | None = None,
         manifest: Manifest | None = None,
         notices: Notices | None = None,
+        apart: Report | None = None,
     ):
         torch.manual_seed(cfg.seed)
         self.cfg, self.world, self.run_dir, self.workers = cfg, world, run_dir, Workers(cfg, world)
@@ -94,6 +95,9 @@ class Trainer:
         if resume is not None:
             restore(resume, self.model, self.optimizer, self.keeper, self.ema, self.started)
         self.notices = notices
+        self.apart = apart
+        """The report of an epoch whose validation is due and done apart from training (`raywds ray
+        --async-validation`: a Ray task validates its checkpoint); None: the ranks validate it."""
         self.noticed: Notice | None = None
         self.redone = self.steps_redone() if resume is not None else 0
         self.metrics: Metrics = {}
@@ -234,7 +238,7 @@ class Trainer:
                 f"({done}/{self.keeper.num_samples} samples done)"
             )
         row = checkpoint_row(epoch.index, here.steps, here.samples_seen, done)
-        self.emit({**row, **(notice.row() if notice is not None else {})})
+        self.emit({**row, **(notice.row() if notice is not None else {})}, self.report)
 
     def on_notice(self, epoch: Epoch, notice: Notice | None) -> None:
         """A notice not seen before: checkpoint now. On a signal, stop (the process is going); on
@@ -271,8 +275,9 @@ class Trainer:
         metrics = self.epoch_metrics(epoch, result)
         self.workers.measured(metrics)
         self.look_ahead(epoch.index + 1)
-        validate = (epoch.index + 1) % cfg.val_every == 0 or epoch.index + 1 == cfg.epochs
-        if validate and "val" in self.manifest.splits:  # a train-only manifest trains without validation
+        # a train-only manifest trains without validation
+        due = cfg.validates(epoch.index + 1) and "val" in self.manifest.splits
+        if due and self.apart is None:
             batches = self.loaders.val(self.manifest, self.loader_cfg, world)
             ema = self.ema.same_on_every_rank(world) if self.ema is not None else None
             metrics.update(evaluate(self.model, batches, world, self.compute, ema=ema))
@@ -282,7 +287,7 @@ class Trainer:
             log.info(line + "\n  doctor: " + verdict)
             if self.run_dir is not None:
                 self.run_dir.note("doctor", f"epoch {epoch.index + 1}: {verdict}")
-        self.emit(metrics)
+        self.emit(metrics, self.apart if due and self.apart is not None else self.report)
 
     def epoch_metrics(self, epoch: Epoch, result: EpochResult) -> Metrics:
         """The job's numbers for the epoch, checked exact in split mode and against the bad-sample
@@ -336,10 +341,10 @@ class Trainer:
         )
         return {**row}
 
-    def emit(self, metrics: Metrics) -> None:
+    def emit(self, metrics: Metrics, report: Report | None) -> None:
         self.metrics = metrics
-        if self.report is not None:
-            self.report(metrics, self.state() if self.world.is_main else None)
+        if report is not None:
+            report(metrics, self.state() if self.world.is_main else None)
 
     def state(self) -> dict[str, Any]:
         return {
@@ -358,12 +363,14 @@ def train(
     loaders: Loaders | None = None,
     manifest: Manifest | None = None,
     notices: Notices | None = None,
+    apart: Report | None = None,
 ) -> Metrics:
     """Train for cfg.epochs (or cfg.max_steps), from `resume` (a checkpoint's state) or cfg.resume;
     returns the last metrics, the same on every rank. Rank 0's `run_dir` gets progress rows and is the report
     unless `report` is given; `loaders`: where batches come from; `manifest`: cfg.data's, where known;
-    `notices`: asked every --notice-every steps (raywds.train.notice)."""
+    `notices`: asked every --notice-every steps (raywds.train.notice); `apart`: the report of the
+    epochs whose validation is done apart from the ranks, which then do not validate."""
     if resume is None and cfg.resume:
         resume = load_checkpoint(cfg.resume)
         check_unfinished(resume, cfg)
-    return Trainer(cfg, world, report, resume, run_dir, loaders, manifest, notices).fit()
+    return Trainer(cfg, world, report, resume, run_dir, loaders, manifest, notices, apart).fit()

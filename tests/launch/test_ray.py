@@ -24,6 +24,7 @@ from raywds.errors import ConfigError
 from raywds.launch.rayoptions import RayOptions, worker_count
 from raywds.runs import files
 from raywds.train.model import DemoNet
+from raywds.world import World
 
 
 @pytest.fixture
@@ -305,3 +306,47 @@ def test_a_relative_local_path_reaches_the_workers_absolute(
     assert (moved.data, moved.val_data) == (str(tmp_path / "runs/demo/shards"), str(tmp_path / "val"))
     assert (moved.shards_at, moved.cache_dir, moved.audit_dir) == ("http://a:8080,http://b:8080", "pipe:x", None)
     assert ray_train.absolute(TrainConfig(data="s3://b/p/")).data == "s3://b/p/"
+
+
+def test_async_validation_lands_each_epochs_exact_numbers_in_its_row_and_best(
+    ray_train: ModuleType, shards: Path, tmp_path: Path, local_ray: None
+) -> None:
+    """--async-validation: the ranks do not validate; each epoch's checkpoint is scored in a Ray task
+    of its own, and its numbers land in that epoch's row (a validation row, merged by `epochs`), in
+    TensorBoard at the epoch, and in best/, which holds the best epoch's checkpoint though Ray keeps
+    only the latest one. The numbers are `raywds evaluate`'s on that checkpoint, exactly."""
+    from raywds.infer.evaluation import Scoring, evaluate, validation_numbers
+    from raywds.models.trained import load_trained
+    from raywds.runs.rows import epochs, read_rows
+
+    cfg = split_config(shards, tmp_path / "audit", epochs=3, tensorboard=True)
+    run = ray_train.run(
+        cfg,
+        RayOptions(
+            storage_path=str(tmp_path), name=f"apart-{uuid.uuid4().hex[:8]}", async_validation=True, keep_checkpoints=1
+        ),
+    )
+    rows = read_rows(Path(run.path) / files.METRICS)
+    trained_rows = [r for r in rows if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in trained_rows] == [1, 2, 3]
+    assert not any("val_top1" in r for r in trained_rows), "the ranks validated in the loop"
+    validated = [r for r in rows if r["kind"] == "validation"]
+    assert sorted(r["epoch"] for r in validated) == [1, 2, 3], "one validation row per epoch"
+    merged = epochs(rows)
+    assert [r["val_samples"] for r in merged] == [50, 50, 50]
+    assert [r["step"] for r in validated] == [r["step"] for r in trained_rows]
+    assert run.metrics["val_top1"] == merged[-1]["val_top1"], "the run's last metrics carry the last validation"
+
+    best = json.loads((Path(run.path) / files.BEST_ROW).read_text())
+    assert best["val_top1"] == max(r["val_top1"] for r in merged)
+    assert best["epoch"] == max(merged, key=lambda r: (r["val_top1"], -r["epoch"]))["epoch"], "the first best epoch"
+    trained = load_trained(str(Path(run.path) / files.BEST))
+    assert trained.config["epochs"] == 3
+    again = validation_numbers(evaluate(Scoring.of(trained, TrainConfig.from_dict(trained.config)), World()))
+    assert again["val_top1"] == best["val_top1"] and again["val_samples"] == 50
+    assert again["val_loss"] == pytest.approx(best["val_loss"], rel=1e-9)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    charts = EventAccumulator(str(Path(run.path) / "tensorboard")).Reload()
+    assert [e.step for e in charts.Scalars("epoch/val_top1")] == [1, 2, 3]
