@@ -32,7 +32,8 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from raywds.errors import DataError
+from raywds.data.http import HttpShard
+from raywds.errors import DataError, ShardError
 
 SCHEME = "gs://"
 PUBLIC = "https://storage.googleapis.com"
@@ -279,3 +280,14 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+
+class GcsShard(HttpShard):
+    """A gs:// shard: the JSON API's media GET (raywds.data.gcs), with a token when the
+    Application Default Credentials give one, read and resumed like any http(s) shard."""
+
+    def _address(self) -> tuple[str, dict[str, str]]:
+        return media_url(self.url), headers()
+
+    def _refused(self, status: int, reason: str) -> ShardError:
+        return ShardError(f"shard {error_line(self.url, status, reason)}")

@@ -3,8 +3,9 @@
 http(s), s3:// and gs://: connect and read timeouts; a transient failure (refused, reset,
 timeout, 5xx, S3's 503 SlowDown, a short body) is retried with backoff (or the store's
 Retry-After), resuming where it stopped with a Range request; a 404, refused credentials or a
-shard that stays unreadable is an error naming the object. raywds.data.stores picks the
-reader by the URL's scheme (and opens local paths and `pipe:` commands itself).
+shard that stays unreadable is an error naming the object. The s3:// and gs:// readers are
+this one's with their own GET (raywds.data.s3.S3Shard, raywds.data.gcs.GcsShard); each store of
+raywds.data.stores opens its own.
 
     with io.BufferedReader(HttpShard("http://head:8080/imagenet-train-000000.tar", ReadPolicy())) as stream: ...
 """
@@ -21,9 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import urllib3
-
-from raywds.data import gcs, s3
 from raywds.data.cache import read_all
 from raywds.errors import ShardError, ShardMismatch
 
@@ -56,16 +54,6 @@ class ReadPolicy:
     prefetch_bytes: int = 256 << 20
     """Read the next shard (a file, http or s3; not a `pipe:` command) whole while the current
     one is decoded, when it is at most this big (one shard ahead per reader); 0: never."""
-
-
-def _status_error(url: str, status: int, reason: str) -> ShardError:
-    if gcs.is_gs(url):
-        return ShardError(f"shard {gcs.error_line(url, status, reason)}")
-    if status == 404:
-        return ShardError(
-            f"shard {url} is missing on the server (HTTP 404); is the server serving the folder the manifest describes?"
-        )
-    return ShardError(f"shard {url} answered HTTP {status} {reason}")
 
 
 def size_mismatch(url: str, actual: int, listed: int) -> ShardMismatch:
@@ -105,6 +93,15 @@ class HttpShard(io.RawIOBase):
         """The URL to GET and the headers it needs."""
         return self.url, {}
 
+    def _refused(self, status: int, reason: str) -> ShardError:
+        """The error for an answer that no retry changes (4xx)."""
+        if status == 404:
+            return ShardError(
+                f"shard {self.url} is missing on the server (HTTP 404); is the server serving the folder the "
+                "manifest describes?"
+            )
+        return ShardError(f"shard {self.url} answered HTTP {status} {reason}")
+
     def _connect(self) -> None:
         address, extra = self._address()
         parts = urllib.parse.urlsplit(address)
@@ -121,7 +118,7 @@ class HttpShard(io.RawIOBase):
             raise OSError(f"HTTP {response.status} {response.reason}")
         if response.status not in (200, 206):
             conn.close()
-            raise _status_error(self.url, response.status, response.reason)
+            raise self._refused(response.status, response.reason)
         if self.pos and response.status == 200:  # the server ignored the range: skip what we have
             remaining = self.pos
             while remaining:
@@ -198,54 +195,3 @@ class StoreBusy(OSError):
     def __init__(self, line: str, retry_after_s: float | None):
         super().__init__(line)
         self.retry_after_s = retry_after_s
-
-
-class _Partial:
-    """urllib3's response read as http.client's is: what has arrived, not a full buffer, so the
-    bytes before a broken connection count and the retry resumes after them."""
-
-    def __init__(self, raw: Any):
-        self.raw = raw
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.raw.read1(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-
-class S3Shard(HttpShard):
-    """An s3:// shard: one streaming GET from the byte it needs (`Range: bytes=POS-`), resumed
-    the same way after a dropped connection or a throttled (503 SlowDown) or failing (5xx)
-    store, after the store's Retry-After when it sends one, else the usual backoff."""
-
-    transient = (*TRANSIENT, urllib3.exceptions.HTTPError)
-
-    def _connect(self) -> None:
-        bucket, key = s3.split(self.url)
-        where = self.policy.s3_endpoint
-        try:
-            answer = s3.client(where, self.policy.read_timeout_s).get_object(
-                Bucket=bucket, Key=key, **({"Range": f"bytes={self.pos}-"} if self.pos else {})
-            )
-        except s3.errors() as e:
-            if s3.transient(e):
-                raise StoreBusy(s3.error_line(e, self.url, where), s3.retry_after_s(e)) from None
-            raise ShardError(f"shard {s3.error_line(e, self.url, where)}") from None
-        if self.size is not None and not self.pos and int(answer["ContentLength"]) != self.size:
-            answer["Body"].close()
-            raise size_mismatch(self.url, int(answer["ContentLength"]), self.size)
-        if self.size is None:
-            self.size = self.pos + int(answer["ContentLength"])
-        self._conn, self._response = answer["Body"], _Partial(answer["Body"]._raw_stream)  # type: ignore[assignment]
-
-    def _wait_s(self, cause: BaseException) -> float:
-        after = getattr(cause, "retry_after_s", None)
-        return after if after is not None else super()._wait_s(cause)
-
-
-class GcsShard(HttpShard):
-    """A gs:// shard: the JSON API's media GET (raywds.data.gcs), with a token when the
-    Application Default Credentials give one, read and resumed like any http(s) shard."""
-
-    def _address(self) -> tuple[str, dict[str, str]]:
-        return gcs.media_url(self.url), gcs.headers()

@@ -9,8 +9,10 @@ boto3 gives the HTTP status, the S3 error code and the headers, which the retrie
 (raywds.data.http) and the one-line errors below need. boto3's own retries are off: every
 retry is ours, counted, with backoff, resuming at the byte where the last attempt stopped.
 
-    bucket, key = split("s3://bucket/imagenet/manifest.json")
     raw = read_bytes("s3://bucket/imagenet/manifest.json", endpoint=None)
+
+    >>> split("s3://bucket/imagenet/manifest.json")  # bucket, key
+    ('bucket', 'imagenet/manifest.json')
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import os
 import threading
 from typing import Any
 
-from raywds.errors import DataError
+import urllib3
+
+from raywds.data.http import TRANSIENT, HttpShard, StoreBusy, size_mismatch
+from raywds.errors import DataError, ShardError
 
 SCHEME = "s3://"
 TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
@@ -267,3 +272,46 @@ def listing(prefix: str, endpoint: str | None = None) -> list[tuple[str, int, st
     except errors() as e:
         raise DataError(error_line(e, prefix, endpoint)) from None
     return found
+
+
+class Partial:
+    """urllib3's response read as http.client's is: what has arrived, not a full buffer, so the
+    bytes before a broken connection count and the retry resumes after them."""
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.raw.read1(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+class S3Shard(HttpShard):
+    """An s3:// shard: one streaming GET from the byte it needs (`Range: bytes=POS-`), resumed
+    the same way after a dropped connection or a throttled (503 SlowDown) or failing (5xx)
+    store, after the store's Retry-After when it sends one, else the usual backoff."""
+
+    transient = (*TRANSIENT, urllib3.exceptions.HTTPError)
+
+    def _connect(self) -> None:
+        bucket, key = split(self.url)
+        where = self.policy.s3_endpoint
+        try:
+            answer = client(where, self.policy.read_timeout_s).get_object(
+                Bucket=bucket, Key=key, **({"Range": f"bytes={self.pos}-"} if self.pos else {})
+            )
+        except errors() as e:
+            if transient(e):
+                raise StoreBusy(error_line(e, self.url, where), retry_after_s(e)) from None
+            raise ShardError(f"shard {error_line(e, self.url, where)}") from None
+        if self.size is not None and not self.pos and int(answer["ContentLength"]) != self.size:
+            answer["Body"].close()
+            raise size_mismatch(self.url, int(answer["ContentLength"]), self.size)
+        if self.size is None:
+            self.size = self.pos + int(answer["ContentLength"])
+        self._conn, self._response = answer["Body"], Partial(answer["Body"]._raw_stream)  # type: ignore[assignment]
+
+    def _wait_s(self, cause: BaseException) -> float:
+        after = getattr(cause, "retry_after_s", None)
+        return after if after is not None else super()._wait_s(cause)

@@ -7,6 +7,12 @@ mistaken for a folder named `gs:`; a scheme raywds does not read is one line nam
 
     kind = scheme("gs://bucket/imagenet")                  # "gs"
     with open_shard(urls[0], ReadPolicy()) as stream: ...
+    store_at("s3://bucket/imagenet", s3_endpoint).listing("s3://bucket/imagenet")
+
+Each kind of store is a class of its own (a `Store`: open a shard, read a small object whole, stat,
+list, write), and STORES maps each scheme's kind to its class; the functions below ask the store
+at a location. A store that cannot do a thing (list an http server, write through a `pipe:`
+command) says so in one line naming what can.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ import secrets
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 from raywds.data import gcs, s3
 from raywds.data.cache import CachingReader, cache_path
-from raywds.data.http import GcsShard, HttpShard, ReadPolicy, S3Shard, size_mismatch
+from raywds.data.http import HttpShard, ReadPolicy, size_mismatch
 from raywds.errors import DataError, ShardError
 
 LOCAL, HTTP, PIPE, S3, GS = "local", "http", "pipe", "s3", "gs"
@@ -64,6 +71,211 @@ def join(location: str, name: str) -> str:
     return str(Path(local_path(location)) / name)
 
 
+class Store:
+    """One kind of location: what raywds reads, lists and writes there. Each method takes the
+    location it acts on; the base class refuses, in one line, what a kind of store cannot do."""
+
+    kind: ClassVar[str]
+
+    @classmethod
+    def reaching(cls, s3_endpoint: str | None = None) -> Store:
+        """The store, set up to reach its locations (only S3's needs an endpoint)."""
+        return cls()
+
+    def open(
+        self,
+        url: str,
+        policy: ReadPolicy,
+        *,
+        size: int | None = None,
+        sha256: str | None = None,
+        retried: Callable[[], None] | None = None,
+    ) -> BinaryIO:
+        """A readable binary stream of the shard at `url` (see `open_shard`)."""
+        raise NotImplementedError
+
+    def read(self, where: str, timeout_s: float = 30.0) -> bytes:
+        """A small object (a manifest, `_info.json`) whole; FileNotFoundError when absent."""
+        raise NotImplementedError
+
+    def stat(self, where: str, timeout_s: float = 30.0) -> tuple[int, str]:
+        """(size in bytes, a stamp that changes when the object does); FileNotFoundError when absent."""
+        raise NotImplementedError
+
+    def listing(self, prefix: str) -> list[tuple[str, int, str]]:
+        """(location, size, stamp) of each file under a folder or prefix, in any order."""
+        raise DataError(
+            f"{prefix}: an {self.kind} location cannot be listed; name its shards in brace notation "
+            "(e.g. https://host/imagenet-train-{000000..001281}.tar)"
+        )
+
+    def write(self, where: str, data: bytes) -> None:
+        """Write a small file (a manifest), whole or not at all."""
+        raise DataError(f"{where}: raywds cannot write to {self.kind} locations; write to a folder, s3:// or gs://")
+
+
+class LocalStore(Store):
+    """Local paths and `file://` URLs."""
+
+    kind = LOCAL
+
+    def open(
+        self,
+        url: str,
+        policy: ReadPolicy,
+        *,
+        size: int | None = None,
+        sha256: str | None = None,
+        retried: Callable[[], None] | None = None,
+    ) -> BinaryIO:
+        try:
+            stream = open(local_path(url), "rb")
+        except OSError as e:
+            raise ShardError(f"shard {url}: cannot open it: {e.strerror}") from None
+        if size is not None and (actual := os.fstat(stream.fileno()).st_size) != size:
+            stream.close()
+            raise size_mismatch(url, actual, size)
+        return stream
+
+    def read(self, where: str, timeout_s: float = 30.0) -> bytes:
+        return Path(local_path(where)).read_bytes()
+
+    def stat(self, where: str, timeout_s: float = 30.0) -> tuple[int, str]:
+        info = os.stat(local_path(where))
+        return info.st_size, f"mtime:{info.st_mtime_ns}"
+
+    def listing(self, prefix: str) -> list[tuple[str, int, str]]:
+        root = Path(local_path(prefix))
+        found = []
+        for path in root.rglob("*") if root.is_dir() else ():
+            if path.is_file():
+                info = path.stat()
+                found.append((str(path), info.st_size, f"mtime:{info.st_mtime_ns}"))
+        return found
+
+    def write(self, where: str, data: bytes) -> None:
+        path = Path(local_path(where))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, data)
+
+
+class RemoteStore(Store):
+    """A store read over the network a shard at a time (`shard`: its reader), each shard kept
+    in --cache-dir after its first full, size-checked read where the policy names one."""
+
+    shard: ClassVar[type[HttpShard]]
+
+    def open(
+        self,
+        url: str,
+        policy: ReadPolicy,
+        *,
+        size: int | None = None,
+        sha256: str | None = None,
+        retried: Callable[[], None] | None = None,
+    ) -> BinaryIO:
+        if not policy.cache_dir:
+            return io.BufferedReader(self.shard(url, policy, size, retried), 1 << 20)
+        cached = cache_path(policy.cache_dir, url)
+        if cached.is_file() and (size is None or cached.stat().st_size == size):
+            return open(cached, "rb")
+        reader = io.BufferedReader(self.shard(url, policy, size, retried))
+        return io.BufferedReader(CachingReader(reader, cached, size, sha256), 1 << 20)  # type: ignore[arg-type]
+
+
+class HttpStore(RemoteStore):
+    """http(s):// servers (`raywds serve`, nginx, a CDN): read and stat; no listing, no writing."""
+
+    kind = HTTP
+    shard = HttpShard
+
+    def read(self, where: str, timeout_s: float = 30.0) -> bytes:
+        with _http(where, "GET", timeout_s) as response:
+            return response.read()  # type: ignore[no-any-return]
+
+    def stat(self, where: str, timeout_s: float = 30.0) -> tuple[int, str]:
+        with _http(where, "HEAD", timeout_s) as response:
+            stamp = response.headers.get("ETag") or response.headers.get("Last-Modified") or ""
+            return int(response.headers.get("Content-Length", -1)), stamp.strip('"')
+
+
+@dataclass(frozen=True)
+class S3Store(RemoteStore):
+    """s3:// buckets, at AWS or the S3-compatible store at `endpoint` (None: AWS_ENDPOINT_URL,
+    else AWS); credentials from the standard chain (raywds.data.s3)."""
+
+    endpoint: str | None = None
+    kind = S3
+    shard = s3.S3Shard
+
+    @classmethod
+    def reaching(cls, s3_endpoint: str | None = None) -> Store:
+        return cls(s3_endpoint)
+
+    def read(self, where: str, timeout_s: float = 30.0) -> bytes:
+        return s3.read_bytes(where, self.endpoint, timeout_s)
+
+    def stat(self, where: str, timeout_s: float = 30.0) -> tuple[int, str]:
+        return s3.stat(where, self.endpoint, timeout_s)
+
+    def listing(self, prefix: str) -> list[tuple[str, int, str]]:
+        return list(s3.listing(prefix, self.endpoint))
+
+    def write(self, where: str, data: bytes) -> None:
+        s3.put_bytes(data, where, self.endpoint)
+
+
+class GcsStore(RemoteStore):
+    """gs:// buckets through the JSON API, with Application Default Credentials (raywds.data.gcs)."""
+
+    kind = GS
+    shard = gcs.GcsShard
+
+    def read(self, where: str, timeout_s: float = 30.0) -> bytes:
+        return gcs.read_bytes(where, timeout_s)
+
+    def stat(self, where: str, timeout_s: float = 30.0) -> tuple[int, str]:
+        return gcs.stat(where, timeout_s)
+
+    def listing(self, prefix: str) -> list[tuple[str, int, str]]:
+        return list(gcs.listing(prefix))
+
+    def write(self, where: str, data: bytes) -> None:
+        gcs.write_bytes(where, data)
+
+
+class PipeStore(Store):
+    """`pipe:COMMAND`: the command's output is the shard; it has no size, listing or manifest."""
+
+    kind = PIPE
+
+    def open(
+        self,
+        url: str,
+        policy: ReadPolicy,
+        *,
+        size: int | None = None,
+        sha256: str | None = None,
+        retried: Callable[[], None] | None = None,
+    ) -> BinaryIO:
+        return io.BufferedReader(Pipe(url[len("pipe:") :]), 1 << 20)  # type: ignore[arg-type]
+
+    def read(self, where: str, timeout_s: float = 30.0) -> bytes:
+        raise DataError(f"{where}: a pipe: command is read as a shard, not as a manifest; give the manifest's path")
+
+    def stat(self, where: str, timeout_s: float = 30.0) -> tuple[int, str]:
+        return -1, ""  # a command's output has neither size nor stamp before it runs
+
+
+STORES: dict[str, type[Store]] = {LOCAL: LocalStore, HTTP: HttpStore, S3: S3Store, GS: GcsStore, PIPE: PipeStore}
+"""Each kind of location (`scheme`'s answer) and the class of store that serves it."""
+
+
+def store_at(location: str, s3_endpoint: str | None = None) -> Store:
+    """The store that serves `location` (DataError for a scheme raywds does not read)."""
+    return STORES[scheme(location)].reaching(s3_endpoint)
+
+
 def open_shard(
     url: str,
     policy: ReadPolicy,
@@ -75,27 +287,7 @@ def open_shard(
     """A readable binary stream of the shard at `url`, by its scheme. With `policy.cache_dir` a
     remote shard is kept on local disk after its first full, size-checked read. With `size`, a
     local file of another size is refused at once (it is not the shard the manifest lists)."""
-    kind = scheme(url)
-    if kind in (HTTP, S3, GS):
-        reader = {HTTP: HttpShard, S3: S3Shard, GS: GcsShard}[kind]
-        if policy.cache_dir:
-            cached = cache_path(policy.cache_dir, url)
-            if cached.is_file() and (size is None or cached.stat().st_size == size):
-                return open(cached, "rb")
-            return io.BufferedReader(
-                CachingReader(io.BufferedReader(reader(url, policy, size, retried)), cached, size, sha256), 1 << 20
-            )  # type: ignore[arg-type]
-        return io.BufferedReader(reader(url, policy, size, retried), 1 << 20)
-    if kind == PIPE:
-        return io.BufferedReader(Pipe(url[len("pipe:") :]), 1 << 20)  # type: ignore[arg-type]
-    try:
-        stream = open(local_path(url), "rb")
-    except OSError as e:
-        raise ShardError(f"shard {url}: cannot open it: {e.strerror}") from None
-    if size is not None and (actual := os.fstat(stream.fileno()).st_size) != size:
-        stream.close()
-        raise size_mismatch(url, actual, size)
-    return stream
+    return store_at(url, policy.s3_endpoint).open(url, policy, size=size, sha256=sha256, retried=retried)
 
 
 class Pipe(io.RawIOBase):
@@ -131,35 +323,13 @@ class Pipe(io.RawIOBase):
 
 def read_bytes(where: str, timeout_s: float = 30.0, s3_endpoint: str | None = None) -> bytes:
     """A small object (a manifest, `_info.json`) whole; FileNotFoundError when absent."""
-    kind = scheme(where)
-    if kind == S3:
-        return s3.read_bytes(where, s3_endpoint, timeout_s)
-    if kind == GS:
-        return gcs.read_bytes(where, timeout_s)
-    if kind == HTTP:
-        with _http(where, "GET", timeout_s) as response:
-            return response.read()  # type: ignore[no-any-return]
-    if kind == PIPE:
-        raise DataError(f"{where}: a pipe: command is read as a shard, not as a manifest; give the manifest's path")
-    return Path(local_path(where)).read_bytes()
+    return store_at(where, s3_endpoint).read(where, timeout_s)
 
 
 def stat(where: str, timeout_s: float = 30.0, s3_endpoint: str | None = None) -> tuple[int, str]:
     """(size in bytes, a stamp that changes when the object does: its ETag, else its mtime);
     FileNotFoundError when absent. A `pipe:` command has neither: (-1, "")."""
-    kind = scheme(where)
-    if kind == S3:
-        return s3.stat(where, s3_endpoint, timeout_s)
-    if kind == GS:
-        return gcs.stat(where, timeout_s)
-    if kind == HTTP:
-        with _http(where, "HEAD", timeout_s) as response:
-            stamp = response.headers.get("ETag") or response.headers.get("Last-Modified") or ""
-            return int(response.headers.get("Content-Length", -1)), stamp.strip('"')
-    if kind == PIPE:
-        return -1, ""
-    info = os.stat(local_path(where))
-    return info.st_size, f"mtime:{info.st_mtime_ns}"
+    return store_at(where, s3_endpoint).stat(where, timeout_s)
 
 
 @contextlib.contextmanager
@@ -179,39 +349,12 @@ def _http(url: str, method: str, timeout_s: float) -> Iterator[Any]:
 
 def write_bytes(where: str, data: bytes, s3_endpoint: str | None = None) -> None:
     """Write a small file (a manifest) to a folder or a bucket, whole or not at all."""
-    kind = scheme(where)
-    if kind == S3:
-        s3.put_bytes(data, where, s3_endpoint)
-    elif kind == GS:
-        gcs.write_bytes(where, data)
-    elif kind == LOCAL:
-        path = Path(local_path(where))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, data)
-    else:
-        raise DataError(f"{where}: raywds cannot write to {kind} locations; write to a folder, s3:// or gs://")
+    store_at(where, s3_endpoint).write(where, data)
 
 
 def listing(prefix: str, s3_endpoint: str | None = None) -> list[tuple[str, int, str]]:
     """(location, size, stamp) of each file under a folder or bucket prefix, sorted by location."""
-    kind = scheme(prefix)
-    if kind == S3:
-        found = list(s3.listing(prefix, s3_endpoint))
-    elif kind == GS:
-        found = list(gcs.listing(prefix))
-    elif kind == LOCAL:
-        root = Path(local_path(prefix))
-        found = []
-        for path in root.rglob("*") if root.is_dir() else ():
-            if path.is_file():
-                info = path.stat()
-                found.append((str(path), info.st_size, f"mtime:{info.st_mtime_ns}"))
-    else:
-        raise DataError(
-            f"{prefix}: an {kind} location cannot be listed; name its shards in brace notation "
-            "(e.g. https://host/imagenet-train-{000000..001281}.tar)"
-        )
-    return sorted(found)
+    return sorted(store_at(prefix, s3_endpoint).listing(prefix))
 
 
 def sync_path(path: Path) -> None:

@@ -1,0 +1,76 @@
+"""The scheme table (raywds.data.stores.STORES): each kind of location has its class of store, which
+the functions every command uses ask; what a store cannot do is one line naming what can."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raywds.data.http import ReadPolicy
+from raywds.data.stores import (
+    GS,
+    HTTP,
+    LOCAL,
+    PIPE,
+    S3,
+    SCHEMES,
+    STORES,
+    S3Store,
+    listing,
+    open_shard,
+    read_bytes,
+    scheme,
+    stat,
+    store_at,
+    write_bytes,
+)
+from raywds.errors import DataError
+
+EXAMPLES = {
+    LOCAL: "/data/shards",
+    HTTP: "https://host/shards/",
+    S3: "s3://bucket/shards/",
+    GS: "gs://bucket/shards/",
+    PIPE: "pipe:cat x.tar",
+}
+
+
+def test_every_kind_of_location_has_its_store_and_each_store_says_its_kind() -> None:
+    assert set(STORES) == {*SCHEMES.values(), PIPE}
+    for kind, example in EXAMPLES.items():
+        assert scheme(example) == kind
+        found = store_at(example, s3_endpoint="http://127.0.0.1:8333")
+        assert type(found) is STORES[kind] and found.kind == kind, kind
+    assert store_at("s3://b/p", "http://127.0.0.1:8333") == S3Store("http://127.0.0.1:8333"), "the endpoint inside"
+    with pytest.raises(DataError, match=r"does not read ftp:// locations; it reads local paths, file://"):
+        store_at("ftp://host/x")
+
+
+def test_what_a_store_cannot_do_is_one_line_naming_what_can() -> None:
+    with pytest.raises(DataError, match=r"an http location cannot be listed; name its shards in brace notation"):
+        listing("https://host/shards/")
+    with pytest.raises(DataError, match=r"raywds cannot write to pipe locations; write to a folder, s3:// or gs://"):
+        write_bytes("pipe:cat x", b"{}")
+    with pytest.raises(DataError, match=r"raywds cannot write to http locations"):
+        write_bytes("http://host/manifest.json", b"{}")
+    with pytest.raises(DataError, match=r"a pipe: command is read as a shard, not as a manifest"):
+        read_bytes("pipe:cat manifest.json")
+    assert stat("pipe:cat x.tar") == (-1, "")
+
+
+def test_a_local_store_writes_whole_reads_stats_lists_and_opens(tmp_path: Path) -> None:
+    where = f"file://{tmp_path}/deep/manifest.json"
+    write_bytes(where, b'{"a": 1}')
+    assert read_bytes(where) == b'{"a": 1}'
+    size, stamp = stat(str(tmp_path / "deep" / "manifest.json"))
+    assert size == 8 and stamp.startswith("mtime:")
+    (tmp_path / "deep" / "b.tar").write_bytes(b"x" * 3)
+    assert [(Path(p).name, n) for p, n, _ in listing(str(tmp_path))] == [("b.tar", 3), ("manifest.json", 8)]
+    assert [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == [], "no partial file left"
+    with open_shard(str(tmp_path / "deep" / "b.tar"), ReadPolicy(), size=3) as stream:
+        assert stream.read() == b"xxx"
+    with pytest.raises(DataError, match=r"is 3 bytes, its manifest entry 4"):
+        open_shard(str(tmp_path / "deep" / "b.tar"), ReadPolicy(), size=4)
+    with open_shard(f"pipe:cat {tmp_path / 'deep' / 'b.tar'}", ReadPolicy()) as stream:
+        assert stream.read() == b"xxx"
