@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
 from raywds.config import TrainConfig
-from raywds.errors import ConfigError
 from raywds.runs import files
+from raywds.runs.tensorboard import TensorBoard
+from raywds.runs.tracker import missing
+from raywds.runs.tracking import TRACKERS, Mlflow, Wandb
 
 
 def _saved(cfg: TrainConfig) -> dict[str, str]:
@@ -31,33 +34,46 @@ def _saved(cfg: TrainConfig) -> dict[str, str]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _mlflow(cfg: TrainConfig, saved: dict[str, str]) -> Any:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return MLFlowLogger(
+        experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME") or "raywds",
+        tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"),
+        run_name=Path(cfg.out).name,
+        run_id=saved.get(Mlflow.name),
+    )
+
+
+def _wandb(cfg: TrainConfig, saved: dict[str, str]) -> Any:
+    from lightning.pytorch.loggers import WandbLogger
+
+    project = os.environ.get("WANDB_PROJECT") or "raywds"
+    return WandbLogger(project=project, id=saved.get(Wandb.name), resume="allow", save_dir=cfg.out)
+
+
+def _tensorboard(cfg: TrainConfig, saved: dict[str, str]) -> Any:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return TensorBoardLogger(cfg.out, name=files.TENSORBOARD)
+
+
+LOGGERS: dict[str, Callable[[TrainConfig, dict[str, str]], Any]] = {
+    Mlflow.name: _mlflow,
+    Wandb.name: _wandb,
+    TensorBoard.name: _tensorboard,
+}
+"""Lightning's logger for each tracker of raywds.runs.tracking.TRACKERS (the same names)."""
+
+
 def loggers(cfg: TrainConfig) -> list[Any] | bool:
     """Lightning loggers for `cfg.trackers()` (False, Lightning's "none", when there are none)."""
     saved, made = _saved(cfg), list[Any]()
     for tool in cfg.trackers():
         try:
-            if tool == "mlflow":
-                from lightning.pytorch.loggers import MLFlowLogger
-
-                made.append(
-                    MLFlowLogger(
-                        experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME") or "raywds",
-                        tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"),
-                        run_name=Path(cfg.out).name,
-                        run_id=saved.get("mlflow"),
-                    )
-                )
-            elif tool == "wandb":
-                from lightning.pytorch.loggers import WandbLogger
-
-                project = os.environ.get("WANDB_PROJECT") or "raywds"
-                made.append(WandbLogger(project=project, id=saved.get("wandb"), resume="allow", save_dir=cfg.out))
-            else:
-                from lightning.pytorch.loggers import TensorBoardLogger
-
-                made.append(TensorBoardLogger(cfg.out, name=files.TENSORBOARD))
+            made.append(LOGGERS[tool](cfg, saved))
         except ModuleNotFoundError as e:
-            raise ConfigError(f"--tracking {tool} needs the {e.name} package: pip install 'raywds[{tool}]'") from None
+            raise missing(tool, TRACKERS[tool].extra, e) from None
     return made or False
 
 
@@ -72,9 +88,9 @@ class KeepTrackingIds(pl.Callback):
         for logger in trainer.loggers:
             name = type(logger).__name__
             if name == "MLFlowLogger":
-                ids["mlflow"] = getattr(logger, "run_id")  # noqa: B009 - MLFlowLogger's, not Logger's
+                ids[Mlflow.name] = getattr(logger, "run_id")  # noqa: B009 - MLFlowLogger's, not Logger's
             elif name == "WandbLogger":
-                ids["wandb"] = logger.version
+                ids[Wandb.name] = logger.version
         if ids:
             root = Path(trainer.default_root_dir)
             root.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,7 @@ class BucketRunDir(RunDir):
         self.push(self.metrics_path)
         if (self.path / files.TRACKING).is_file():
             self.push(self.path / files.TRACKING)
-        if self.events is not None:
+        if self.events is not None:  # TensorBoard's files, as the row reached them
             for events in sorted(self.events.folder.iterdir()):
                 self.push(events)
 

@@ -29,7 +29,7 @@ from raywds.runs import files, tracking
 from raywds.runs.checkpoint import save_checkpoint
 from raywds.runs.lock import RunLock
 from raywds.runs.rows import kind, read_rows
-from raywds.runs.tensorboard import EventWriter, summary_writer
+from raywds.runs.tensorboard import TensorBoard
 from raywds.runs.tracking import Trackers
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,6 @@ def best_top1(row: Mapping[str, Any]) -> float:
 def check_trackers(names: Sequence[str]) -> None:
     """Refuse, before the run starts, a tracker of `names` whose client does not import or whose
     server does not answer (raywds.runs.tracking.check)."""
-    if "tensorboard" in names:
-        summary_writer()
     tracking.check(names)
 
 
@@ -63,9 +61,8 @@ class RunDir:
         self.metrics_path = self.path / files.METRICS
         self.checkpoint_path = self.path / files.CHECKPOINT
         self.config_name, self.lock = config, lock
-        self.events: EventWriter | None = None
         self.trackers: Trackers | None = None
-        self.keep_events = self.continues = append
+        self.continues = append
         self.started = False
         self._last_step: int | None = None
         """The open last-step file."""
@@ -93,24 +90,20 @@ class RunDir:
         if not self.started:
             raise RuntimeError(f"run folder {self.path} written before its run started (RunDir.start)")
 
-    def open_tensorboard(self) -> Path:
-        """From now on also write each row's numbers as TensorBoard scalars; returns their folder."""
-        self._written()
-        if self.events is None:
-            self.events = EventWriter(self.path / files.TENSORBOARD, append=self.keep_events)
-            self.keep_events = True  # opened again, it adds to this run's event files
-        return self.events.folder
-
     def open_tracking(self, names: list[str], config: dict[str, Any], saved: dict[str, str] | None) -> None:
-        """Send each row from now on to the trackers in `names` (raywds.runs.tracking; tensorboard:
-        `open_tensorboard`), continuing the tracking runs of `saved` (a checkpoint's) or of this
-        folder's tracking.json."""
-        if "tensorboard" in names:
-            self.open_tensorboard()
-        others = [name for name in names if name != "tensorboard"]
-        if others and self.trackers is None:
+        """Send each row from now on to the trackers in `names` (raywds.runs.tracking.TRACKERS),
+        continuing the tracking runs of `saved` (a checkpoint's) or of this folder's tracking.json;
+        TensorBoard keeps this folder's event files where the run continues here."""
+        if names and self.trackers is None:
             self._written()
-            self.trackers = Trackers.open(others, config, self.path, saved, name=self.name, files=self.tracker_files)
+            self.trackers = Trackers.open(
+                names, config, self.path, saved, name=self.name, files=self.tracker_files, append=self.continues
+            )
+
+    @property
+    def events(self) -> TensorBoard | None:
+        """The TensorBoard tracker, where the run has one."""
+        return self.trackers.events if self.trackers is not None else None
 
     @property
     def name(self) -> str:
@@ -140,9 +133,6 @@ class RunDir:
             for line in self.trackers.close(best=best):
                 log.warning(f"tracking: {line}")
             self.trackers = None
-        if self.events is not None:
-            self.events.close()
-            self.events = None
         if self._last_step is not None:
             os.close(self._last_step)
             self._last_step = None
@@ -197,8 +187,6 @@ class RunDir:
         self._written()
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.events is not None:
-            self.events.write(row)
         if self.trackers is not None:
             self.trackers.row(row)
 

@@ -1,6 +1,7 @@
 """TensorBoard event files beside metrics.jsonl (`--tensorboard`): rank 0 writes the numbers of
 each row to RUN_DIR/tensorboard/ through torch's SummaryWriter, for local, torchrun and Ray
-runs alike (raywds.runs.folder calls it).
+runs alike: one of the trackers (raywds.runs.tracking.TRACKERS), the one that writes files, not
+to a server.
 
     raywds train --demo --tensorboard
     tensorboard --logdir runs/demo/tensorboard
@@ -19,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from raywds.errors import ConfigError
+from raywds.runs import files
 from raywds.runs.rows import kind
 from raywds.runs.stagetimes import shares
+from raywds.runs.tracker import Opening, Tracker
 
 """The event files' folder in the run folder."""
 EVENT_FILES = "events.out.tfevents."
@@ -95,3 +98,31 @@ class EventWriter:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class TensorBoard(Tracker):
+    """`--tracking tensorboard` (or `--tensorboard`): each row's scalars into RUN_DIR/tensorboard/
+    as the row is written, progress rows too; nothing to reach, no thread."""
+
+    name, title, extra = "tensorboard", "TensorBoard", "tensorboard"
+    sends = False
+
+    def __init__(self, events: EventWriter):
+        super().__init__()
+        self.events, self.folder = events, events.folder
+        self.started.set()
+
+    @classmethod
+    def server(cls) -> str | None:
+        summary_writer()  # refuses a run without the package before it writes
+        return None
+
+    @classmethod
+    def start(cls, opening: Opening) -> TensorBoard:
+        return cls(EventWriter(opening.folder / files.TENSORBOARD, append=opening.append))
+
+    def row(self, row: Mapping[str, Any]) -> None:
+        self.events.write(row)
+
+    def end(self, status: str) -> None:
+        self.events.close()

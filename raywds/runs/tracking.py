@@ -34,7 +34,6 @@ import logging
 import os
 import secrets
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,25 +43,12 @@ from typing import Any
 
 from raywds.errors import ConfigError, Terminated
 from raywds.runs import files as files_of_run
-from raywds.runs.rows import kind
 from raywds.runs.sender import CLOSE_WAIT_S, Sender, cause
+from raywds.runs.tensorboard import TensorBoard
+from raywds.runs.tracker import Opening, Tracker, missing
 
 log = logging.getLogger(__name__)
 
-TRACKERS = ("mlflow", "wandb", "tensorboard")
-"""What --tracking takes (tensorboard: raywds.runs.tensorboard, what --tensorboard turns on)."""
-EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}
-"""The raywds extra each tool's client comes in."""
-EPOCH_METRICS = (
-    "train_loss", "val_loss", "val_top1", "val_top5", "lr", "images_per_s", "data_wait_max", "samples_seen",
-    "epoch", "optimizer_steps", "global_batch", "steps_redone", "bad_samples", "epoch_duplicates", "epoch_missing",
-    "val_loss_ema", "val_top1_ema", "val_top5_ema",
-)  # fmt: skip
-"""An epoch row's numbers that the trackers get (the val_ ones on epochs that validated)."""
-VALIDATION_METRICS = tuple(key for key in EPOCH_METRICS if key.startswith("val_"))
-"""A validation row's (`raywds ray --async-validation`): the epoch row's val_ numbers, at its step."""
-CHECKPOINT_METRICS = ("samples_seen", "epoch_samples_done")
-"""An in-epoch checkpoint row's: how far the epoch is, at the checkpoint cadence."""
 START_WAIT_S = 10.0
 """How long a run's start waits for its tracking runs to exist (MLflow makes the id), so that the
 first checkpoint already holds their ids; past it the run goes on and they start in the background."""
@@ -74,22 +60,6 @@ NOT_ENDED = "not_ended"
 MLFLOW_CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
 """MLflow's client settings while raywds sends, where not set: MLflow's own retries (7, over minutes)
 would hold a Sender, which retries itself and which the run's end wakes."""
-
-
-def numbers(row: Mapping[str, Any]) -> tuple[int, dict[str, float]] | None:
-    """(samples seen, the numbers to log) of a metrics.jsonl row (a validation row's at its epoch's
-    samples seen, as in-loop validation logs them); None for a progress row (rank 0's
-    look inside an epoch every --log-every seconds, for TensorBoard and the console)."""
-    keys: tuple[str, ...]
-    if kind(row) == "epoch":
-        keys = EPOCH_METRICS
-    elif kind(row) == "checkpoint":
-        keys = CHECKPOINT_METRICS
-    elif kind(row) == "validation":  # an epoch's validation done apart: at that epoch's step
-        keys = VALIDATION_METRICS
-    else:
-        return None
-    return int(row["samples_seen"]), {key: float(row[key]) for key in keys if isinstance(row.get(key), int | float)}
 
 
 def ending() -> str:
@@ -114,44 +84,47 @@ def mlflow_client_env() -> Iterator[None]:
                 del os.environ[name]
 
 
-def missing(tool: str, e: ImportError) -> ConfigError:
-    return ConfigError(
-        f"--tracking {tool} needs the {tool} package, which does not import here ({e}): "
-        f"pip install 'raywds[{EXTRAS[tool]}]'"
-    )
-
-
 def params(config: Mapping[str, Any]) -> dict[str, str]:
     """The config's fields as parameters: text of at most 500 characters (MLflow's limit)."""
     return {k: (v if isinstance(v, str) else json.dumps(v))[:500] for k, v in sorted(config.items())}
 
 
-class Mlflow:
+class Mlflow(Tracker):
     """A run in the MLflow tracking server of MLFLOW_TRACKING_URI (or its local store)."""
 
-    title, setting, fixes = "MLflow", "MLFLOW_TRACKING_URI", ("start the server", "fix MLFLOW_TRACKING_URI")
-    """The tool's name, where its server is set, and what a run refused for it can do."""
+    name, title, extra = "mlflow", "MLflow", "mlflow"
+    sender: Sender
+    setting, fixes = "MLFLOW_TRACKING_URI", ("start the server", "fix MLFLOW_TRACKING_URI")
 
     def __init__(self, run_id: str | None, config: Mapping[str, Any], name: str, sender: Sender):
         from mlflow.tracking import MlflowClient, get_tracking_uri
 
+        super().__init__()
         self.uri = str(get_tracking_uri())
         self.client, self.run_id, self.sender = MlflowClient(self.uri), run_id, sender
-        self.started = threading.Event()
         self.sender.put(lambda: self._start(config, name))
 
-    @staticmethod
-    def server() -> str | None:
+    @classmethod
+    def client_env(cls) -> contextlib.AbstractContextManager[None]:
+        return mlflow_client_env()
+
+    @classmethod
+    def start(cls, opening: Opening) -> Mlflow:
+        assert opening.sender is not None
+        return cls(opening.run_id, opening.config, opening.name, opening.sender)
+
+    @classmethod
+    def server(cls) -> str | None:
         """The tracking server's URL; None for a local store (nothing to reach)."""
         try:
             from mlflow.tracking import get_tracking_uri
         except ImportError as e:
-            raise missing("mlflow", e) from None
+            raise missing(cls.name, cls.extra, e) from None
         uri = str(get_tracking_uri())
         return uri if uri.startswith(("http://", "https://")) else None
 
-    @staticmethod
-    def unanswered(uri: str) -> str | None:
+    @classmethod
+    def unanswered(cls, uri: str) -> str | None:
         """Why the MLflow server at `uri` gives no answer within PROBE_S (one request, no retries);
         None when it answers, whatever it says (a server without /health answers 404)."""
         from mlflow.utils.credentials import get_default_host_creds
@@ -188,7 +161,7 @@ class Mlflow:
             client.set_tag(self.run_id, key, value)
         self.started.set()
 
-    def row(self, step: int, values: dict[str, float]) -> None:
+    def send(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         stamp = int(time.time() * 1000)
@@ -219,7 +192,6 @@ class Mlflow:
         return {"run_id": self.run_id, "uri": self.uri, "status": status, "end_time": int(time.time() * 1000)}
 
     def continues(self, left: Mapping[str, Any] | None) -> bool:
-        """True when this is the run that `left` (a NOT_ENDED entry) says was left running."""
         return left is not None and left.get("run_id") == self.run_id and left.get("uri") == self.uri
 
     @staticmethod
@@ -241,28 +213,34 @@ class Mlflow:
         return None
 
 
-class Wandb:
+class Wandb(Tracker):
     """A W&B run of project WANDB_PROJECT (WANDB_MODE=offline: files only, `wandb sync` later)."""
 
-    title, setting = "W&B", "WANDB_BASE_URL"
-    fixes = ("start the server", "fix WANDB_BASE_URL", "set WANDB_MODE=offline")
+    name, title, extra = "wandb", "W&B", "wandb"
+    sender: Sender
+    setting, fixes = "WANDB_BASE_URL", ("start the server", "fix WANDB_BASE_URL", "set WANDB_MODE=offline")
 
     def __init__(self, run_id: str | None, config: Mapping[str, Any], name: str, folder: Path | None, sender: Sender):
         import wandb
 
+        super().__init__()
         self.wandb, self.sender = wandb, sender
         self.run: Any = None
-        self.started = threading.Event()
         self.run_id = run_id or secrets.token_hex(4)  # (W&B's own ids are 8 letters and digits too)
         self.sender.put(lambda: self._start(config, name, folder))
 
-    @staticmethod
-    def server() -> str | None:
+    @classmethod
+    def start(cls, opening: Opening) -> Wandb:
+        assert opening.sender is not None
+        return cls(opening.run_id, opening.config, opening.name, opening.files, opening.sender)
+
+    @classmethod
+    def server(cls) -> str | None:
         """W&B's server (its base URL) as W&B resolves it; None in offline or disabled mode."""
         try:
             import wandb
         except ImportError as e:
-            raise missing("wandb", e) from None
+            raise missing(cls.name, cls.extra, e) from None
         settings = wandb.Settings()
         config_dir = Path(os.environ.get("WANDB_CONFIG_DIR") or "~/.config/wandb").expanduser()
         settings.settings_system = str(config_dir / "settings")  # where `wandb offline` keeps the mode it sets
@@ -270,8 +248,8 @@ class Wandb:
         settings.update_from_env_vars(dict(os.environ))
         return None if settings.mode in ("offline", "dryrun", "disabled") else str(settings.base_url)
 
-    @staticmethod
-    def unanswered(url: str) -> str | None:
+    @classmethod
+    def unanswered(cls, url: str) -> str | None:
         """Why the W&B server at `url` gives no answer within PROBE_S; None when it answers."""
         try:
             with urllib.request.urlopen(url, timeout=PROBE_S):
@@ -292,7 +270,7 @@ class Wandb:
         self.run.define_metric("*", step_metric="samples_seen")
         self.started.set()
 
-    def row(self, step: int, values: dict[str, float]) -> None:
+    def send(self, step: int, values: dict[str, float]) -> None:
         self.sender.put(lambda: self.run.log({**values, "samples_seen": step}))
 
     def note(self, key: str, text: str) -> None:
@@ -317,21 +295,20 @@ class Wandb:
         return None
 
 
-TOOLS: dict[str, type[Mlflow] | type[Wandb]] = {"mlflow": Mlflow, "wandb": Wandb}
-"""The tools with a client of their own (tensorboard: raywds.runs.tensorboard)."""
+TRACKERS: dict[str, type[Tracker]] = {tool.name: tool for tool in (Mlflow, Wandb, TensorBoard)}
+"""What --tracking takes, each name's tracker (--tensorboard is `tensorboard` too); the Lightning
+loggers (raywds.lightning.loggers) make one for each name here."""
 
 
 def check(names: Sequence[str]) -> dict[str, str | None]:
-    """Refuse, before a run starts, a tool of `names` (but tensorboard) whose client does not import
-    or whose server gives no answer within PROBE_S, in one line naming the server; each tool's
-    server (None: nothing to reach)."""
+    """Refuse, before a run starts, a tool of `names` whose client does not import or whose server
+    gives no answer within PROBE_S, in one line naming the server; each tool's server (None:
+    nothing to reach)."""
     servers: dict[str, str | None] = {}
     for tool in dict.fromkeys(names):
-        if tool == "tensorboard":
-            continue
-        if tool not in TOOLS:
+        if tool not in TRACKERS:
             raise ConfigError(f"--tracking {tool}: not one of {', '.join(TRACKERS)}")
-        made = TOOLS[tool]
+        made = TRACKERS[tool]
         server = servers[tool] = made.server()
         if server is not None and (why := made.unanswered(server)) is not None:
             raise ConfigError(
@@ -351,7 +328,7 @@ def end_left(folder: Path) -> None:
         try:
             why = Mlflow.end_left(entry)
         except ImportError as e:
-            why = str(missing("mlflow", e))
+            why = str(missing(Mlflow.name, Mlflow.extra, e))
         what = f"the MLflow run {entry['run_id']} at {entry['uri']}"
         if why is None:
             log.info(f"tracking: ended {what} as {entry['status']}, which the run's end could not reach")
@@ -364,9 +341,9 @@ def end_left(folder: Path) -> None:
 
 
 class Trackers:
-    """The tools a run sends to (not TensorBoard, which writes files as rows come: raywds.runs.folder)."""
+    """The tools a run's rows go to, each a Tracker of TRACKERS."""
 
-    def __init__(self, tools: dict[str, Any], ids: Path, written: dict[str, Any], left: dict[str, Any]):
+    def __init__(self, tools: dict[str, Tracker], ids: Path, written: dict[str, Any], left: dict[str, Any]):
         self.tools, self.ids = tools, ids
         self.written = written
         """What tracking.json holds now (written only when it changes)."""
@@ -384,10 +361,12 @@ class Trackers:
         *,
         name: str | None = None,
         files: Path | None = None,
+        append: bool = True,
     ) -> Trackers:
-        """Start each of `names` (but tensorboard) for the run in `folder` (tracking runs called
-        `name`, default the folder's), continuing the tracking runs of `saved` (a checkpoint's
-        ids) or of the folder's tracking.json; W&B keeps its files in `files` (else its default)."""
+        """Start each of `names` for the run in `folder` (tracking runs called `name`, default the
+        folder's), continuing the tracking runs of `saved` (a checkpoint's ids) or of the folder's
+        tracking.json; W&B keeps its files in `files` (else its default); `append`: TensorBoard
+        keeps the folder's event files."""
         servers = check(names)
         ids_path = folder / files_of_run.TRACKING
         on_disk = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
@@ -395,17 +374,16 @@ class Trackers:
         name = name or folder.name
         trackers = cls({}, ids_path, on_disk, dict(on_disk.get(NOT_ENDED) or {}))
         for tool, server in servers.items():
-            sender = Sender(tool, server)
-            if tool == "mlflow":
-                trackers.env.enter_context(mlflow_client_env())
-                mlflow = trackers.tools[tool] = Mlflow(known.get(tool), config, name, sender)
-                if mlflow.continues(trackers.left.get(tool)):
-                    del trackers.left[tool]  # this run ends it
-            else:
-                trackers.tools[tool] = Wandb(known.get(tool), config, name, files, sender)
+            made = TRACKERS[tool]
+            trackers.env.enter_context(made.client_env())
+            sender = Sender(tool, server) if made.sends else None
+            opening = Opening(known.get(tool), config, name, folder, files, server, append, sender)
+            started = trackers.tools[tool] = made.start(opening)
+            if started.continues(trackers.left.get(tool)):
+                del trackers.left[tool]  # this run ends it
         deadline = time.monotonic() + START_WAIT_S
-        for tool in trackers.tools.values():
-            tool.started.wait(max(0.0, deadline - time.monotonic()))
+        for each in trackers.tools.values():
+            each.started.wait(max(0.0, deadline - time.monotonic()))
         trackers.keep_ids()
         return trackers
 
@@ -422,11 +400,15 @@ class Trackers:
             self.written = ids
 
     def row(self, row: Mapping[str, Any]) -> None:
-        got = numbers(row)
-        if got is not None:
-            for tool in self.tools.values():
-                tool.row(*got)
+        for tool in self.tools.values():
+            tool.row(row)
         self.keep_ids()
+
+    @property
+    def events(self) -> TensorBoard | None:
+        """The TensorBoard tracker, where the run has one (its event files' folder)."""
+        found = self.tools.get(TensorBoard.name)
+        return found if isinstance(found, TensorBoard) else None
 
     def note(self, key: str, text: str) -> None:
         for tool in self.tools.values():
@@ -443,6 +425,8 @@ class Trackers:
             tool.end(status)
         lines = []
         for name, tool in self.tools.items():
+            if tool.sender is None:  # it wrote as rows came: nothing left to send
+                continue
             server = tool.sender.where
             why = type(tool).unanswered(server) if server is not None else None
             line = tool.sender.close(CLOSE_WAIT_S if why is None else 0.0, why)

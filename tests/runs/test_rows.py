@@ -11,7 +11,7 @@ from support.runs import small_config
 from raywds.runs.folder import RunDir
 from raywds.runs.rows import CheckpointRow, EpochRow, ProgressRow, ValidationRow, epochs, read_rows, validation_row
 from raywds.runs.tensorboard import scalars
-from raywds.runs.tracking import numbers
+from raywds.runs.tracker import numbers
 from raywds.train.trainer import train
 from raywds.world import World
 

@@ -8,6 +8,7 @@ left RUNNING is ended by what continues the run or by the next `raywds report` t
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -337,6 +338,26 @@ def test_tracking_tensorboard_is_the_tensorboard_flag(shards: Path, tmp_path: Pa
     run = RunDir(tmp_path / "run")
     run.start()
     run.open_tracking(["tensorboard"], {}, None)
-    assert run.events is not None and run.trackers is None, "TensorBoard writes files itself, no thread"
+    assert run.events is not None and run.events.sender is None, "TensorBoard writes files itself, no thread"
     run.close()
     assert list((tmp_path / "run" / files.TENSORBOARD).glob("events.out.tfevents.*"))
+
+
+def test_one_table_of_trackers_is_what_every_part_takes() -> None:
+    """--tracking's choices (the config's), the trackers a run opens and the Lightning loggers are
+    the names of one table; each tracker says its title and the raywds extra its client comes in."""
+    import typing
+
+    import tomllib
+
+    from raywds.config import TrackerName
+    from raywds.runs.tracking import TRACKERS
+
+    assert list(TRACKERS) == list(typing.get_args(TrackerName))
+    extras = tomllib.loads(Path("pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name, tracker in TRACKERS.items():
+        assert tracker.name == name and tracker.title and tracker.extra in extras, name
+    if importlib.util.find_spec("lightning") is not None:
+        from raywds.lightning.loggers import LOGGERS
+
+        assert list(LOGGERS) == list(TRACKERS), "a Lightning logger for each tracker"
