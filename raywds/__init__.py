@@ -27,7 +27,9 @@ _PUBLIC = {
     "make_optimizer": "raywds.train.optim",
     "summary_line": "raywds.train.progress",
     "RayOptions": "raywds.launch.rayoptions",
+    "connect": "raywds.launch.cluster",
     "fit_on_ray": "raywds.launch.ray_train:run",
+    "follow": "raywds.runs.follow",
     "run_on_ray": "raywds.launch.ownloop",
     "ShardDataModule": "raywds.lightning.datamodule",
     "KeepTrackingIds": "raywds.lightning.loggers",
@@ -44,8 +46,10 @@ __all__ = [
     "TrainConfig",
     "World",
     "add_flags",
+    "connect",
     "fit",
     "fit_on_ray",
+    "follow",
     "build_model",
     "given",
     "make_optimizer",
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
     from raywds.data.demo import prepare as prepare_demo
     from raywds.errors import RaywdsError
     from raywds.flags import add_flags, given
+    from raywds.launch.cluster import connect
     from raywds.launch.local import train_in_process as fit
     from raywds.launch.ownloop import run_on_ray
     from raywds.launch.ray_train import run as fit_on_ray
@@ -68,6 +73,7 @@ if TYPE_CHECKING:
     from raywds.lightning.datamodule import ShardDataModule
     from raywds.lightning.loggers import KeepTrackingIds
     from raywds.lightning.loggers import loggers as tracking_loggers
+    from raywds.runs.follow import follow
     from raywds.train.model import build_model
     from raywds.train.optim import make_optimizer
     from raywds.train.progress import summary_line

@@ -3,7 +3,9 @@ globs (`shards/*.tar`, `s3://b/x/train-*.tar`: `*` and `?` inside one folder, `*
 folders), a folder or bucket prefix (every `.tar` under it), or `pipe:` templates; each name
 goes through the one scheme table (raywds.data.stores).
 
-    urls = expand(["https://host/imagenet-train-{000000..001281}.tar"])
+    >>> expand(["https://host/imagenet-train-{000000..000002}.tar"])  # doctest: +NORMALIZE_WHITESPACE
+    ['https://host/imagenet-train-000000.tar', 'https://host/imagenet-train-000001.tar',
+     'https://host/imagenet-train-000002.tar']
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ and crops, resizes and flips (raywds.loader.crops has the CPU decoders). The con
 name (text); `decoding(cfg.decode)` is where it is parsed, as the modes are in raywds.plan.modes.
 
     crop = decoding(cfg.decode).train_crop(224, (0.08, 1.0))   # crop(data, rng=...) in a worker
-    decoding("device").in_workers                               # False: the device decodes
+
+    >>> decoding("device").in_workers  # the device decodes
+    False
 """
 
 from __future__ import annotations

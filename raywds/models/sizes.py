@@ -4,8 +4,10 @@ starts rather than by the model's traceback in the first step. A ResNet takes an
 of two, but at least 33 px alone in training (its last BatchNorm needs two values a channel);
 the demo network, three 2x2 poolings deep, takes 8 px or more.
 
-    smallest_side("demo", 4, batch=2, training=True)     # 8: 4 px is too small, 8 works
-    smallest_side("resnet50", 176, batch=2, training=True)  # None: it takes 176 px
+    >>> smallest_side("demo", 4, batch=2, training=True)  # 4 px is too small, 8 works
+    8
+    >>> smallest_side("resnet50", 176, batch=2, training=True) is None  # it takes 176 px
+    True
 """
 
 from __future__ import annotations

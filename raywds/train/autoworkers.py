@@ -2,8 +2,10 @@
 last epoch's stages (raywds.train.doctor): enough workers to decode what the model takes, with
 a margin, within the cores a rank has.
 
-    choice = first(cores=8)                  # 7 workers, one core left for the rank itself
     choice = after(metrics["stages"], cores=8)
+
+    >>> first(cores=8).workers  # one core left for the rank itself
+    7
 
 Every rank chooses from the same gathered stages and within the fewest cores any rank has, so
 all choose the same count, and split mode's plan, made for that count at the epoch's start,

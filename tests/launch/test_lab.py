@@ -460,7 +460,7 @@ def test_the_notebook_in_jupyter_lab_shows_the_run_and_its_kernels_stop_stops_wh
     where = f"(the run took {seconds:.0f} s; screenshot {screenshot}):\n{page_text(cells)}"
     assert not errors_in(cells), f"tracebacks on the page {where}"
     assert cells[-1]["prompt"] in ("[ ]:", ""), f"the last cell ran {where}"
-    assert "training on: 2 CPU (gloo) workers" in text, f"no worker plan {where}"
+    assert "training on 2 CPU (gloo) workers" in text, f"no worker plan {where}"
     assert re.search(r"\d+ s, top-1 \d\.\d{3}", text), f"no top-1 line {where}"
     bars = [b for c in cells for b in c["bars"]]
     assert any("100%" in b for b in bars), f"no finished progress bar: {bars} {where}"
