@@ -5,6 +5,7 @@ wait for the last). The val split is as large as the train split here, so valida
 share of each epoch, as in this repository's Ray tests.
 
     .venv/bin/python benchmarks/async_validation_bench.py [--images DIR] [--copies 4] [--epochs 3] [--repeats 2]
+        [--workers 1] [--loader-workers 1] [--model resnet18]
 
 Rows (each the median of --repeats whole runs, alternating):
   in-loop   the ranks validate each epoch's end, then train the next
@@ -63,7 +64,8 @@ def run(shards: Path, mode: str, args: argparse.Namespace, work: Path) -> tuple[
     line = [
         str(ROOT / ".venv/bin/raywds"), "ray", "--data", str(shards), "--model", args.model, "--mode", "split",
         "--image-size", "160", "--batch-size", "32", "--epochs", str(args.epochs), "--num-workers", str(args.workers),
-        "--loader-workers", "1", "--storage-path", str(temp / "runs"), "--name", mode, *MODES[mode],
+        "--loader-workers", str(args.loader_workers), "--storage-path", str(temp / "runs"), "--name", mode,
+        *MODES[mode],
     ]  # fmt: skip
     started = time.perf_counter()
     out = subprocess.run(line, env=env, capture_output=True, text=True, timeout=3600)
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="copies of each photo per split (default %(default)s)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=1, help="training workers (default %(default)s)")
+    parser.add_argument("--loader-workers", type=int, default=1, help="each rank's (default %(default)s)")
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
@@ -93,7 +96,10 @@ def main() -> None:
         count = build(photos(args.images, work / "generated"), args.copies, work / "tree")
         shards = work / "shards"
         convert(work / "tree", shards, ConvertOptions(maxcount=100, seed=0))
-        print(f"{count} train and {count} val photos; {os.cpu_count()} CPUs; --model {args.model}")
+        print(
+            f"{count} train and {count} val photos; {os.cpu_count()} CPUs; --model {args.model}, "
+            f"--num-workers {args.workers}, --loader-workers {args.loader_workers}"
+        )
         results: dict[str, list[tuple[float, list[float], list[float]]]] = {mode: [] for mode in MODES}
         for _ in range(args.repeats):
             for mode in MODES:

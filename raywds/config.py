@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raywds.errors import ConfigError
-from raywds.fields import PAIR, PATH, PLACE, RGB, SHARDS, TEXT, URL, flag, problem, shown
+from raywds.fields import MAX_SEED, PAIR, PATH, PLACE, RGB, SHARDS, TEXT, URL, flag, problem, shown
 from raywds.recipes import RECIPES
 
 # The choices of each setting; the CLI's --help and choices come from these (raywds.flags).
@@ -31,8 +31,6 @@ MAX_SIDE = 8192
 """The largest crop or resize side, in px, a setting takes."""
 MAX_EPOCHS = 100_000
 MAX_STEPS = 10**9
-MAX_SEED = 2**63 - 1
-"""Seeds are 0 to this: torch.manual_seed takes them all."""
 MAX_SECONDS = 10**6
 """The longest timeout a setting takes (11.6 days)."""
 

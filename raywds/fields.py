@@ -174,6 +174,9 @@ def _rgb_problem(text: str) -> str | None:
     return "must be three numbers R,G,B from 0 to 1 (e.g. 0.485,0.456,0.406)"
 
 
+MAX_SEED = 2**63 - 1
+"""Seeds are 0 to this: torch.manual_seed takes them all (every command's --seed)."""
+
 TEXT = Form("text", "some text")
 """Free-form: any one line (raywds hands it to what reads it, which says what is wrong)."""
 PATH = Form("path", "a path")

@@ -21,7 +21,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from raywds.config import TrainConfig
 from raywds.data import shardlists, stores
 from raywds.data.columns import COLUMNS
 from raywds.data.http import ReadPolicy
@@ -29,6 +28,7 @@ from raywds.data.index import index_shards
 from raywds.data.manifest import MANIFEST, Manifest, read_manifest, shard_url, split_location, write_manifest
 from raywds.data.shardlists import split_by_name
 from raywds.data.shardoptions import IndexOptions
+from raywds.data.source import Source
 from raywds.data.stores import write_atomic
 from raywds.errors import DataError
 
@@ -54,7 +54,7 @@ def cache_dir(given: str | None = None) -> Path:
     return Path(root)
 
 
-def manifest_of(cfg: TrainConfig, *, trusted: bytes | None = None) -> Manifest:
+def manifest_of(cfg: Source, *, trusted: bytes | None = None) -> Manifest:
     """The manifest a run trains on (`manifest_for` its --data and --val-data). `trusted`: the
     manifest the run's driver indexed --data into (`raywds ray`, `index_of`), put into this node's
     cache and read as it is: a worker on another node neither indexes the shards again nor asks
@@ -142,7 +142,7 @@ def needs_index(data: str, val_data: str | None, s3_endpoint: str | None) -> boo
     return True
 
 
-def index_of(cfg: TrainConfig) -> bytes | None:
+def index_of(cfg: Source) -> bytes | None:
     """The manifest.json this node indexed the run's --data into (after `manifest_of`), for the
     run's other nodes (`manifest_of(trusted=)`); None where --data names a manifest."""
     if not needs_index(cfg.data, cfg.val_data, cfg.s3_endpoint):

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raywds.config import MAX_SEED
-from raywds.fields import NAME, PATH, TEXT, flag
+from raywds.fields import MAX_SEED, NAME, PATH, TEXT, flag
 
 
 @dataclass(frozen=True, kw_only=True)

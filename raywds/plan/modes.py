@@ -11,7 +11,7 @@ compares mode names.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from raywds.data.manifest import Manifest
 from raywds.errors import ConfigError
@@ -19,10 +19,25 @@ from raywds.plan.epoch import Done, EpochPlan, Mode, Nodes
 from raywds.plan.resample import Resample
 from raywds.plan.split import Split
 
-if TYPE_CHECKING:
-    from raywds.config import TrainConfig
+__all__ = ["MODES", "Mode", "Resample", "Split", "Schedule", "epoch_plan", "loader_slots", "parse"]
 
-__all__ = ["MODES", "Mode", "Resample", "Split", "epoch_plan", "loader_slots", "parse"]
+
+class Schedule(Protocol):
+    """The plan section of a run's config: what an epoch's plan reads of it and nothing else (the
+    training config, raywds.config.TrainConfig, is one; so is `raywds plan`'s)."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def batches_per_epoch(self) -> int | None: ...
+    @property
+    def canonical_nodes(self) -> int: ...
+    @property
+    def loader_worker_count(self) -> int: ...
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (Resample(), Split())}
@@ -47,7 +62,7 @@ def nodes_of(canonical_nodes: int, ranks_per_node: int) -> Nodes | None:
 
 def epoch_plan(
     manifest: Manifest,
-    cfg: TrainConfig,
+    cfg: Schedule,
     num_ranks: int,
     *,
     epoch: int,

@@ -22,11 +22,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from raywds.config import TrainConfig
 from raywds.data import s3
 from raywds.errors import DataError
 from raywds.runs import files
-from raywds.runs.folder import Metrics, RunDir
+from raywds.runs.folder import Described, Metrics, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class BucketRunDir(RunDir):
         super().__init__(local, append=True, config=files.RAY_CONFIG)
         self.sent: dict[str, tuple[int, int]] = {}
 
-    def start(self, cfg: TrainConfig | None = None, saved: dict[str, str] | None = None) -> None:
+    def start(self, cfg: Described | None = None, saved: dict[str, str] | None = None) -> None:
         super().start(cfg, saved)
         if cfg is not None:
             self.push(self.path / files.RAY_CONFIG)

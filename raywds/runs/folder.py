@@ -22,9 +22,8 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from raywds.config import TrainConfig
 from raywds.runs import files, tracking
 from raywds.runs.checkpoint import save_checkpoint
 from raywds.runs.lock import RunLock
@@ -35,6 +34,15 @@ from raywds.runs.tracking import Trackers
 log = logging.getLogger(__name__)
 
 Metrics = dict[str, Any]
+
+
+class Described(Protocol):
+    """The run section of a run's config: what its folder needs of it, the config as written to
+    config.json (and sent to the trackers as parameters), and the trackers' names (the training
+    config, raywds.config.TrainConfig, is one)."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+    def trackers(self) -> list[str]: ...
 
 
 def best_top1(row: Mapping[str, Any]) -> float:
@@ -67,7 +75,7 @@ class RunDir:
         self._last_step: int | None = None
         """The open last-step file."""
 
-    def start(self, cfg: TrainConfig | None = None, saved: dict[str, str] | None = None) -> None:
+    def start(self, cfg: Described | None = None, saved: dict[str, str] | None = None) -> None:
         """The first write, once nothing can refuse the run: the folder (made if missing), an empty
         metrics.jsonl and no last-step unless the run continues here, then the resolved config `cfg`
         and its trackers (continuing the tracking runs of `saved`, a checkpoint's ids)."""
@@ -176,7 +184,7 @@ class RunDir:
             return set()
         return {int(row["epoch"]) for row in read_rows(self.metrics_path) if kind(row) == "validation"}
 
-    def write_config(self, cfg: TrainConfig, name: str = files.CONFIG) -> Path:
+    def write_config(self, cfg: Described, name: str = files.CONFIG) -> Path:
         self._written()
         path = self.path / name
         path.write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
