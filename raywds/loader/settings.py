@@ -1,10 +1,11 @@
-"""The loader's own config: the slice of the run's TrainConfig that the per-rank loader and the
-Ray Data plane read (20 fields: the crop sizes resolved for the epoch, the rest as TrainConfig has
-them), built once per epoch by whoever trains (the trainer, the
-Lightning DataModule), as torchtitan hands each component its own config. The fields keep
-TrainConfig's names, so `--batch-size` is `batch_size` in both.
+"""The loader's own config: the section of a run's config that the per-rank loader and the Ray
+Data plane read (20 fields: the crop sizes resolved for the epoch, the rest as the run's config
+has them), built once per epoch by whoever trains (the trainer, the Lightning DataModule), as
+torchtitan hands each component its own config. `Loading` says what it is built from: the
+training config (raywds.config.TrainConfig) is one, which the loader does not import. The fields
+keep the config's names, so `--batch-size` is `batch_size` in both.
 
-    loader_cfg = LoaderConfig.of(cfg)      # cfg: TrainConfig, its loader workers already a number
+    loader_cfg = LoaderConfig.of(cfg)      # cfg: a Loading (TrainConfig), its loader workers a number
     train_loader(manifest, loader_cfg, world, plan, epoch=0)
 """
 
@@ -12,14 +13,57 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.loader.augment import Augment
 from raywds.loader.decodings import decoding
 from raywds.loader.readers import ReadPolicy
 from raywds.plan.modes import loader_slots
+
+
+class Loading(Protocol):
+    """What the loader's section is built from: a run's config (raywds.config.TrainConfig is one)."""
+
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def loader_worker_count(self) -> int: ...
+    def train_size(self, epoch: int) -> int: ...
+    @property
+    def val_crop(self) -> int: ...
+    @property
+    def val_resize(self) -> int: ...
+    @property
+    def crop_scale_min(self) -> float: ...
+    @property
+    def decode(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def worker_shuffle_buffer(self) -> int: ...
+    @property
+    def cross_worker_shuffle_buffer(self) -> int: ...
+    @property
+    def loader_timeout(self) -> float: ...
+    @property
+    def read_timeout(self) -> float: ...
+    @property
+    def read_retries(self) -> int: ...
+    @property
+    def cache_dir(self) -> str | None: ...
+    @property
+    def s3_endpoint(self) -> str | None: ...
+    @property
+    def verify_hashes(self) -> bool: ...
+    @property
+    def auto_augment(self) -> str | None: ...
+    @property
+    def ra_magnitude(self) -> int: ...
+    @property
+    def augmix_severity(self) -> int: ...
+    @property
+    def random_erase(self) -> float: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,18 +93,35 @@ class LoaderConfig:
     random_erase: float = 0.0
 
     @classmethod
-    def of(cls, cfg: TrainConfig, epoch: int = 0) -> LoaderConfig:
-        """`cfg`'s slice for the loader in epoch `epoch` (from 0: its training crop size)."""
+    def of(cls, cfg: Loading, epoch: int = 0) -> LoaderConfig:
+        """`cfg`'s section for the loader in epoch `epoch` (from 0: its training crop size)."""
         if Augment.of(cfg) is not None and not decoding(cfg.decode).in_workers:
             raise ConfigError(
                 "--auto-augment and --random-erase change the decoded crop in the loader workers: "
                 f"use --decode cpu or pil with them, not {cfg.decode}"
             )
-        sizes: dict[str, Any] = dict(
-            image_size=cfg.train_size(epoch), val_crop_size=cfg.val_crop, val_resize_size=cfg.val_resize
+        return cls(
+            batch_size=cfg.batch_size,
+            loader_workers=cfg.loader_worker_count,
+            image_size=cfg.train_size(epoch),
+            val_crop_size=cfg.val_crop,
+            val_resize_size=cfg.val_resize,
+            crop_scale_min=cfg.crop_scale_min,
+            decode=cfg.decode,
+            seed=cfg.seed,
+            worker_shuffle_buffer=cfg.worker_shuffle_buffer,
+            cross_worker_shuffle_buffer=cfg.cross_worker_shuffle_buffer,
+            loader_timeout=cfg.loader_timeout,
+            read_timeout=cfg.read_timeout,
+            read_retries=cfg.read_retries,
+            cache_dir=cfg.cache_dir,
+            s3_endpoint=cfg.s3_endpoint,
+            verify_hashes=cfg.verify_hashes,
+            auto_augment=cfg.auto_augment,
+            ra_magnitude=cfg.ra_magnitude,
+            augmix_severity=cfg.augmix_severity,
+            random_erase=cfg.random_erase,
         )
-        names = [f.name for f in dataclasses.fields(cls) if f.name not in {"loader_workers", *sizes}]
-        return cls(loader_workers=cfg.loader_worker_count, **sizes, **{name: getattr(cfg, name) for name in names})
 
     @property
     def validating(self) -> LoaderConfig:
