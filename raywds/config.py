@@ -35,6 +35,39 @@ MAX_SECONDS = 10**6
 """The longest timeout a setting takes (11.6 days)."""
 
 
+@dataclass(frozen=True)
+class Progression:
+    """Progressive resizing (FFCV's schedule): crops of `low` px up to epoch `start`, `high` from
+    epoch `end` on (epochs counted from 1), linear between in steps of PROGRESSIVE_STEP_PX from `low`."""
+
+    low: int
+    high: int
+    start: float
+    end: float
+
+    @classmethod
+    def parse(cls, sizes: str, epochs: str) -> Progression:
+        """--progressive-resize MIN:MAX and --progressive-epochs START:END, or one line on a bad one."""
+        low, high = _pair(sizes, "progressive_resize", int)
+        start, end = _pair(epochs, "progressive_epochs", float)
+        if not PROGRESSIVE_STEP_PX <= low <= high <= MAX_SIDE:
+            raise ConfigError(
+                f"progressive_resize={sizes}: MIN:MAX with {PROGRESSIVE_STEP_PX} <= MIN <= MAX <= {MAX_SIDE}"
+            )
+        if not 1 <= start <= end <= MAX_EPOCHS:
+            raise ConfigError(f"progressive_epochs={epochs}: START:END with 1 <= START <= END")
+        return cls(low, high, start, end)
+
+    def size(self, epoch: int) -> int:
+        """The crop side in epoch `epoch` (from 0)."""
+        if epoch + 1 >= self.end:
+            return self.high
+        if epoch + 1 <= self.start:
+            return self.low
+        at = self.low + (self.high - self.low) * (epoch + 1 - self.start) / (self.end - self.start)
+        return min(self.high, self.low + PROGRESSIVE_STEP_PX * round((at - self.low) / PROGRESSIVE_STEP_PX))
+
+
 @dataclass(frozen=True, kw_only=True)
 class S3Endpoint:
     """Which store s3:// paths name; every command that reads or writes them takes it."""
@@ -255,40 +288,23 @@ class TrainConfig(S3Endpoint):
                 raise ConfigError("--train-crop-size and --progressive-resize both set the training crop: give one")
             _ = self.progression  # parses both: one line on a bad one
 
-    @property
-    def progression(self) -> tuple[int, int, float, float] | None:
-        """--progressive-resize and --progressive-epochs as (MIN, MAX, START, END), or None."""
+    @functools.cached_property
+    def progression(self) -> Progression | None:
+        """--progressive-resize and --progressive-epochs, parsed once (None without them)."""
         if self.progressive_resize is None:
             return None
-        low, high = _pair(self.progressive_resize, "progressive_resize", int)
-        start, end = _pair(self.progressive_epochs or f"1:{self.epochs}", "progressive_epochs", float)
-        if not PROGRESSIVE_STEP_PX <= low <= high <= MAX_SIDE:
-            raise ConfigError(
-                f"progressive_resize={self.progressive_resize}: MIN:MAX with {PROGRESSIVE_STEP_PX} <= MIN <= MAX"
-                f" <= {MAX_SIDE}"
-            )
-        if not 1 <= start <= end <= MAX_EPOCHS:
-            raise ConfigError(f"progressive_epochs={self.progressive_epochs}: START:END with 1 <= START <= END")
-        return low, high, start, end
+        return Progression.parse(self.progressive_resize, self.progressive_epochs or f"1:{self.epochs}")
 
     def validates(self, epoch: int) -> bool:
         """Whether epoch `epoch` (from 1) ends in a validation: every --val-every, and the last."""
         return epoch % self.val_every == 0 or epoch == self.epochs
 
     def train_size(self, epoch: int) -> int:
-        """The training crop's side in epoch `epoch` (from 0): --progressive-resize's schedule
-        (FFCV's: linear from MIN at START to MAX at END, in steps of 32 px from MIN), else
-        --train-crop-size, else --image-size."""
-        ramp = self.progression
-        if ramp is None:
-            return self.train_crop_size or self.image_size
-        low, high, start, end = ramp
-        if epoch + 1 >= end:
-            return high
-        if epoch + 1 <= start:
-            return low
-        at = low + (high - low) * (epoch + 1 - start) / (end - start)
-        return min(high, low + PROGRESSIVE_STEP_PX * round((at - low) / PROGRESSIVE_STEP_PX))
+        """The training crop's side in epoch `epoch` (from 0): --progressive-resize's schedule,
+        else --train-crop-size, else --image-size."""
+        if self.progression is not None:
+            return self.progression.size(epoch)
+        return self.train_crop_size or self.image_size
 
     @property
     def train_sizes(self) -> list[int]:

@@ -64,6 +64,15 @@ def test_the_schedule_is_checked_in_one_line() -> None:
     assert default.train_sizes == [128, 160, 192, 224, 256], "default: the whole run"
 
 
+def test_the_schedule_is_parsed_once_into_numbers() -> None:
+    from raywds.config import Progression
+
+    cfg = TrainConfig(data="x", epochs=10, progressive_resize="160:192", progressive_epochs="2:6")
+    assert cfg.progression == Progression(160, 192, 2.0, 6.0)
+    assert cfg.progression is cfg.progression, "parsed once, not at every epoch's read"
+    assert TrainConfig(data="x").progression is None
+
+
 def test_each_epoch_trains_at_its_planned_size_on_every_sample_once(
     shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
