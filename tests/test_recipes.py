@@ -103,7 +103,7 @@ def test_the_v2_recipes_values_are_torchvisions(model: str) -> None:
     assert {k: getattr(cfg, k) for k in TORCHVISION_V2} == TORCHVISION_V2
     assert cfg.global_batch == 8 * 128 and cfg.accumulation(world_size=4) == 2 and cfg.peak_lr(8) == 0.5
     sizes = LoaderConfig.of(cfg, epoch=0)
-    assert (sizes.image_size, sizes.val_resize_size, sizes.val_crop_size) == (176, 232, 224)
+    assert (sizes.crop_size, sizes.val_resize_size, sizes.val_crop_size) == (176, 232, 224)
 
 
 def test_val_sizes_default_to_the_crop_over_0_875_and_are_checked() -> None:

@@ -125,7 +125,7 @@ class ShardSource(Datasource):  # RAY
         """By shard name, a bool per sample already trained on, for the shards a resumed epoch partly trained on."""
 
     def estimate_inmemory_data_size(self) -> int | None:
-        return sum(s.num_samples for s in self.shards) * self.cfg.image_size**2 * 3 or None
+        return sum(s.num_samples for s in self.shards) * self.cfg.crop_size**2 * 3 or None
 
     def get_read_tasks(
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
@@ -136,7 +136,7 @@ class ShardSource(Datasource):  # RAY
             seed = seeds.number(seeds.PLANE_SHUFFLE, *self.shuffle, g) if self.shuffle is not None else None
             read = functools.partial(_read, reads, self.decoder, self.policy, self.cfg, seed, self.labels)
             rows = sum(e.num_samples - (int(c.sum()) if c is not None else 0) for _, e, c in reads)
-            size = rows * self.cfg.image_size**2 * 3
+            size = rows * self.cfg.crop_size**2 * 3
             meta = BlockMetadata(
                 num_rows=rows, size_bytes=size, exec_stats=None, input_files=tuple(u for u, _, _ in reads)
             )
@@ -150,7 +150,7 @@ def _read(
     """Runs in a Ray Data read task: the task's blocks of decoded crops, each row marked with its node."""
     node = ray.util.get_node_ip_address()  # RAY
     blocks = task_blocks(
-        reads, decoder, policy, size=cfg.image_size, batch_size=cfg.batch_size, shuffle_seed=seed,
+        reads, decoder, policy, size=cfg.crop_size, batch_size=cfg.batch_size, shuffle_seed=seed,
         verify_hash=cfg.verify_hashes, labels=labels,
     )  # fmt: skip
     for columns in blocks:
@@ -182,7 +182,7 @@ class RayData:
         validation's) by read tasks of whole batches."""
         decoder = val_decoder(cfg) if epoch is None else train_decoder(cfg, epoch)
         cfg = cfg.validating if epoch is None else cfg  # validation's crop size, in the blocks' sizes too
-        self.plane.apply(held_bytes=HELD * cfg.batch_size * cfg.image_size**2 * 3)
+        self.plane.apply(held_bytes=HELD * cfg.batch_size * cfg.crop_size**2 * 3)
         source = ShardSource(
             manifest, split, shards, cfg, exact=exact, decoder=decoder, left_out=left_out, shuffle=shuffle
         )

@@ -174,7 +174,7 @@ def _loader(
     pool: Pool | None = None,
 ) -> Pass:
     """The pass of `made`'s pipeline over the stages, by `pool`'s workers (or a pool of its own)."""
-    size = cfg.image_size
+    size = cfg.crop_size
     build = bind(
         made,
         stages=stages,

@@ -71,8 +71,9 @@ class LoaderConfig:
     batch_size: int
     loader_workers: int
     """DataLoader worker processes (0: the training process reads); `auto` is resolved before."""
-    image_size: int
-    """The training crop's side this epoch (raywds.config.TrainConfig.train_size)."""
+    crop_size: int
+    """The side of the crops this pass makes: the training crop's this epoch (the run config's
+    train_size), or the val crop's in a validation pass (`validating`)."""
     val_crop_size: int
     val_resize_size: int
     crop_scale_min: float
@@ -103,7 +104,7 @@ class LoaderConfig:
         return cls(
             batch_size=cfg.batch_size,
             loader_workers=cfg.loader_worker_count,
-            image_size=cfg.train_size(epoch),
+            crop_size=cfg.train_size(epoch),
             val_crop_size=cfg.val_crop,
             val_resize_size=cfg.val_resize,
             crop_scale_min=cfg.crop_scale_min,
@@ -126,7 +127,7 @@ class LoaderConfig:
     @property
     def validating(self) -> LoaderConfig:
         """This slice for a validation pass: its images are the val crop's size."""
-        return dataclasses.replace(self, image_size=self.val_crop_size)
+        return dataclasses.replace(self, crop_size=self.val_crop_size)
 
     @property
     def slots(self) -> int:

@@ -78,7 +78,7 @@ what its batch carries (raywds.loader.crops)."""
 def train_decoder(cfg: LoaderConfig, epoch: int) -> Decoder:
     """`--decode`'s training crop, each sample's drawn from its own generator (crops.crop_rng),
     then its augmentations (raywds.loader.augment), drawn from another."""
-    crop = decoding(cfg.decode).train_crop(cfg.image_size, (cfg.crop_scale_min, 1.0))
+    crop = decoding(cfg.decode).train_crop(cfg.crop_size, (cfg.crop_scale_min, 1.0))
     augment = Augment.of(cfg)
     if augment is not None:
         return bind(_augmented, crop, augment, cfg.seed, epoch)

@@ -46,7 +46,7 @@ def test_the_schedule_is_ffcvs(epochs: int, low: int, high: int, start: int, end
     )
     assert cfg.train_sizes == [ffcv_resolution(e, low, high, end, start) for e in range(epochs)]
     assert all(size % 32 == 0 for size in cfg.train_sizes) and cfg.train_sizes[-1] == high
-    assert [LoaderConfig.of(cfg, e).image_size for e in range(epochs)] == cfg.train_sizes
+    assert [LoaderConfig.of(cfg, e).crop_size for e in range(epochs)] == cfg.train_sizes
     assert {LoaderConfig.of(cfg, e).val_crop_size for e in range(epochs)} == {224}, "validation keeps its size"
 
 
