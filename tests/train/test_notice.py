@@ -78,6 +78,9 @@ def test_a_signal_is_one_notice_and_a_second_a_second_later_goes_to_the_handler_
     one notice, of the first; a signal SAME_DELIVERY_S later goes to what handled it before
     (here Python's KeyboardInterrupt, under the CLI its one line), and from then on."""
     monkeypatch.setattr(notice, "SAME_DELIVERY_S", 0.2)
+    # Python's own SIGINT handler, as in a foreground process: a shell without job control starts
+    # background commands with SIGINT ignored, which Signals then leaves alone (as nohup's).
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     notices = Signals(World())
     try:
@@ -98,6 +101,7 @@ def test_a_signal_is_one_notice_and_a_second_a_second_later_goes_to_the_handler_
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before, "given back"
     finally:
         notices.close()
+        signal.signal(signal.SIGINT, outer)
 
 
 def ignored(pid: int) -> set[int]:
