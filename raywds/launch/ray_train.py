@@ -54,7 +54,7 @@ from raywds.runs.checkpoint import load_checkpoint, save_checkpoint
 from raywds.runs.folder import Metrics, RunDir
 from raywds.runs.rows import kind
 from raywds.train.notice import Notice
-from raywds.train.state import check_unfinished
+from raywds.train.state import check_unfinished, saved_progress
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -170,7 +170,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if checkpoint is not None:
         resume = load_ray_checkpoint(checkpoint)
         if world.is_main:
-            log.info(f"restarted: resuming from the checkpoint at step {resume['steps']} on {world.world_size} rank(s)")
+            steps = saved_progress(resume)["steps"]
+            log.info(f"restarted: resuming from the checkpoint at step {steps} on {world.world_size} rank(s)")
     run_dir = open_run_dir(cfg) if world.is_main else None
     try:
         landing = Landing(run_dir, cfg.validates) if world.is_main and config.get("async_validation") else None

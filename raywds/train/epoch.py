@@ -7,14 +7,22 @@ bad-sample bound, the learning-rate clock, and the run's counters that survive a
 it, so the two cannot drift apart:
 
     keeper = EpochKeeper(cfg, world, manifest)
-    keeper.load_state_dict(checkpoint["progress"])        # torch's Stateful protocol (DCP, Lightning)
+    keeper.load_state_dict(checkpoint["progress"])        # resuming: the keeper's own part of checkpoint.pt
     epoch = keeper.begin(index, cfg)                      # the plan of what is left of epoch `index`
-    for batch in loader(epoch.plan, position=epoch.position):
-        keeper.mark(batch)                                # before or after its step: ledger, audit, bound
-        set_lr(optimizer, keeper.lr(epoch.ran))           # this step's rate
-        ...
-        if keeper.checkpoint_due(epoch.ran): save(keeper.inside(world))
-    keeper.check_exact(tally(...)); keeper.finish(...)
+    batches = train_loader(manifest, LoaderConfig.of(cfg, index), world, epoch.plan, epoch=index,
+                           position=epoch.position)
+    for ran, batch in enumerate(batches, 1):
+        set_lr(optimizer, keeper.lr(ran))                 # this step's rate: warm-up's first step learns
+        ...                                               # forward, backward, optimizer.step()
+        keeper.mark(batch)                                # after its step: ledger, audit, bad-sample bound
+        if keeper.checkpoint_due(ran):                    # every rank still has batches
+            keeper.checkpointed(keeper.inside())          # the position: a collective in split mode
+            save(checkpoint_state(model, optimizer, keeper, cfg))   # the keeper's state under "progress"
+    keeper.check_exact(tally(epoch.ledger, world, epoch.position))  # split mode: every sample once
+    keeper.finish(samples)                                # the samples all ranks trained on this run
+
+`checkpoint_state` (raywds.train.state) keeps `state_dict()` under one key, `progress`; the
+Lightning DataModule hands it to Lightning as the DataModule's state.
 
 A checkpoint inside an epoch is taken only while every rank still has batches (`checkpoint_due`):
 in split mode the position is counted over all ranks (a collective), which a rank that ran out
@@ -395,10 +403,11 @@ class EpochKeeper:
         epoch = self.epoch
         if epoch is None or epoch.closed:
             return self.progress
-        if epoch.finished:  # the epoch's end (its validation): every rank has trained its share
+        if epoch.finished:  # the epoch's end (its validation): every rank has trained its share, the plan's
             return Progress(
                 epoch=epoch.index + 1, steps=epoch.start.steps + epoch.plan.max_batches,
-                samples_seen=self.progress.samples_seen, bad_samples=self.progress.bad_samples,
+                samples_seen=epoch.start.samples_seen + sum(epoch.plan.samples_per_rank),
+                bad_samples=self.progress.bad_samples,
                 bad_samples_distinct=self.progress.bad_samples_distinct,
                 optimizer_steps=epoch.start.optimizer_steps + epoch.optimizer_steps(epoch.plan.max_batches)
                 - epoch.optimizer_steps_before,

@@ -1,6 +1,6 @@
 """What survives a resume: the checkpoint's contents (model, optimizer, the epoch keeper's
-progress and data position, the shards and classes it was trained on), and restoring them.
-The learning rate is a function of progress, so it needs no state of its own.
+progress and data position under `progress`, the shards and classes it was trained on), and
+restoring them. The learning rate is a function of progress, so it needs no state of its own.
 """
 
 from __future__ import annotations
@@ -28,23 +28,30 @@ def checkpoint_state(
     ema: nn.Module | None = None,
 ) -> dict[str, Any]:
     """The weights (and --model-ema's average), the optimizer, the epoch keeper's counters and
-    position, and what they were trained on (the shards, the classes, the config)."""
+    position (`progress`: its `state_dict`), and what they were trained on (the shards, the
+    classes, the config)."""
     return {
         "model": model.state_dict(),
         **({"model_ema": ema.state_dict()} if ema is not None else {}),
         "optimizer": optimizer.state_dict(),
-        **keeper.state_dict(),
+        "progress": keeper.state_dict(),
         "shards": shard_entries(keeper.manifest),
         "config": cfg.to_dict(),
         "classes": keeper.manifest.classes,
     }
 
 
+def saved_progress(state: dict[str, Any]) -> dict[str, Any]:
+    """The epoch keeper's part of a checkpoint (`EpochKeeper.load_state_dict` takes it)."""
+    return dict(state["progress"])
+
+
 def check_unfinished(state: dict[str, Any], cfg: TrainConfig) -> None:
     """Refuse to resume a run that has already trained all of `cfg.epochs`: there is nothing
     left to do, and nothing to report."""
-    done = state["epoch"]
-    if done >= cfg.epochs and not state.get("position"):
+    progress = saved_progress(state)
+    done = progress["epoch"]
+    if done >= cfg.epochs and not progress.get("position"):
         raise ConfigError(
             f"the checkpoint at {cfg.resume} has already trained {done} epochs, and --epochs is "
             f"{cfg.epochs}: nothing is left to train; to train more, resume with a larger --epochs "
@@ -95,8 +102,8 @@ def restore(
         else:
             log.info("the checkpoint holds no --model-ema average: it starts from the resumed weights")
     if before is None:
-        keeper.load_state_dict(state)
+        keeper.load_state_dict(saved_progress(state))
         return
-    said = keeper.grew(state, before)
+    said = keeper.grew(saved_progress(state), before)
     if keeper.world.is_main:
         log.info(said)

@@ -464,7 +464,7 @@ def test_fault(
     checkpoints = [int(m) for m in re.findall(r"^step (\d+): checkpoint inside epoch 1", out, re.M)]
     if checkpoints:  # the last good step's checkpoint is kept
         state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
-        assert state["position"]["step"] == checkpoints[-1]
+        assert state["progress"]["position"]["step"] == checkpoints[-1]
 
 
 def test_debug_shows_the_traceback(shards: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -542,7 +542,7 @@ def test_one_bad_sample_drawn_again_and_again_counts_once_against_the_bound(
     assert f"bad samples skipped {draws_skipped} (1 distinct, counted by epoch)" in out
     checkpoint = tmp_path / "run" / "checkpoint.pt"
     state = torch.load(checkpoint, weights_only=False)
-    assert (state["bad_samples"], state["bad_samples_distinct"]) == (draws_skipped, 1)
+    assert (state["progress"]["bad_samples"], state["progress"]["bad_samples_distinct"]) == (draws_skipped, 1)
     flags = [*train_flags(str(data), tmp_path / "again", "resample"), "--max-bad-samples", "1"]
     assert main([*flags, "--epochs", "2", "--resume", str(checkpoint)]) == 0, capfd.readouterr().err[-2000:]
     resumed = json.loads((tmp_path / "again" / "run" / "metrics.jsonl").read_text().splitlines()[-1])

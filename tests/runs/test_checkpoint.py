@@ -54,7 +54,7 @@ def test_a_resumed_split_run_loads_its_checkpoint_as_weights_only(shards: Path, 
     cfg = small_config(shards, mode="split", batch_size=8, epochs=1, max_steps=3, out=str(tmp_path))
     train(cfg, World(), run_dir=RunDir(tmp_path))
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    position = state["position"]
+    position = state["progress"]["position"]
     assert isinstance(position["shards_done"], bytes) and len(position["shards_done"]) == 8 * 8  # int64 per shard
     assert position["partial"] and all(isinstance(bits, bytes) for _, bits in position["partial"].values())
     final = train(dataclasses.replace(cfg, max_steps=None, resume=str(tmp_path), out=str(tmp_path / "r")), World())

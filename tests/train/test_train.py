@@ -56,7 +56,7 @@ def test_local_training_learns_and_checkpoints(shards: Path, tmp_path: Path) -> 
     assert final["val_samples"] == 50
     assert final["samples_seen"] == 4 * 128  # ceil(120 / 16) = 8 full batches per epoch
     state = torch.load(report.checkpoint_path, weights_only=False)
-    assert state["epoch"] == 4 and state["classes"] == read_manifest(str(shards)).classes
+    assert state["progress"]["epoch"] == 4 and state["classes"] == read_manifest(str(shards)).classes
     model = DemoNet(10)
     model.load_state_dict(state["model"])
     again = evaluate(
@@ -157,7 +157,7 @@ def test_split_stop_and_resume_trains_the_rest_of_the_epoch_exactly(
     assert stopped["inside_epoch"] and stopped["step"] == 5 and stopped["epoch_samples_done"] == 40
     assert sum(epoch_keys(audit, 0, uneven).values()) == 40 and not epoch_keys(audit, 1, uneven)
     state = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert state["position"]["step"] == 5 and state["epoch"] == 0
+    assert state["progress"]["position"]["step"] == 5 and state["progress"]["epoch"] == 0
 
     resumed = dataclasses.replace(cfg, max_steps=None, resume=str(out))
     final = train(resumed, World(), run_dir=RunDir(out, append=True))
@@ -380,14 +380,14 @@ def test_a_resumed_epoch_with_nothing_left_for_one_rank_still_finishes(uneven: P
     left = range(sum(UNEVEN_SIZES[:3]), sum(UNEVEN_SIZES[:4]))  # only the 16 samples of shard 3 are left
     consumed = np.ones(120, dtype=bool)
     consumed[list(left)] = False
-    state["position"] = Position.of_flags(
+    state["progress"]["position"] = Position.of_flags(
         consumed,
         read_manifest(str(uneven)).shards("train"),
         mode=Split(),
         epoch=0,
         step=13,
         samples_done=104,
-        dataset=state["position"]["dataset"],
+        dataset=state["progress"]["position"]["dataset"],
     ).to_state()
     torch.save(state, tmp_path / "nearly.pt")
     resumed = dataclasses.replace(cfg, max_steps=None, resume=str(tmp_path / "nearly.pt"), out=str(tmp_path / "two"))
