@@ -255,5 +255,5 @@ def evaluate(
         count = max(count, 1.0)
         metrics.update({f"val_top1{suffix}": top1 / count, f"val_top5{suffix}": top5 / count})
         metrics.update({f"val_loss{suffix}": loss / count})
-    metrics["val_samples"] = int(max(totals[0, 3].item(), 1.0))
+    metrics["val_samples"] = int(totals[0, 3].item())  # 0 for none: the averages above are 0 then
     return metrics
