@@ -261,9 +261,9 @@ class PredictOptions(Prediction):
     num_workers: int | None = field(default=None, metadata=flag(minimum=1, maximum=100_000))
     """With --ray: ranks (--data-plane loader) or model replicas (--data-plane ray) (default: one a GPU of the
     cluster; without GPUs, 2 ranks, or one replica per CPU less those left to read and decode)."""
-    data_plane: PredictPlane = "ray"
-    """With --ray: each rank reads and decodes with its own loader workers in a Ray Train worker (loader), or
-    Ray Data read tasks decode for a pool of model replicas (ray)."""
+    data_plane: PredictPlane = "loader"
+    """With --ray: each rank reads and decodes with its own loader workers in a Ray task (loader, the
+    faster in benchmarks/predict_bench.py), or Ray Data read tasks decode for a pool of model replicas (ray)."""
 
 
 PREDICT_FIELDS = tuple(name for name in EVALUATE_FIELDS if name != "val_data")

@@ -10,9 +10,11 @@ with its key, unit by unit, as each unit's last sample is predicted (raywds.infe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial as bind
 from pathlib import Path
@@ -139,14 +141,44 @@ def batches(inputs: Inputs, cfg: LoaderConfig, world: World, slots: list[list[Un
     return Pass(build, cfg, world, where)
 
 
+def laid_out(images: Any, compute: Compute) -> Any:
+    """A uint8 batch for a model on the CPU, put in the model's memory layout while it is still uint8:
+    the loader's batches (and a Ray Data block's HWC pixels) are channels-last, which Compute.inputs
+    would otherwise reorder as floats, four times the bytes (on a 2-CPU machine, 28 ms instead of 64
+    a batch of 64 224 px crops: half a millisecond an image, a sixth of what predict spends on one
+    where the model costs nothing)."""
+    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or compute.device != "cpu":
+        return images
+    return images.contiguous(memory_format=torch.channels_last if compute.channels_last else torch.contiguous_format)
+
+
 @torch.no_grad()
 def scored(model: nn.Module, batch: Batch, compute: Compute, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's top-k class indices and their softmax probabilities (float32), on the CPU."""
-    images, _ = compute.inputs(batch.images, batch.labels)
+    images, _ = compute.inputs(laid_out(batch.images, compute), batch.labels)
     with compute.autocast():
         logits = model(images).float()
     top = logits.softmax(dim=1).topk(top_k, dim=1)
     return top.indices.cpu(), top.values.cpu()
+
+
+@contextlib.contextmanager
+def model_threads(world: World, loader_workers: int) -> Iterator[None]:
+    """On the CPU, torch's threads for the model while this rank predicts: its cores less those its
+    loader workers decode on, at least one (where OMP_NUM_THREADS says how many, as Ray sets it to a
+    task's CPUs, that many). torch's default, every core, has the model's threads wait on the cores
+    the workers decode on: timm's test_convnext on 2 CPUs with one loader worker took 19 to 21 CPU s
+    for 1,000 images where one thread takes 11 to 13, and was no sooner done
+    (benchmarks/results/predict_bench-2026-12-06-2.md)."""
+    if world.device != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, world.cores - loader_workers))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def predict_rank(job: Prediction, reading: Mapping[str, Any], world: World, trained: Trained | None = None) -> Tally:
@@ -162,9 +194,10 @@ def predict_rank(job: Prediction, reading: Mapping[str, Any], world: World, trai
     compute = Compute.for_run(setup.cfg, world.device)
     model = compute.model(setup.trained.model).eval()
     try:
-        for batch in batches(setup.inputs, cfg, world, todo) if any(todo) else ():
-            classes, probs = scored(model, batch, compute, job.top_k)
-            collector.add(batch, classes, probs)
+        with model_threads(world, setup.cfg.loader_worker_count):
+            for batch in batches(setup.inputs, cfg, world, todo) if any(todo) else ():
+                classes, probs = scored(model, batch, compute, job.top_k)
+                collector.add(batch, classes, probs)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: what is written stays
         e.add_note(f"the {collector.written} parts it wrote stay in {job.out}: the same predict again writes the rest")
         raise

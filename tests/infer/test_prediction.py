@@ -30,9 +30,12 @@ from support.planted import planted_slowness
 from support.runs import FORKSERVER_PRELOAD, small_config
 
 from raywds import cli
+from raywds.infer.prediction import predict_rank
+from raywds.infer.predictoptions import Prediction
 from raywds.launch.local import run_local
 from raywds.loader.decodings import decoding
 from raywds.models.trained import load_trained
+from raywds.world import World
 
 RANKS_START = "forkserver"  # each rank starts in well under a second (tests/train/test_train.py)
 torch.multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
@@ -174,6 +177,42 @@ def test_probabilities_are_the_softmax_of_a_plain_loop(run: Path, uneven: Path, 
             assert by_key[key]["top_probs"] == pytest.approx(top.values.tolist(), abs=1e-6), key
             checked += 1
     assert checked == 8
+
+
+class ThreadsSeen(torch.nn.Module):
+    """A model that notes torch's thread count at each batch (its scores: a linear map of the mean pixel)."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.head = torch.nn.Linear(3, num_classes)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_the_model_runs_on_the_cores_the_loader_workers_leave(
+    run: Path, uneven: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU the model's threads are the rank's cores less its loader workers' (at least one),
+    not torch's every core, which wait on the cores the workers decode on; OMP_NUM_THREADS, where set
+    (Ray sets it to a task's CPUs), decides instead; torch's count is as it was afterwards."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores, before = World().cores, torch.get_num_threads()
+    trained = load_trained(str(run))
+    try:
+        for workers, omp, threads in ((0, None, cores), (1, None, max(1, cores - 1)), (1, "3", cores)):
+            if omp is not None:
+                monkeypatch.setenv("OMP_NUM_THREADS", omp)
+            torch.set_num_threads(cores)  # torch's default: every core
+            trained.model = model = ThreadsSeen(len(trained.classes))
+            job = Prediction(model=str(run), data=str(uneven), out=str(tmp_path / f"{workers}-{omp}"))
+            assert predict_rank(job, {"loader_workers": workers}, World(), trained=trained).samples == ALL_KEYS
+            assert set(model.seen) == {threads}, (workers, omp)
+            assert torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(before)
 
 
 def written(part: Path) -> tuple[bytes, int, int]:
