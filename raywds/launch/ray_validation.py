@@ -14,6 +14,7 @@ running when the ranks end, so the last epoch's numbers and best/ are there when
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -81,7 +82,7 @@ def validate(checkpoint: ray.train.Checkpoint, on_gpu: bool = False) -> dict[str
         assert folder is not None
         trained = load_trained(folder)
         cfg = TrainConfig.from_dict(trained.config)
-        scoring = Scoring.of(trained, TrainConfig.from_dict({**trained.config, "loader_workers": 0}))
+        scoring = Scoring.of(trained, dataclasses.replace(cfg, loader_workers=0))
         numbers = validation_numbers(evaluate(scoring, World(device="cuda" if on_gpu else "cpu")))
         row = json.loads((Path(folder) / files.CHECKPOINT_ROW).read_text())
         seconds = time.perf_counter() - started
