@@ -29,14 +29,23 @@ def start_method(workers: int, world: World) -> str | None:
     which can then hang before its first line, leaving its rank waiting for data for ever. So a
     distributed rank starts its workers from a fork server: one clean process per rank that
     imports the loader and the script's own imports once (main_imports), from which each worker
-    is forked."""
+    is forked. So does a process connected to Ray (a Ray Train worker, a Ray task, a driver that
+    evaluates in-process): a fork copies the locks of Ray's own threads too, and a worker forked
+    from a Ray driver hung before its first shard, or left the driver's next call to Ray waiting for
+    ever."""
     methods = multiprocessing.get_all_start_methods()
     if not workers:
         return None
-    if world.distributed and "forkserver" in methods:
+    if (world.distributed or on_ray()) and "forkserver" in methods:
         multiprocessing.set_forkserver_preload([LOADER, *main_imports()])
         return "forkserver"
     return "fork" if "fork" in methods else None
+
+
+def on_ray() -> bool:
+    """Whether this process is connected to Ray (without importing Ray where nothing did)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def main_imports() -> list[str]:

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -308,6 +309,24 @@ def test_a_relative_local_path_reaches_the_workers_absolute(
     assert ray_train.absolute(TrainConfig(data="s3://b/p/")).data == "s3://b/p/"
 
 
+def assert_ray_still_answers(after: str, within_s: float = 60) -> None:
+    """This driver can still start an actor and call it: a loader worker forked from a process
+    connected to Ray once left the driver's next call to Ray (the actor's registration) waiting for
+    ever, and every Ray test after it."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def echo(self, value: int) -> int:
+            return value
+
+    answered: list[int] = []
+    thread = threading.Thread(target=lambda: answered.append(ray.get(Echo.remote().echo.remote(7))), daemon=True)
+    thread.start()
+    thread.join(within_s)
+    assert answered == [7], f"Ray did not answer within {within_s:.0f} s {after}"
+
+
 def test_async_validation_lands_each_epochs_exact_numbers_in_its_row_and_best(
     ray_train: ModuleType, shards: Path, tmp_path: Path, local_ray: None
 ) -> None:
@@ -345,6 +364,7 @@ def test_async_validation_lands_each_epochs_exact_numbers_in_its_row_and_best(
     again = validation_numbers(evaluate(Scoring.of(trained, TrainConfig.from_dict(trained.config)), World()))
     assert again["val_top1"] == best["val_top1"] and again["val_samples"] == 50
     assert again["val_loss"] == pytest.approx(best["val_loss"], rel=1e-9)
+    assert_ray_still_answers("after an evaluation with a loader worker in this Ray driver")
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
