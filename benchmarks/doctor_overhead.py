@@ -31,7 +31,6 @@ from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.loader.clock import RESIZING, Clock
 from raywds.loader.loader import _loader, train_stages
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import train_decoder
 from raywds.plan.modes import epoch_plan
 from raywds.train.model import build_model
@@ -44,12 +43,12 @@ def loader_rate(shards: Path, clocked: bool, num_images: int) -> float:
     manifest = read_manifest(str(shards))
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
     clock = Clock() if clocked else None
-    stages, skips, where = train_stages(manifest, LoaderConfig.of(cfg), 0, plan, epoch=0, clock=clock)
+    stages, skips, where = train_stages(manifest, cfg.loader(), 0, plan, epoch=0, clock=clock)
     return timed(
         _loader(
             stages,
-            train_decoder(LoaderConfig.of(cfg), 0),
-            LoaderConfig.of(cfg),
+            train_decoder(cfg.loader(), 0),
+            cfg.loader(),
             World(),
             where,
             partial=True,

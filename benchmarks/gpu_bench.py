@@ -52,12 +52,12 @@ import torch
 import torch._dynamo
 import torchvision
 
-from raywds.config import DecodeName, TrainConfig, resolve
+from raywds.config import TrainConfig, resolve
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import MANIFEST, read_manifest
 from raywds.loader import crops
 from raywds.loader.loader import train_loader
-from raywds.loader.settings import LoaderConfig
+from raywds.loader.settings import DecodeName
 from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
 from raywds.serve import ShardServer
@@ -290,9 +290,7 @@ def loader_row(
         trainee.cfg, data=data, decode=how, loader_workers=workers, batches_per_epoch=warmup + steps
     )
     manifest = read_manifest(data)
-    batches = train_loader(
-        manifest, LoaderConfig.of(cfg), trainee.world, epoch_plan(manifest, cfg, 1, epoch=0), epoch=0
-    )
+    batches = train_loader(manifest, cfg.loader(), trainee.world, epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
     return trainee.measure(name, batches, warmup=warmup, steps=steps, how=how, workers=workers)
 
 

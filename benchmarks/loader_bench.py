@@ -65,7 +65,7 @@ from PIL import Image, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from raywds.config import DecodeName, TrainConfig
+from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert, with_restarts
 from raywds.data.manifest import read_manifest
 from raywds.data.tars import members
@@ -73,7 +73,7 @@ from raywds.loader import crops
 from raywds.loader.blocks import Blocks
 from raywds.loader.clock import Spent
 from raywds.loader.loader import train_loader
-from raywds.loader.settings import LoaderConfig
+from raywds.loader.settings import DecodeName
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
@@ -230,7 +230,7 @@ def raywds_rate(
         decode=how,
     )
     manifest = read_manifest(str(shards))
-    batches = train_loader(manifest, LoaderConfig.of(cfg), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
+    batches = train_loader(manifest, cfg.loader(), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
     return timed(batches, num_images, clocks)
 
 

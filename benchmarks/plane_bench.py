@@ -55,7 +55,6 @@ from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.launch import raydata
 from raywds.loader.loader import train_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import train_decoder
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
@@ -105,9 +104,9 @@ def plane_rate(shards: Path, only_node: str | None = None) -> float:
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
     plane = raydata.RayData(raydata.Plane())
     if only_node is None:
-        return rate(plane.train(manifest, LoaderConfig.of(cfg), World(), plan, epoch=0), lambda b: len(b.keys))
+        return rate(plane.train(manifest, cfg.loader(), World(), plan, epoch=0), lambda b: len(b.keys))
     pinned = NodeAffinitySchedulingStrategy(only_node, soft=False)
-    loader_cfg = LoaderConfig.of(cfg)
+    loader_cfg = cfg.loader()
     decoder = train_decoder(loader_cfg, 0)
     source = raydata.ShardSource(manifest, "train", plan.slot(0, 0), loader_cfg, exact=True, decoder=decoder)
     ds = ray.data.read_datasource(source, override_num_blocks=len(source.groups), scheduling_strategy=pinned)
@@ -118,7 +117,7 @@ def loader_rate(shards: Path, workers: int) -> float:
     cfg = config(shards, workers)
     manifest = read_manifest(str(shards))
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
-    return rate(train_loader(manifest, LoaderConfig.of(cfg), World(), plan, epoch=0), lambda b: len(b.keys))
+    return rate(train_loader(manifest, cfg.loader(), World(), plan, epoch=0), lambda b: len(b.keys))
 
 
 def median(runs: int, fn: Any, *args: Any) -> float:

@@ -103,7 +103,6 @@ from raywds.launch.prediction import predict_here
 from raywds.launch.ray_prediction import predict_on_ray
 from raywds.loader import crops
 from raywds.loader.loader import train_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.models.sources import TIMM_PREFIX, parse_model
 from raywds.plan.modes import epoch_plan
 from raywds.runs.checkpoint import save_checkpoint
@@ -415,7 +414,7 @@ def loader_pass(setup: Setup) -> float:
     manifest = read_manifest(str(setup.shards))
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
     start, seen = time.perf_counter(), 0
-    for batch in train_loader(manifest, LoaderConfig.of(cfg), World(), plan, epoch=0):
+    for batch in train_loader(manifest, cfg.loader(), World(), plan, epoch=0):
         seen += len(batch[0])
     return seen / (time.perf_counter() - start)
 

@@ -59,7 +59,6 @@ from raywds.data.manifest import Manifest, read_manifest
 from raywds.data.stores import open_shard
 from raywds.data.upload import upload
 from raywds.loader.loader import train_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
@@ -139,9 +138,7 @@ def loader_rate(data: str, workers: int, num_images: int, skip: int = 0, manifes
         decode="cpu",
     )
     manifest = manifest or read_manifest(data)
-    batches = iter(
-        train_loader(manifest, LoaderConfig.of(cfg), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
-    )
+    batches = iter(train_loader(manifest, cfg.loader(), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0))
     skipped = 0
     while skipped < skip:
         skipped += len(next(batches)[0])

@@ -27,7 +27,6 @@ from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.loader.loader import expected, train_loader
 from raywds.loader.readers import ReadPolicy, tar_samples
-from raywds.loader.settings import LoaderConfig
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
 
@@ -52,7 +51,7 @@ def loader_rate(shards: Path, verify: bool, num_images: int) -> float:
     )
     manifest = read_manifest(str(shards))
     return timed(
-        train_loader(manifest, LoaderConfig.of(cfg), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0),
+        train_loader(manifest, cfg.loader(), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0),
         num_images,
     )
 

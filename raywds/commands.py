@@ -26,7 +26,6 @@ from raywds.options import (
     EvaluateOptions,
     ExportOptions,
     IndexWhere,
-    PlanConfig,
     PlanOptions,
     PredictOptions,
     ReportOptions,
@@ -36,6 +35,7 @@ from raywds.options import (
     Training,
     VerifyOptions,
 )
+from raywds.plan.modes import Schedule
 
 
 @contextlib.contextmanager
@@ -191,7 +191,7 @@ def cmd_serve(options: ServeOptions) -> None:
             pass
 
 
-def cmd_plan(options: PlanOptions, training: PlanConfig) -> None:
+def cmd_plan(options: PlanOptions, training: Schedule) -> None:
     from raywds.plan.checks import check, refusals
     from raywds.plan.modes import nodes_of, parse
     from raywds.plan.render import plan_shards, render

@@ -1,4 +1,7 @@
-"""One frozen config shared by the CLI, the notebook and the Ray job.
+"""One frozen config shared by the CLI, the notebook and the Ray job, composed of the sections its
+parts declare and check: where the shards are (raywds.data.source.Source), the epoch's plan
+(raywds.plan.modes.Schedule) and how the loader reads and crops (raywds.loader.settings.Loading),
+with the rest of a run's settings beside them.
 
 from raywds.config import TrainConfig
 cfg = TrainConfig(data="shards/", epochs=3, model="resnet18")
@@ -8,31 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from raywds.data.source import Source
 from raywds.errors import ConfigError
-from raywds.fields import MAX_SEED, PAIR, PATH, PLACE, RGB, SHARDS, TEXT, URL, flag, problem, shown
+from raywds.fields import MAX_SECONDS, MAX_STEPS, PATH, PLACE, TEXT, URL, check_values, flag
+from raywds.loader.settings import MAX_SIDE, LoaderConfig, Loading
+from raywds.plan.modes import Schedule
 from raywds.recipes import RECIPES
 
 # The choices of each setting; the CLI's --help and choices come from these (raywds.flags).
-ModeName = Literal["resample", "split"]
 Optimizer = Literal["sgd", "adamw"]
 Precision = Literal["auto", "bf16", "fp32"]
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]
-DecodeName = Literal["cpu", "device", "pil"]
 TrackerName = Literal["mlflow", "wandb", "tensorboard"]
-AutoAugmentName = Literal["ta_wide", "ra", "augmix", "imagenet"]
 
 PROGRESSIVE_STEP_PX = 32
 """--progressive-resize's sizes go up in steps of this many pixels (FFCV's schedule)."""
-MAX_SIDE = 8192
-"""The largest crop or resize side, in px, a setting takes."""
 MAX_EPOCHS = 100_000
-MAX_STEPS = 10**9
-MAX_SECONDS = 10**6
-"""The longest timeout a setting takes (11.6 days)."""
 
 
 @dataclass(frozen=True)
@@ -78,26 +75,12 @@ class S3Endpoint:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(S3Endpoint):
-    """Everything a training run needs to know; the world (rank, size) is passed separately."""
+class TrainConfig(Source, Schedule, Loading):
+    """Everything a training run needs to know: its parts' sections (Source, Schedule, Loading) and the
+    settings below; the world (rank, size) is passed separately."""
 
-    data: str
-    """Shards: a folder, manifest.json, an http(s) URL a shard server serves, an s3:// or gs:// prefix, or
-    WebDataset shards as you name them (brace list, glob, pipe: template), indexed once on first use."""
-    val_data: str | None = field(default=None, metadata=flag(form=SHARDS))
-    """Validation shards, named as --data names them: a folder, manifest.json, an http(s) URL, an s3:// or gs://
-    prefix, a brace list, a glob or a pipe: template (default: --data's shards named *val*/*validation*)."""
-    index_cache: str | None = field(default=None, metadata=flag(form=PATH))
-    """Where indexes of --data shards without a manifest are kept (default: RAYWDS_INDEX_CACHE, else
-    ~/.cache/raywds/index)."""
-    shards_at: str | None = field(default=None, metadata=flag(form=PLACE))
-    """Where the shards are when not beside the manifest: a folder, a base URL, or a template
-    with {} for the shard name, e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`. Several base URLs,
-    comma-separated, share the shards between servers of the same folder (a shard always from one)."""
     epochs: int = field(default=3, metadata=flag(minimum=1, maximum=MAX_EPOCHS))
     """Passes over the training split."""
-    batch_size: int = field(default=64, metadata=flag(minimum=1, maximum=65_536))
-    """Samples per batch on each rank; the global batch is this times the number of ranks."""
     model: str = field(default="resnet50", metadata=flag(form=TEXT))
     """A torchvision model (resnet50; with a weights tag: resnet50.IMAGENET1K_V2), a timm model as the
     Hugging Face Hub names it (timm/convnext_tiny.fb_in22k; needs raywds[timm]), or `demo` for the small CPU network."""
@@ -113,16 +96,6 @@ class TrainConfig(S3Endpoint):
     freeze_epochs: int = field(default=0, metadata=flag(minimum=0, maximum=MAX_EPOCHS))
     """Train only the classifier for the first this many epochs (every other tensor frozen, BatchNorm
     statistics too), then the whole model."""
-    mean: str | None = field(default=None, metadata=flag(metavar="R,G,B", form=RGB))
-    """The per-channel mean images are normalised with, on a 0-1 scale (default: the weights' own
-    with --pretrained or --initial-checkpoint, else ImageNet's 0.485,0.456,0.406)."""
-    std: str | None = field(default=None, metadata=flag(metavar="R,G,B", form=RGB))
-    """The per-channel standard deviation (default: the weights' own, else ImageNet's 0.229,0.224,0.225)."""
-    crop_pct: float | None = field(default=None, metadata=flag(above=0, maximum=1))
-    """The validation centre crop over the resized short side (default: the weights' own, else 0.875;
-    --val-resize-size, where given, decides instead)."""
-    mode: ModeName = "resample"
-    """`resample`: equal batch counts on every rank. `split`: every sample exactly once per epoch."""
     optimizer: Optimizer = "sgd"
     """`sgd` (momentum, nesterov) or `adamw`."""
     lr: float | None = field(default=None, metadata=flag(above=0, maximum=100))
@@ -135,35 +108,8 @@ class TrainConfig(S3Endpoint):
     """Weight decay of the other layers' biases (torchvision's reference applies --weight-decay unless told)."""
     warmup_epochs: float = field(default=0.5, metadata=flag(minimum=0, maximum=MAX_EPOCHS))
     """Linear warm-up length before the cosine decay."""
-    image_size: int = field(default=224, metadata=flag(minimum=1, maximum=MAX_SIDE))
-    """Side of the square crop the model sees, in training and validation (unless --train-crop-size,
-    --val-crop-size or --progressive-resize say otherwise)."""
-    train_crop_size: int | None = field(default=None, metadata=flag(minimum=1, maximum=MAX_SIDE))
-    """Side of the training crop (default --image-size)."""
-    val_resize_size: int | None = field(default=None, metadata=flag(minimum=1, maximum=MAX_SIDE))
-    """Validation images' short side is resized to this before the centre crop (default val crop / 0.875)."""
-    val_crop_size: int | None = field(default=None, metadata=flag(minimum=1, maximum=MAX_SIDE))
-    """Side of the validation centre crop (default --image-size)."""
-    progressive_resize: str | None = field(default=None, metadata=flag(metavar="MIN:MAX", form=PAIR))
-    """Train at MIN px crops first, growing in steps of 32 px to MAX over --progressive-epochs (FFCV's
-    progressive resizing: small early epochs decode at a reduced DCT scale); the batch size and lr stay."""
-    progressive_epochs: str | None = field(default=None, metadata=flag(metavar="START:END", form=PAIR))
-    """With --progressive-resize: MIN up to epoch START, MAX from epoch END on, linear between
-    (epochs counted from 1; default 1:--epochs)."""
-    crop_scale_min: float = field(default=0.08, metadata=flag(above=0, maximum=1))
-    """Smallest area fraction RandomResizedCrop may take for training."""
     label_smoothing: float = field(default=0.0, metadata=flag(minimum=0, below=1))
     """Label smoothing of the training loss (0.1 in the ImageNet recipes)."""
-    auto_augment: AutoAugmentName | None = None
-    """An augmentation policy applied to each training crop in the loader workers, torchvision's:
-    ta_wide (TrivialAugmentWide), ra (RandAugment), augmix (AugMix), imagenet (AutoAugment's)."""
-    ra_magnitude: int = field(default=9, metadata=flag(minimum=0, maximum=30))
-    """With --auto-augment ra: RandAugment's magnitude (one of its 31 bins)."""
-    augmix_severity: int = field(default=3, metadata=flag(minimum=1, maximum=10))
-    """With --auto-augment augmix: AugMix's severity."""
-    random_erase: float = field(default=0.0, metadata=flag(minimum=0, maximum=1))
-    """Probability of erasing a random rectangle of each training crop (torchvision's RandomErasing,
-    filled with the mean pixel: 0 after normalising)."""
     mixup_alpha: float = field(default=0.0, metadata=flag(minimum=0, maximum=100))
     """Mix each training batch with itself rolled by one, lambda ~ Beta(alpha, alpha), on the device
     (with --cutmix-alpha: one of the two per batch); 0 is off."""
@@ -183,41 +129,10 @@ class TrainConfig(S3Endpoint):
     `channels_last` or `contiguous`."""
     compile: bool = False
     """Wrap the model in torch.compile."""
-    decode: DecodeName = "cpu"
-    """Where training JPEGs are decoded: `cpu` (loader workers, DCT-scaled when the crop allows),
-    `device` (workers send bytes; the training device decodes, with nvJPEG on a GPU) or `pil`
-    (torchvision's reference PIL transform). See raywds.loader.crops."""
-    loader_workers: int | Literal["auto"] = field(default=2, metadata=flag(minimum=0, maximum=512))
-    """DataLoader worker processes on each rank, or `auto`: chosen at each epoch's start from the
-    last epoch's decode rate and step time, within the rank's cores (raywds.train.autoworkers)."""
-    worker_shuffle_buffer: int = field(default=1000, metadata=flag(minimum=0, maximum=10**6))
-    """Samples (still encoded) held in each DataLoader worker's shuffle buffer."""
-    cross_worker_shuffle_buffer: int = field(default=0, metadata=flag(minimum=0, maximum=10**6))
-    """Decoded samples held in a shuffle buffer in the main process, mixing the workers' batches; 0 is off."""
-    canonical_nodes: int = field(default=0, metadata=flag(minimum=0, maximum=100_000))
-    """split mode: deal the shards once to this many groups for the whole run, each read by one
-    node every epoch (shuffled there), so that with --cache-dir a node fetches its shards once;
-    0 deals every shard anew each epoch. A multiple of the node count (raywds.plan.split.node_deal)."""
-    batches_per_epoch: int | None = field(default=None, metadata=flag(minimum=1, maximum=MAX_STEPS))
-    """resample mode: batches per epoch on every rank; None means ceil(N / (ranks x batch))."""
-    seed: int = field(default=0, metadata=flag(minimum=0, maximum=MAX_SEED))
-    """Seeds shard choice, shuffles and weight init."""
     out: str = field(default="runs/local", metadata=flag(form=PATH))
     """Where checkpoints and metrics go when not running under Ray (runs/demo for --demo)."""
     pg_timeout: int = field(default=300, metadata=flag(minimum=1, maximum=MAX_SECONDS))
     """Process-group timeout: a stalled collective becomes an error after this long."""
-    loader_timeout: float = field(default=240.0, metadata=flag(above=0, maximum=MAX_SECONDS))
-    """A loader worker that delivers no batch for this long is an error naming the rank, the worker
-    and its shard (keep it under --pg-timeout, so the stuck rank says so before the others time out)."""
-    read_timeout: float = field(default=60.0, metadata=flag(above=0, maximum=MAX_SECONDS))
-    """Longest wait for the next bytes of a shard before a retry; a stalled server becomes an error."""
-    read_retries: int = field(default=3, metadata=flag(minimum=0, maximum=100))
-    """Retries of a failed shard read (backoff 1, 2, 4 s, resuming where it stopped)."""
-    cache_dir: str | None = field(default=None, metadata=flag(form=PATH))
-    """Keep http and s3 shards on local disk after their first read (for repeated epochs over slow links)."""
-    verify_hashes: bool = False
-    """Hash each shard while reading it and fail at its end, naming it, when its sha256 differs
-    from the manifest's: catches corruption no decoder can see (a flipped bit in pixels or a class)."""
     max_bad_samples: float = field(default=0.001, metadata=flag(minimum=0, maximum=MAX_STEPS))
     """resample mode: samples that cannot be decoded are skipped and counted, up to this many distinct
     ones per epoch (below 1: a fraction of the epoch's samples; each draw of a sample is skipped,
@@ -252,9 +167,9 @@ class TrainConfig(S3Endpoint):
     """Write the id of every sample trained on, per epoch, rank and segment, here (`raywds audit` checks them)."""
 
     def __post_init__(self) -> None:
-        if not self.data:
-            raise ConfigError("data is empty: give a shard directory, manifest.json or http URL (--data)")
-        check_fields(self)  # each field's type, choices, range and form, as declared above
+        for section in SECTIONS:
+            section.__post_init__(self)  # each part checks its own section
+        check_values(TrainConfig, {name: getattr(self, name) for name in own_fields()})  # as declared below
         self._check_sizes()
         self._check_start()
         if self.max_bad_samples >= 1 and self.max_bad_samples != int(self.max_bad_samples):
@@ -265,8 +180,6 @@ class TrainConfig(S3Endpoint):
             raise ConfigError(
                 f"--global-batch {self.global_batch} must be a multiple of --batch-size {self.batch_size}"
             )
-        if self.batches_per_epoch is not None and self.mode == "split":
-            raise ConfigError("batches_per_epoch applies to resample mode; split mode's epoch is the whole split once")
 
     def _check_start(self) -> None:
         """The starting weights' settings across fields (each field's own range is declared with it)."""
@@ -279,8 +192,6 @@ class TrainConfig(S3Endpoint):
             )
 
     def _check_sizes(self) -> None:
-        if self.val_resize_size is not None and self.val_resize_size < self.val_crop:
-            raise ConfigError(f"val_resize_size={self.val_resize_size} is smaller than the val crop ({self.val_crop})")
         if self.progressive_epochs is not None and self.progressive_resize is None:
             raise ConfigError("progressive_epochs applies with progressive_resize (--progressive-resize MIN:MAX)")
         if self.progressive_resize is not None:
@@ -306,30 +217,14 @@ class TrainConfig(S3Endpoint):
             return self.progression.size(epoch)
         return self.train_crop_size or self.image_size
 
+    def loader(self, epoch: int = 0) -> LoaderConfig:
+        """The loader's config in epoch `epoch` (from 0: its training crop size), from the sections it reads."""
+        return LoaderConfig.of(self, self, self, crop_size=self.train_size(epoch))
+
     @property
     def train_sizes(self) -> list[int]:
         """Every epoch's training crop side."""
         return [self.train_size(epoch) for epoch in range(self.epochs)]
-
-    @property
-    def val_crop(self) -> int:
-        return self.val_crop_size or self.image_size
-
-    @property
-    def val_resize(self) -> int:
-        """The short side validation images are resized to before the centre crop."""
-        return self.val_resize_size or round(self.val_crop / (self.crop_pct or 0.875))
-
-    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """--mean and --std as numbers (ImageNet's where not set)."""
-        return _triple(self.mean, "mean", (0.485, 0.456, 0.406)), _triple(self.std, "std", (0.229, 0.224, 0.225))
-
-    @property
-    def loader_worker_count(self) -> int:
-        """The loader workers of each rank; `auto` has a count only once an epoch's start chose it."""
-        if self.loader_workers == "auto":
-            raise ConfigError("loader_workers='auto' is chosen at each epoch's start: no count yet")
-        return self.loader_workers
 
     def bad_samples_allowed(self, epoch_samples: int) -> int:
         """How many distinct undecodable samples an epoch of `epoch_samples` may skip (resample mode)."""
@@ -370,19 +265,15 @@ class TrainConfig(S3Endpoint):
         return cls(**values)
 
 
-def _triple(text: str | None, name: str, default: tuple[float, ...]) -> tuple[float, ...]:
-    """An R,G,B setting's three numbers."""
-    if text is None:
-        return default
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 3 or not all(0 <= v <= 1 for v in values) or (name == "std" and 0 in values):
-        raise ConfigError(
-            f"{name}={text!r} must be three numbers R,G,B on a 0-1 scale (e.g. {','.join(map(str, default))})"
-        )
-    return values
+SECTIONS = (Source, Schedule, Loading)
+"""The parts' sections the training config is composed of, each declared and checked by its part."""
+
+
+@functools.cache
+def own_fields() -> tuple[str, ...]:
+    """The training config's fields that no part's section declares."""
+    sectioned = {f.name for section in SECTIONS for f in dataclasses.fields(section)}
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in sectioned)
 
 
 def _pair(text: str, name: str, kind: type[Any]) -> tuple[Any, Any]:
@@ -400,35 +291,6 @@ def check_known(values: dict[str, Any], where: str) -> None:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"{where} has unknown keys {unknown}; known keys are {sorted(known)}")
-
-
-@functools.cache
-def hints(cls: type) -> dict[str, Any]:
-    """The dataclass `cls`'s fields' types (typing.get_type_hints, once a class)."""
-    return typing.get_type_hints(cls)
-
-
-def check_values(cls: type, values: dict[str, Any], *, flags: bool = False) -> None:
-    """Refuse the first of `values` (fields of the dataclass `cls` by name; None where not given)
-    that its field's declaration does not admit (raywds.fields: type, choices, range, form), in
-    one line naming the setting, the value and what it takes: as the flag says it with `flags`
-    (`--ra-magnitude 40 must be at most 30 (from 0 to 30)`), else as the field does (`ra_magnitude=40 ...`)."""
-    types_ = hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name not in values or (flags and values[f.name] is None):
-            continue
-        found = problem(types_[f.name], f.metadata, values[f.name])
-        if found is not None:
-            value, said = found
-            if not flags:
-                raise ConfigError(f"{f.name}={shown(value)} {said}")
-            name = f.name if f.metadata.get("positional") else "--" + f.name.replace("_", "-")
-            raise ConfigError(f"{name} {shown(value)} {said}")
-
-
-def check_fields(obj: Any) -> None:
-    """check_values for every field of the dataclass object `obj` (its __post_init__ calls it)."""
-    check_values(type(obj), {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
 
 
 def read_config_file(path: str) -> dict[str, Any]:

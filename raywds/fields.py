@@ -8,7 +8,7 @@ Every value a field takes is declared here, where the field is: a number's range
 `maximum`, or `above`/`below` for open ends), a text's form (a path, a URL, a brace list of
 shards...), a word's choices. `problem` checks a value against its field's declaration, in one
 place for every flag of every command (raywds.options.Flags.build, before a command starts) and
-for every config (raywds.config.check_fields, for values from a file or from Python).
+for every section of a config (check_fields, below: for values from a file or from Python).
 
     epochs: int = field(default=3, metadata=flag(minimum=1, maximum=100_000))   # --epochs 0: one line, its range
     src: str = field(metadata=flag(positional=True, form=PLACE))              # `raywds convert SRC ...`
@@ -16,6 +16,8 @@ for every config (raywds.config.check_fields, for values from a file or from Pyt
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import ipaddress
 import math
 import re
@@ -26,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from raywds.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,10 @@ def _rgb_problem(text: str) -> str | None:
 
 MAX_SEED = 2**63 - 1
 """Seeds are 0 to this: torch.manual_seed takes them all (every command's --seed)."""
+MAX_STEPS = 10**9
+"""The most steps or batches a setting counts."""
+MAX_SECONDS = 10**6
+"""The longest timeout a setting takes (11.6 days)."""
 
 TEXT = Form("text", "some text")
 """Free-form: any one line (raywds hands it to what reads it, which says what is wrong)."""
@@ -295,3 +303,35 @@ def _items(
 def shown(value: Any) -> str:
     """A value as a message shows it: numbers as they are, texts quoted."""
     return repr(str(value)) if isinstance(value, str | Path) else str(value)
+
+
+@functools.cache
+def hints(cls: type) -> dict[str, Any]:
+    """The dataclass `cls`'s fields' types (typing.get_type_hints, once a class)."""
+    return typing.get_type_hints(cls)
+
+
+def check_values(cls: type, values: dict[str, Any], *, flags: bool = False) -> None:
+    """Refuse the first of `values` (fields of the dataclass `cls` by name; None where not given)
+    that its field's declaration does not admit (type, choices, range, form), in one line naming
+    the setting, the value and what it takes: as the flag says it with `flags`
+    (`--ra-magnitude 40 must be at most 30 (from 0 to 30)`), else as the field does (`ra_magnitude=40 ...`)."""
+    types_ = hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in values or (flags and values[f.name] is None):
+            continue
+        found = problem(types_[f.name], f.metadata, values[f.name])
+        if found is not None:
+            value, said = found
+            if not flags:
+                raise ConfigError(f"{f.name}={shown(value)} {said}")
+            name = f.name if f.metadata.get("positional") else "--" + f.name.replace("_", "-")
+            raise ConfigError(f"{name} {shown(value)} {said}")
+
+
+def check_fields(obj: Any, cls: type | None = None) -> None:
+    """check_values for the fields the dataclass `cls` declares (default: all of `obj`'s), as
+    `obj` holds them: a section's __post_init__ checks its own fields, on itself or on a config
+    that composes it."""
+    declared = dataclasses.fields(cls or obj)
+    check_values(cls or type(obj), {f.name: getattr(obj, f.name) for f in declared})

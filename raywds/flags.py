@@ -19,7 +19,8 @@ import types
 import typing
 from typing import Any
 
-from raywds.config import TrainConfig, hints
+from raywds.config import TrainConfig
+from raywds.fields import hints
 
 NOT_FLAGS = ("data",)
 """TrainConfig fields the CLI sets otherwise (`--data` or `--demo`)."""

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from raywds.config import MAX_EPOCHS, ModeName, S3Endpoint, TrainConfig, check_known, check_values, resolve
+from raywds.config import MAX_EPOCHS, S3Endpoint, TrainConfig, check_known, resolve
 from raywds.data.shardoptions import ConvertOptions, IndexOptions
 from raywds.errors import ConfigError
-from raywds.fields import ADDRESS, HOST, PATH, PLACE, SHARDS, TEXT, flag
+from raywds.fields import ADDRESS, HOST, PATH, PLACE, SHARDS, TEXT, check_values, flag
 from raywds.infer.predictoptions import Prediction, PredictPlane
 from raywds.launch.rayoptions import RayOptions
+from raywds.plan.modes import Schedule
 from raywds.recipes import RECIPES
 from raywds.serve import BACKENDS, ServerOptions
 
@@ -144,25 +145,6 @@ class PlanOptions:
     """--shuffle-report without --data: classes in the data."""
     report_batches: int = field(default=50, metadata=flag(minimum=1, maximum=10**6))
     """--shuffle-report: batches per rank to simulate."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanConfig:
-    """The TrainConfig fields `raywds plan` takes: their flags, help and defaults are the config's
-    (each field here has the type of the TrainConfig field of its name)."""
-
-    mode: ModeName
-    canonical_nodes: int
-    loader_workers: int | Literal["auto"]
-    batch_size: int
-    batches_per_epoch: int | None
-    seed: int
-    worker_shuffle_buffer: int
-    cross_worker_shuffle_buffer: int
-
-
-PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(PlanConfig))
-"""The config fields `raywds plan` takes, with the config's defaults."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,7 +309,7 @@ class Flags:
 
     def build(self, values: dict[str, Any]) -> Any:
         """What the command takes: `into` (or `cls`) of the values of these flags, each first
-        checked against its field's declaration (raywds.config.check_values), so that a value out of
+        checked against its field's declaration (raywds.fields.check_values), so that a value out of
         range is one line before any command starts."""
         check_values(self.cls, values, flags=True)
         return (self.into or self.cls)(**values)
@@ -387,7 +369,7 @@ COMMAND_FLAGS: dict[str, tuple[str, tuple[Flags, ...]]] = {
         "show what each rank and loader worker reads in an epoch, and whether the setup would hang",
         (
             Flags(PlanOptions),
-            Flags(TrainConfig, only=PLAN_FIELDS, aliases={"loader_workers": ("--workers",)}, into=PlanConfig),
+            Flags(Schedule, aliases={"loader_workers": ("--workers",)}),
         ),
     ),
     "report": ("plot a run's loss, accuracy, throughput and data wait to a PNG", (Flags(ReportOptions),)),

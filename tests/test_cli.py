@@ -436,11 +436,24 @@ def test_the_flags_arrive_in_the_options_under_their_own_names() -> None:
     assert (training.loader_workers, training.mode, training.batch_size) == (3, "resample", 64), "the config's defaults"
 
 
-def test_plans_config_fields_have_the_types_of_the_training_configs() -> None:
-    import typing
+def test_plan_takes_the_plan_section_and_refuses_what_training_refuses() -> None:
+    """`raywds plan` takes the plan part's own section (Schedule), the one the training config is
+    composed of: its flags are exactly the section's fields, with their defaults, and a plan that
+    training would refuse is refused in the same words."""
+    import dataclasses
 
+    from raywds.cli import build_parser, command_options
     from raywds.config import TrainConfig
-    from raywds.options import PlanConfig
+    from raywds.errors import ConfigError
+    from raywds.plan.modes import Schedule
 
-    config = typing.get_type_hints(TrainConfig)
-    assert {name: config[name] for name in typing.get_type_hints(PlanConfig)} == typing.get_type_hints(PlanConfig)
+    (_, training) = command_options(build_parser().parse_args(["plan"]))[:2]
+    assert type(training) is Schedule
+    assert dataclasses.asdict(training) == {
+        f.name: getattr(TrainConfig(data="x"), f.name) for f in dataclasses.fields(Schedule)
+    }
+    with pytest.raises(ConfigError) as trained:
+        TrainConfig(data="x", mode="split", batches_per_epoch=3)
+    with pytest.raises(ConfigError) as planned:
+        command_options(build_parser().parse_args(["plan", "--mode", "split", "--batches-per-epoch", "3"]))
+    assert str(planned.value) == str(trained.value)

@@ -96,13 +96,12 @@ TORCHVISION_V2 = {
 def test_the_v2_recipes_values_are_torchvisions(model: str) -> None:
     """Every value of the command torchvision published, on 8 GPUs: the global batch of 8 x 128 on
     any number of ranks; the sizes reach the loader (train 176, val 232 then 224)."""
-    from raywds.loader.settings import LoaderConfig
 
     cfg = resolve("shards/", recipe=f"imagenet-{model}-v2")
     assert cfg.model == model
     assert {k: getattr(cfg, k) for k in TORCHVISION_V2} == TORCHVISION_V2
     assert cfg.global_batch == 8 * 128 and cfg.accumulation(world_size=4) == 2 and cfg.peak_lr(8) == 0.5
-    sizes = LoaderConfig.of(cfg, epoch=0)
+    sizes = cfg.loader(0)
     assert (sizes.crop_size, sizes.val_resize_size, sizes.val_crop_size) == (176, 232, 224)
 
 

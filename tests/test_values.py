@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from raywds import cli
-from raywds.config import TrainConfig, check_values, hints
+from raywds.config import TrainConfig
 from raywds.data.shardlists import expand, folder_glob
 from raywds.errors import DataError
-from raywds.fields import FORMS, TEXT, Range, kinds
+from raywds.fields import FORMS, TEXT, Range, check_values, hints, kinds
 from raywds.flags import flag_fields
 from raywds.options import COMMAND_FLAGS, MainOptions
 

@@ -31,7 +31,6 @@ from raywds.data.dataset import manifest_of
 from raywds.data.manifest import Manifest
 from raywds.errors import ConfigError, DataError
 from raywds.loader.loader import val_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
 from raywds.models.trained import Trained
 from raywds.train.compute import Compute
@@ -254,7 +253,7 @@ class Scoring:
         compute = Compute.for_run(self.cfg, world.device)
         models = [compute.model(m).eval() for m in self.models()]
         sums = Sums.zeros(len(models), len(self.trained.classes), world.world_size, world.device)
-        loader = LoaderConfig.of(with_workers(self.cfg, world))
+        loader = with_workers(self.cfg, world).loader()
         samples = score(models, val_loader(self.manifest, loader, world, split=self.split), compute, sums)
         sums.per_rank[world.rank] = samples
         return sums

@@ -184,7 +184,7 @@ def model_threads(world: World, loader_workers: int) -> Iterator[None]:
 def predict_rank(job: Prediction, reading: Mapping[str, Any], world: World, trained: Trained | None = None) -> Tally:
     """This rank's share of the units, each written as one part once predicted whole."""
     setup = set_up(job, reading, world, trained)
-    folder, cfg = setup.folder, LoaderConfig.of(setup.cfg).validating
+    folder, cfg = setup.folder, setup.cfg.loader().validating
     slots = rank_units(setup.inputs, world, cfg.slots)
     todo = [[u for u in slot if not folder.done(u)] for slot in slots]
     collector = Collector(setup.inputs.units, folder, setup.trained.classes)

@@ -197,7 +197,7 @@ def on_ray_data(job: Prediction, reading: dict[str, Any], setup: Setup, num_work
     """`--data-plane ray`: Ray Data read tasks decode each unit, a pool of model replicas scores the
     blocks, the driver writes each unit's part once it holds all its rows."""
     folder, inputs = setup.folder, setup.inputs
-    cfg = LoaderConfig.of(setup.cfg).validating
+    cfg = setup.cfg.loader().validating
     todo = [u for u in inputs.units if not folder.done(u)]
     kept = len(inputs.units) - len(todo)
     collector = Collector(inputs.units, folder, setup.trained.classes)

@@ -32,7 +32,6 @@ from raywds.errors import ConfigError, DataError
 from raywds.lightning.epochs import ExactEpochs
 from raywds.loader.decodings import decoding
 from raywds.loader.loader import PerRank
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
 from raywds.train.autoworkers import first
 from raywds.train.compute import Compute
@@ -76,7 +75,7 @@ class ShardDataModule(pl.LightningDataModule):
         if cfg.loader_workers == "auto":  # no epoch is measured here: start as raywds train does
             cfg = dataclasses.replace(cfg, loader_workers=first(len(os.sched_getaffinity(0))).workers)
         self.cfg = cfg
-        self.loader_cfg = LoaderConfig.of(cfg)
+        self.loader_cfg = cfg.loader()
         """The loader's slice of the config for validation (its worker count is fixed here); each
         training epoch takes its own, at the epoch's crop size."""
         self.manifest = manifest_of(cfg)
@@ -137,7 +136,7 @@ class ShardDataModule(pl.LightningDataModule):
                 f"batch ({sum(plan.samples_per_rank)} samples left): resume it on fewer ranks"
             )
         batches = self.loaders.train(
-            self.manifest, LoaderConfig.of(self.cfg, epoch.index), world, plan, epoch=epoch.index,
+            self.manifest, self.cfg.loader(epoch.index), world, plan, epoch=epoch.index,
             position=epoch.position,
         )  # fmt: skip
         return Batches(batches, epoch.step_before + len(batches))

@@ -145,14 +145,13 @@ def validation_images(manifest: Any, cfg: TrainConfig, count: int) -> Iterator[t
     """The val split's first `count` images, decoded by raywds's validation loader and normalised
     as raywds.train.compute does, as float32 batches."""
     from raywds.loader.loader import val_loader
-    from raywds.loader.settings import LoaderConfig
     from raywds.world import World
 
     mean, std = cfg.normalisation()
     mean_255 = torch.tensor([m * 255 for m in mean]).view(1, 3, 1, 1)
     std_255 = torch.tensor([s * 255 for s in std]).view(1, 3, 1, 1)
     left = count
-    batches = iter(val_loader(manifest, LoaderConfig.of(cfg), World()))
+    batches = iter(val_loader(manifest, cfg.loader(), World()))
     try:
         for batch in batches:
             if not isinstance(batch.images, torch.Tensor):  # cfg.decode is "cpu": decoded in the loader

@@ -9,7 +9,7 @@ it, so the two cannot drift apart:
     keeper = EpochKeeper(cfg, world, manifest)
     keeper.load_state_dict(checkpoint["progress"])        # resuming: the keeper's own part of checkpoint.pt
     epoch = keeper.begin(index, cfg)                      # the plan of what is left of epoch `index`
-    batches = train_loader(manifest, LoaderConfig.of(cfg, index), world, epoch.plan, epoch=index,
+    batches = train_loader(manifest, cfg.loader(index), world, epoch.plan, epoch=index,
                            position=epoch.position)
     for ran, batch in enumerate(batches, 1):
         set_lr(optimizer, keeper.lr(ran))                 # this step's rate: warm-up's first step learns

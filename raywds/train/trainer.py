@@ -20,7 +20,6 @@ from raywds.config import TrainConfig
 from raywds.data.dataset import Manifest, manifest_of
 from raywds.errors import RaywdsError
 from raywds.loader.loader import EpochLoader, Loaders, PerRank
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import BadSample, Batch
 from raywds.models.start import Start, start_model, with_preprocessing
 from raywds.runs.checkpoint import load_checkpoint
@@ -155,7 +154,7 @@ class Trainer:
     def plan(self, index: int) -> Epoch:
         """Plan epoch `index`; a plan that would hang is refused here."""
         self.cfg = cfg = self.workers.config(index)  # --loader-workers auto: the epoch's count, chosen now
-        self.loader_cfg = LoaderConfig.of(cfg, index)
+        self.loader_cfg = cfg.loader(index)
         return self.keeper.begin(index, cfg)
 
     def hand(self, epoch: Epoch) -> EpochLoader:

@@ -24,7 +24,6 @@ from raywds.data.manifest import read_manifest, shardsum
 from raywds.data.verify import verify
 from raywds.errors import DataError
 from raywds.loader.loader import val_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.world import World
 
 RAYWDS = Path(sys.executable).parent / "raywds"
@@ -155,7 +154,7 @@ def test_odd_images_are_kept_and_broken_ones_skipped_and_listed(odd_tree: Path, 
     m["splits"]["val"] = m["splits"]["train"]
     (tmp_path / "as_val" / "manifest.json").write_text(json.dumps(m))
     cfg = TrainConfig(data=str(tmp_path / "as_val"), image_size=16, loader_workers=0)
-    images = [batch.images for batch in val_loader(read_manifest(cfg.data), LoaderConfig.of(cfg), World())]
+    images = [batch.images for batch in val_loader(read_manifest(cfg.data), cfg.loader(), World())]
     assert sum(len(x) for x in images) == 6 and all(x.shape[1] == 3 for x in images)
 
 

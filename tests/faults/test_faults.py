@@ -35,7 +35,6 @@ from raywds.data.manifest import Manifest, ShardInfo, read_manifest
 from raywds.errors import DataError
 from raywds.loader.loader import expected
 from raywds.loader.plane import Rebatcher, decode_rows, shard_rows
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import BadSample, train_decoder
 from raywds.plan.modes import Resample
 from raywds.train.compute import Compute
@@ -643,9 +642,9 @@ def test_the_ray_data_planes_steps_count_a_bad_sample_the_same_way(shards: Path,
     manifest = read_manifest(str(data))
     cfg = small_config(data, mode="resample", epochs=1, max_bad_samples=1)
     url = manifest.url(manifest.shards("train")[1])
-    policy = LoaderConfig.of(cfg).read_policy(skip_unreadable=True)
+    policy = cfg.loader().read_policy(skip_unreadable=True)
     draw = [
-        decode_rows(c, train_decoder(LoaderConfig.of(cfg), 0), policy, size=28)
+        decode_rows(c, train_decoder(cfg.loader(), 0), policy, size=28)
         for c in shard_rows(url, expected(manifest, "train")[url], policy)
     ]
     batches = list(Rebatcher(8, partial=False)(draw + draw))

@@ -18,7 +18,6 @@ from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.errors import RaywdsError
 from raywds.loader.loader import train_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import SampleError
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
@@ -80,7 +79,7 @@ def read_epoch(shards: Path) -> int:
         verify_hashes=True,
     )
     manifest = read_manifest(str(shards))
-    loader = train_loader(manifest, LoaderConfig.of(cfg), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
+    loader = train_loader(manifest, cfg.loader(), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0)
     return sum(len(batch.keys) for batch in loader)
 
 

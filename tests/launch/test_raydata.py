@@ -24,7 +24,6 @@ from support.runs import small_config
 from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.loader.loader import PerRank
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
 from raywds.plan.position import Position, done_in
@@ -51,7 +50,7 @@ def run_epoch(
     for rank in range(world_size):
         loader = loaders.train(
             manifest,
-            LoaderConfig.of(cfg),
+            cfg.loader(),
             World(rank=rank, world_size=world_size),
             plan,
             epoch=epoch,
@@ -161,7 +160,7 @@ def test_validation_through_the_plane_is_exact(shards: Path, local_ray: None) ->
     seen = Counter(
         k
         for rank in range(3)
-        for b in plane.val(manifest, LoaderConfig.of(cfg), World(rank=rank, world_size=3))
+        for b in plane.val(manifest, cfg.loader(), World(rank=rank, world_size=3))
         for k in b.keys
     )
     assert seen == Counter(tar_keys(shards, "val"))
@@ -199,7 +198,7 @@ def test_an_epoch_stays_within_the_object_store_bound(ten_thousand: Path, local_
         manifest = read_manifest(str(ten_thousand))
         plan = epoch_plan(manifest, cfg, 1, epoch=0)
         count = 0
-        for batch in raydata.RayData(plane).train(manifest, LoaderConfig.of(cfg), World(), plan, epoch=0):
+        for batch in raydata.RayData(plane).train(manifest, cfg.loader(), World(), plan, epoch=0):
             count += len(batch.keys)
             time.sleep(0.1)  # the step: slower than the decode tasks
     finally:

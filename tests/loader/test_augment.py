@@ -20,7 +20,6 @@ from raywds.errors import ConfigError
 from raywds.loader.augment import MEAN_PIXEL, Augment
 from raywds.loader.crops import crop_rng, train_crop
 from raywds.loader.loader import train_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
 from raywds.plan import seeds
 from raywds.plan.modes import Split, epoch_plan
@@ -105,9 +104,7 @@ def images_by_id(
     out: dict[int, torch.Tensor] = {}
     for rank in range(world_size):
         world = World(rank=rank, world_size=world_size)
-        batches: list[Batch] = list(
-            train_loader(manifest, LoaderConfig.of(cfg), world, plan, epoch=0, position=position)
-        )  # type: ignore[arg-type]
+        batches: list[Batch] = list(train_loader(manifest, cfg.loader(), world, plan, epoch=0, position=position))  # type: ignore[arg-type]
         out.update({int(i): b.images[j].clone() for b in batches for j, i in enumerate(b.ids)})
     return out
 
@@ -138,7 +135,7 @@ def test_a_samples_augmentations_depend_on_its_seed_alone_and_a_resumed_epoch_dr
 
 def test_augmentations_are_refused_where_the_device_decodes() -> None:
     with pytest.raises(ConfigError, match="use --decode cpu or pil with them, not device"):
-        LoaderConfig.of(small_config("shards/", decode="device", auto_augment="ta_wide"))
+        small_config("shards/", decode="device", auto_augment="ta_wide").loader()
     with pytest.raises(ConfigError, match="random_erase"):
         small_config("shards/", random_erase=1.5)
     with pytest.raises(ConfigError, match="auto_augment"):

@@ -18,7 +18,6 @@ from raywds.data.manifest import read_manifest
 from raywds.loader.blocks import SLOTS, Blocks
 from raywds.loader.loader import _loader, train_loader
 from raywds.loader.pool import Pool
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Skips
 from raywds.loader.watch import Whereabouts
 from raywds.plan.modes import epoch_plan
@@ -40,16 +39,14 @@ def numbered(number: int, sample_id: int, out: torch.Tensor | None = None) -> to
 
 def loader(count: int, decode: str = "cpu"):  # type: ignore[no-untyped-def]
     """`cpu` decoding fills the batch slots; `pil` decoding's images are stacked into a block."""
-    cfg = LoaderConfig.of(
-        TrainConfig(
-            data="unused",
-            model="demo",
-            batch_size=BATCH,
-            loader_workers=1,
-            image_size=6,
-            decode=decode,
-        )
-    )
+    cfg = TrainConfig(
+        data="unused",
+        model="demo",
+        batch_size=BATCH,
+        loader_workers=1,
+        image_size=6,
+        decode=decode,
+    ).loader()
     skips = Skips(cfg.read_policy(skip_unreadable=False))
     pool = Pool(World(), timeout=cfg.loader_timeout)
     pool.warm(1)  # the worker's blocks are the pool's: watch them before its pipeline is sent
@@ -114,7 +111,7 @@ def test_cross_worker_shuffle_keeps_its_samples_intact(shards: Path) -> None:
     def run(hold: bool) -> dict[tuple[int, int], torch.Tensor]:
         torch.manual_seed(0)  # the workers' crops
         kept, pixels = [], {}
-        for i, batch in enumerate(train_loader(manifest, LoaderConfig.of(cfg), World(), plan, epoch=0)):
+        for i, batch in enumerate(train_loader(manifest, cfg.loader(), World(), plan, epoch=0)):
             for j in range(len(batch.keys)):
                 pixels[i, j] = batch.images[j].clone()
             if hold:

@@ -60,7 +60,7 @@ def shards_read(read: list[tuple[str, int]]) -> list[str]:
 
 def loader_cfg(shards: Path, **overrides: object) -> LoaderConfig:
     cfg = small_config(shards, **{"loader_workers": 2, "worker_shuffle_buffer": 0, **overrides})
-    return LoaderConfig.of(cfg)
+    return cfg.loader()
 
 
 def test_split_workers_read_their_slots_in_order_and_every_sample_once(shards: Path) -> None:

@@ -353,9 +353,9 @@ def test_a_gpu_batch_is_resized_together_as_each_crop_alone() -> None:
 def test_each_decode_choice_has_its_object() -> None:
     import typing
 
-    from raywds.config import DecodeName
     from raywds.errors import ConfigError
     from raywds.loader.decodings import DECODINGS, decoding
+    from raywds.loader.settings import DecodeName
 
     assert tuple(DECODINGS) == typing.get_args(DecodeName)
     assert [d.name for d in DECODINGS.values() if not d.in_workers] == ["device"]

@@ -21,7 +21,6 @@ from raywds.errors import ConfigError
 from raywds.loader.decodings import Encoded
 from raywds.loader.loader import expected, train_loader, val_loader
 from raywds.loader.readers import ReadPolicy, tar_samples
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, fold_single_tail, rebatched
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import Resample, Split, epoch_plan
@@ -43,7 +42,7 @@ def epoch(
     ranks = []
     for rank in range(world_size):
         loader = train_loader(
-            manifest, LoaderConfig.of(cfg), World(rank=rank, world_size=world_size), plan, epoch=n, position=position
+            manifest, cfg.loader(), World(rank=rank, world_size=world_size), plan, epoch=n, position=position
         )
         batches = list(loader)
         assert len(batches) == len(loader) == plan.batches_per_rank[rank], (
@@ -106,7 +105,7 @@ def test_validation_sees_every_sample_once_across_ranks(shards: Path, world_size
     seen = Counter(
         k
         for rank in range(world_size)
-        for b in val_loader(manifest, LoaderConfig.of(cfg), World(rank=rank, world_size=world_size))
+        for b in val_loader(manifest, cfg.loader(), World(rank=rank, world_size=world_size))
         for k in b.keys
     )
     assert seen == Counter(tar_keys(shards, "val"))
@@ -243,7 +242,7 @@ def test_the_shuffle_replay_draws_what_the_loader_draws(shards: Path, mode: str,
     cfg = config(shards, mode=mode, worker_shuffle_buffer=10, cross_worker_shuffle_buffer=cross, seed=5)
     manifest = read_manifest(str(shards))
     plan = epoch_plan(manifest, cfg, 2, epoch=1)
-    loaded = list(train_loader(manifest, LoaderConfig.of(cfg), World(rank=1, world_size=2), plan, epoch=1))
+    loaded = list(train_loader(manifest, cfg.loader(), World(rank=1, world_size=2), plan, epoch=1))
     replayed = replay(
         plan,
         manifest.shards("train"),
@@ -280,12 +279,11 @@ def test_a_samples_crop_depends_on_seed_epoch_and_id_only(uneven: Path, decode: 
 
 def test_the_loader_config_is_the_run_configs_slice() -> None:
     from raywds.errors import ConfigError
-    from raywds.loader.settings import LoaderConfig
 
     cfg = small_config("shards/", loader_workers=3, cache_dir="/tmp/c", verify_hashes=True, seed=5)
-    sliced = LoaderConfig.of(cfg)
+    sliced = cfg.loader()
     assert (sliced.loader_workers, sliced.slots, sliced.batch_size, sliced.seed) == (3, 3, 16, 5)
     assert sliced.read_policy(skip_unreadable=True).cache_dir == "/tmp/c" and sliced.verify_hashes
-    assert LoaderConfig.of(small_config("shards/", loader_workers=0)).slots == 1
+    assert small_config("shards/", loader_workers=0).loader().slots == 1
     with pytest.raises(ConfigError, match="chosen at each epoch's start"):
-        LoaderConfig.of(small_config("shards/", loader_workers="auto"))
+        small_config("shards/", loader_workers="auto").loader()

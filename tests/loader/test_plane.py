@@ -16,7 +16,6 @@ from support.runs import small_config
 from raywds.data.manifest import ShardInfo, read_manifest
 from raywds.loader.loader import expected
 from raywds.loader.plane import Rebatcher, ahead, groups, task_blocks
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import train_decoder
 
 BATCH = 8
@@ -24,7 +23,7 @@ BATCH = 8
 
 def blocks(shards: Path, seed: int | None, consumed: dict[str, np.ndarray] | None = None) -> list[dict]:
     """One read task over the first three training shards."""
-    cfg = LoaderConfig.of(small_config(shards, batch_size=BATCH, image_size=16))
+    cfg = small_config(shards, batch_size=BATCH, image_size=16).loader()
     manifest = read_manifest(str(shards))
     wanted = expected(manifest, "train")
     reads = [(url, wanted[url], (consumed or {}).get(url)) for url in list(wanted)[:3]]

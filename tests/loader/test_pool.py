@@ -54,7 +54,7 @@ def gone(pid: int | None, within_s: float = 10.0) -> bool:
 
 def test_the_workers_outlive_the_epochs_and_each_epoch_is_the_one_a_fresh_loader_makes(shards: Path) -> None:
     cfg = config(shards)
-    manifest, loader_cfg = read_manifest(str(shards)), LoaderConfig.of(cfg)
+    manifest, loader_cfg = read_manifest(str(shards)), cfg.loader()
     loaders, pids = PerRank(), []
     try:
         for n in range(3):
@@ -96,7 +96,7 @@ def test_a_resized_pool_starts_or_stops_only_the_difference() -> None:
 
 def test_a_worker_that_died_between_epochs_is_replaced_alone(shards: Path) -> None:
     cfg = config(shards)
-    manifest, loader_cfg = read_manifest(str(shards)), LoaderConfig.of(cfg)
+    manifest, loader_cfg = read_manifest(str(shards)), cfg.loader()
     loaders = PerRank()
     try:
         plans = [epoch_plan(manifest, cfg, 1, epoch=n) for n in range(2)]
@@ -158,7 +158,7 @@ def test_a_run_starts_its_workers_once_and_hands_the_next_epoch_over_before_vali
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_pool_of_no_workers_or_one_makes_the_same_epoch(shards: Path, workers: int) -> None:
     cfg = config(shards, loader_workers=workers)
-    manifest, loader_cfg = read_manifest(str(shards)), LoaderConfig.of(cfg)
+    manifest, loader_cfg = read_manifest(str(shards)), cfg.loader()
     plan = epoch_plan(manifest, cfg, 1, epoch=0)
     loaders = PerRank()
     try:
@@ -180,7 +180,7 @@ from raywds.world import World
 
 cfg = small_config(sys.argv[1], batch_size=8, image_size=24, loader_workers=2)
 manifest, loaders = read_manifest(sys.argv[1]), PerRank()
-list(loaders.train(manifest, LoaderConfig.of(cfg), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0))
+list(loaders.train(manifest, cfg.loader(), World(), epoch_plan(manifest, cfg, 1, epoch=0), epoch=0))
 print(*loaders.pools["train"].pids, *loaders.pools["val"].pids, flush=True)  # val's are warmed by now
 time.sleep(600)
 """

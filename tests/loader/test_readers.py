@@ -31,7 +31,6 @@ from raywds.data.stores import open_shard
 from raywds.errors import ShardError
 from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.readers import Expected, Failures, Prefetch, tar_samples
-from raywds.loader.settings import LoaderConfig
 from raywds.plan.modes import epoch_plan
 from raywds.serve import ShardServer, free_port
 from raywds.world import World
@@ -55,7 +54,7 @@ def holed(shards: Path, tmp_path: Path) -> Path:
 def test_loaders_read_the_same_samples_over_http(shards: Path) -> None:
     with ShardServer(shards, backend="embedded") as server:
         manifest = read_manifest(server.url)
-        seen = Counter(k for b in val_loader(manifest, LoaderConfig.of(cfg(server.url)), World()) for k in b.keys)
+        seen = Counter(k for b in val_loader(manifest, cfg(server.url).loader(), World()) for k in b.keys)
     assert seen == Counter(tar_keys(shards, "val"))
 
 
@@ -64,7 +63,7 @@ def test_a_missing_shard_in_split_mode_is_an_error_naming_it(holed: Path) -> Non
     with ShardServer(holed, backend="embedded") as server:
         c = cfg(server.url, mode="split", loader_workers=0)
         manifest = read_manifest(server.url)
-        loader = train_loader(manifest, LoaderConfig.of(c), World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0)
+        loader = train_loader(manifest, c.loader(), World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0)
         with pytest.raises(ShardError, match=rf"shard {server.url}/{missing} is missing on the server \(HTTP 404\)"):
             list(loader)
 
@@ -74,9 +73,7 @@ def test_a_missing_shard_in_resample_mode_is_skipped_and_counted(holed: Path, ca
     with ShardServer(holed, backend="embedded") as server:
         c = cfg(server.url, loader_workers=0, batches_per_epoch=40)
         manifest = read_manifest(server.url)
-        batches = list(
-            train_loader(manifest, LoaderConfig.of(c), World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0)
-        )
+        batches = list(train_loader(manifest, c.loader(), World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0))
     assert len(batches) == 40 and all(len(b.keys) == 8 for b in batches), "batch counts stay exact"
     warnings = [r.getMessage() for r in caplog.records if "skipped an unreadable shard" in r.getMessage()]
     assert warnings and f"{missing} is missing on the server" in warnings[0]
@@ -99,7 +96,7 @@ def test_resample_gives_up_when_the_server_is_gone(shards: Path, short_backoff: 
             r"shard server down\?"
         ),
     ):
-        list(train_loader(manifest, LoaderConfig.of(c), World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0))
+        list(train_loader(manifest, c.loader(), World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0))
     assert time.monotonic() - start < 30
 
 
@@ -320,15 +317,15 @@ def test_shards_elsewhere_through_a_pipe_template(shards: Path, tmp_path: Path) 
     manifest = read_manifest(str(tmp_path), shards_at=template)
     assert manifest.url(manifest.shards("val")[0]) == f"pipe:cat {shards}/imagenet-val-000000.tar"
     c = cfg(str(tmp_path), shards_at=template, mode="split")
-    seen = Counter(k for b in val_loader(manifest, LoaderConfig.of(c), World()) for k in b.keys)
+    seen = Counter(k for b in val_loader(manifest, c.loader(), World()) for k in b.keys)
     assert seen == Counter(tar_keys(shards, "val"))
     trained = Counter(
         k
-        for b in train_loader(manifest, LoaderConfig.of(c), World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0)
+        for b in train_loader(manifest, c.loader(), World(), epoch_plan(manifest, c, 1, epoch=0), epoch=0)
         for k in b.keys
     )
     hashed = dataclasses.replace(c, verify_hashes=True)  # a pipe: stream has no readinto
-    assert Counter(k for b in val_loader(manifest, LoaderConfig.of(hashed), World()) for k in b.keys) == Counter(
+    assert Counter(k for b in val_loader(manifest, hashed.loader(), World()) for k in b.keys) == Counter(
         tar_keys(shards, "val")
     )
     assert trained == Counter(tar_keys(shards))
@@ -346,11 +343,9 @@ def test_shards_at_two_servers_share_the_shards_and_read_every_sample(shards: Pa
             assert {u.rsplit("/", 1)[0] for u in urls} == {one.url, two.url}, urls
             c = cfg(str(tmp_path), shards_at=f"{one.url},{two.url}", mode="split")
             plan = epoch_plan(manifest, c, 1, epoch=0)
-            trained = Counter(
-                k for b in train_loader(manifest, LoaderConfig.of(c), World(), plan, epoch=0) for k in b.keys
-            )
+            trained = Counter(k for b in train_loader(manifest, c.loader(), World(), plan, epoch=0) for k in b.keys)
             assert trained == Counter(tar_keys(shards))
         gone = next(u for u in urls if u.startswith(two.url))
         quick = dataclasses.replace(c, read_retries=0, read_timeout=2)
         with pytest.raises(ShardError, match=re.escape(gone)):
-            list(train_loader(manifest, LoaderConfig.of(quick), World(), plan, epoch=0))
+            list(train_loader(manifest, quick.loader(), World(), plan, epoch=0))

@@ -12,7 +12,6 @@ from support.runs import small_config
 
 from raywds.data.manifest import read_manifest
 from raywds.loader.loader import train_loader, val_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.watch import LoaderStalled
 from raywds.plan.modes import epoch_plan
 from raywds.world import World
@@ -37,7 +36,7 @@ def test_a_silent_loader_worker_is_an_error_naming_rank_worker_and_shard(shards:
     plan = epoch_plan(manifest, cfg, 2, epoch=0)
     start = time.monotonic()
     with pytest.raises(LoaderStalled) as error:
-        for _ in train_loader(manifest, LoaderConfig.of(cfg), world, plan, epoch=0):
+        for _ in train_loader(manifest, cfg.loader(), world, plan, epoch=0):
             pass
     assert time.monotonic() - start < 20
     message = str(error.value)
@@ -49,5 +48,5 @@ def test_a_healthy_loader_is_not_cut_by_the_timeout(shards: Path) -> None:
     """Each batch well within the timeout: no error, every sample (the timeout is per batch, not per epoch)."""
     cfg = small_config(shards, mode="split", loader_workers=2, loader_timeout=5.0)
     manifest = read_manifest(str(shards))
-    seen = sum(len(b.keys) for b in val_loader(manifest, LoaderConfig.of(cfg), World()))
+    seen = sum(len(b.keys) for b in val_loader(manifest, cfg.loader(), World()))
     assert seen == manifest.num_samples("val")

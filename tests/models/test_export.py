@@ -30,7 +30,6 @@ from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError, StorageError
 from raywds.launch.local import run_local
 from raywds.loader.loader import val_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.models import export as export_module
 from raywds.models.export import export_model
 from raywds.models.onnxfile import (
@@ -185,7 +184,7 @@ def test_the_onnx_file_agrees_with_the_model_on_the_runs_validation_images(
     trained = load_trained(str(out))
     manifest, cfg = _data(trained)
     batch = next(validation_images(manifest, cfg, 7))
-    raw = next(iter(val_loader(manifest, LoaderConfig.of(cfg), World())))
+    raw = next(iter(val_loader(manifest, cfg.loader(), World())))
     assert torch.equal(batch, Compute.for_run(cfg, "cpu").inputs(raw.images, raw.labels)[0][:7])  # as training's
     for size in (1, 7):  # a batch of one too: predict's smallest
         got = session.run(None, {"images": batch[:size].numpy()})[0]

@@ -8,10 +8,9 @@ import ast
 import inspect
 import typing
 
-from raywds.config import ModeName
 from raywds.plan import epoch
 from raywds.plan.epoch import Mode
-from raywds.plan.modes import MODES, parse
+from raywds.plan.modes import MODES, ModeName, parse
 
 
 def left_to_the_modes() -> set[str]:

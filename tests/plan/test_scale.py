@@ -26,7 +26,6 @@ from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import DataError
 from raywds.loader.loader import drawn, train_stages
 from raywds.loader.mixing import round_robin
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import unconsumed, worker_shuffled
 from raywds.plan.epoch import EpochPlan, Nodes
 from raywds.plan.position import Position, already_done
@@ -104,7 +103,7 @@ def measure(count: int, ranks: int, *, traced: bool = True) -> dict[str, float]:
     counted = tally(ledger, World(), position, flags=True)
     tally_s = time.perf_counter() - started
     in_flight = {i: f for i, f in position.partial.items() if i in ledger.seen}
-    stages, *_ = train_stages(manifest, LoaderConfig.of(cfg), 0, resumed, epoch=0, position=position)
+    stages, *_ = train_stages(manifest, cfg.loader(), 0, resumed, epoch=0, position=position)
     after = Position(
         mode=Split(), epoch=0, step=2, samples_done=counted.distinct, shards_done=counted.shards_done,
         partial=position.partial, dataset="",
@@ -127,7 +126,7 @@ def test_a_resample_worker_is_sent_its_own_draws_only() -> None:
     manifest = synthetic(400_000)
     cfg = TrainConfig(data=manifest.base, loader_workers=WORKERS, batch_size=256)
     plan = Resample().plan(manifest.shards("train"), num_ranks=4096, num_workers=WORKERS, batch_size=256)
-    stages, *_ = train_stages(manifest, LoaderConfig.of(cfg), 4095, plan, epoch=0)
+    stages, *_ = train_stages(manifest, cfg.loader(), 4095, plan, epoch=0)
     assert len(pickle.dumps(stages)) <= 1e6
     mine = drawn(plan, manifest.shards("train"), cfg, 4095, epoch=0)
     endless = Resample().shards_for(plan, manifest.shards("train"), rank=4095, worker=3, seed=cfg.seed, epoch=0)
@@ -153,7 +152,7 @@ def test_a_ranks_stages_from_the_manifests_columns_make_only_its_own_shards_reco
         mode=mode, epoch=0, step=1, samples_done=1, shards_done=np.zeros(400_000), partial=flags, dataset=""
     )
     monkeypatch.setattr(ShardTable, "__iter__", lambda self: pytest.fail("went through every shard's record"))
-    stages, *_ = train_stages(manifest, LoaderConfig.of(cfg), 4095, plan, epoch=0, position=position)
+    stages, *_ = train_stages(manifest, cfg.loader(), 4095, plan, epoch=0, position=position)
     assert len(pickle.dumps(stages)) <= 1e6
 
 

@@ -26,7 +26,6 @@ from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.loader.decodings import Encoded
 from raywds.loader.loader import train_loader, val_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
 from raywds.serve import free_port
@@ -124,9 +123,7 @@ def test_device_decode_crops_the_boxes_the_cpu_decoder_crops(photo_shards: Path)
     by_id: dict[str, dict[int, torch.Tensor]] = {"cpu": {}, "boxes": {}, "device on cpu": {}, "device": {}}
     for how in ("cpu", "device"):
         run = dataclasses.replace(cfg, decode=how)
-        for batch in train_loader(
-            manifest, LoaderConfig.of(run), world, epoch_plan(manifest, run, 1, epoch=0), epoch=0
-        ):
+        for batch in train_loader(manifest, run.loader(), world, epoch_plan(manifest, run, 1, epoch=0), epoch=0):
             ids = [int(i) for i in batch.ids]
             if how == "cpu":
                 assert isinstance(batch.images, torch.Tensor)
@@ -170,7 +167,7 @@ def test_validation_all_reduces_over_nccl(shards: Path, monkeypatch: pytest.Monk
     compute = Compute.for_run(cfg, DEVICE)
     torch.manual_seed(0)
     model = compute.model(build_model(cfg.model, len(manifest.classes)))
-    alone = evaluate(model, val_loader(manifest, LoaderConfig.of(cfg), world), world, compute)
+    alone = evaluate(model, val_loader(manifest, cfg.loader(), world), world, compute)
     calls: list[str] = []
     all_reduce = dist.all_reduce
 
@@ -189,7 +186,7 @@ def test_validation_all_reduces_over_nccl(shards: Path, monkeypatch: pytest.Monk
     try:
         monkeypatch.setattr(World, "distributed", property(lambda self: True))
         monkeypatch.setattr(dist, "all_reduce", counted)
-        reduced = evaluate(model, val_loader(manifest, LoaderConfig.of(cfg), world), world, compute)
+        reduced = evaluate(model, val_loader(manifest, cfg.loader(), world), world, compute)
     finally:
         dist.destroy_process_group()
     assert calls == ["nccl torch.float64 cuda:0"]

@@ -16,7 +16,6 @@ from raywds.config import TrainConfig
 from raywds.data.dataset import manifest_of
 from raywds.errors import ConfigError
 from raywds.loader.loader import val_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.models.start import start_model
 from raywds.runs import files
 from raywds.runs.checkpoint import load_checkpoint
@@ -100,5 +99,5 @@ def validated(cfg: TrainConfig, average: dict) -> dict[str, float]:
     manifest = manifest_of(plain)
     model = start_model(plain.model, manifest.classes).model
     model.load_state_dict({k.removeprefix("module."): v for k, v in average.items() if k != "n_averaged"})
-    batches = val_loader(manifest, LoaderConfig.of(plain), World())
+    batches = val_loader(manifest, plain.loader(), World())
     return evaluate(model, batches, World(), Compute.for_run(plain, "cpu"))

@@ -22,7 +22,6 @@ from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo, read_manifest
 from raywds.errors import ConfigError, DataError
 from raywds.loader.loader import train_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import BadSample, Batch
 from raywds.plan.modes import epoch_plan
 from raywds.runs.checkpoint import load_checkpoint, save_checkpoint
@@ -356,7 +355,7 @@ def test_the_docstring_loop_trains_a_split_epoch_exactly_across_a_checkpoint(sha
         if checkpoint:
             keeper.load_state_dict(checkpoint["progress"])
         epoch = keeper.begin(index, cfg)
-        loader_cfg = LoaderConfig.of(cfg, index)
+        loader_cfg = cfg.loader(index)
         batches = train_loader(manifest, loader_cfg, world, epoch.plan, epoch=index, position=epoch.position)
         for ran, batch in enumerate(batches, 1):
             set_lr(optimizer, keeper.lr(ran))

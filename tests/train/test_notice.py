@@ -26,7 +26,6 @@ from support.runs import small_config
 from raywds.data.manifest import read_manifest
 from raywds.loader.loader import val_loader
 from raywds.loader.pool import Pool
-from raywds.loader.settings import LoaderConfig
 from raywds.train import notice
 from raywds.train.notice import Signals
 from raywds.world import World
@@ -115,7 +114,7 @@ def test_the_loader_workers_of_a_rank_that_takes_signals_ignore_them_and_go_on(s
     """Sent to the whole group, SIGTERM and SIGINT reach the workers too: they ignore what their
     rank handles (the rank acts on it and ends them), and the next pass is made by them."""
     manifest = read_manifest(str(shards))
-    cfg = LoaderConfig.of(small_config(shards, mode="split", batch_size=8, image_size=24, loader_workers=2))
+    cfg = small_config(shards, mode="split", batch_size=8, image_size=24, loader_workers=2).loader()
     notices = Signals(World())
     pool = Pool(World(), timeout=60)
     try:

@@ -18,7 +18,6 @@ from support.runs import small_config
 from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.loader.crops import crop_rng, draw_crop, reduction
-from raywds.loader.settings import LoaderConfig
 from raywds.runs.folder import RunDir
 from raywds.train.trainer import train
 from raywds.world import World
@@ -46,8 +45,8 @@ def test_the_schedule_is_ffcvs(epochs: int, low: int, high: int, start: int, end
     )
     assert cfg.train_sizes == [ffcv_resolution(e, low, high, end, start) for e in range(epochs)]
     assert all(size % 32 == 0 for size in cfg.train_sizes) and cfg.train_sizes[-1] == high
-    assert [LoaderConfig.of(cfg, e).crop_size for e in range(epochs)] == cfg.train_sizes
-    assert {LoaderConfig.of(cfg, e).val_crop_size for e in range(epochs)} == {224}, "validation keeps its size"
+    assert [cfg.loader(e).crop_size for e in range(epochs)] == cfg.train_sizes
+    assert {cfg.loader(e).val_crop_size for e in range(epochs)} == {224}, "validation keeps its size"
 
 
 def test_the_schedule_is_checked_in_one_line() -> None:

@@ -24,7 +24,6 @@ from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import CollectiveError, ConfigError
 from raywds.loader.loader import val_loader
-from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch
 from raywds.plan.modes import Split
 from raywds.plan.position import Position
@@ -61,7 +60,7 @@ def test_local_training_learns_and_checkpoints(shards: Path, tmp_path: Path) -> 
     model.load_state_dict(state["model"])
     again = evaluate(
         model,
-        val_loader(read_manifest(str(shards)), LoaderConfig.of(cfg), World()),
+        val_loader(read_manifest(str(shards)), cfg.loader(), World()),
         World(),
         Compute.for_run(cfg, "cpu"),
     )
