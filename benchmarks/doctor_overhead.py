@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from loader_bench import BATCH, build_tree, photos, timed
 
-from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.loader.clock import RESIZING, Clock
 from raywds.loader.loader import _loader, train_stages
 from raywds.loader.stages import train_decoder
 from raywds.plan.modes import epoch_plan
+from raywds.train.config import TrainConfig
 from raywds.train.model import build_model
 from raywds.train.timing import StepTimer
 from raywds.world import World

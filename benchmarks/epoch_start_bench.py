@@ -59,7 +59,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from loader_bench import build_tree, photos
 
-from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import Manifest
 from raywds.loader.loader import EpochLoader, Loaders, PerRank, train_loader, val_loader
@@ -69,6 +68,7 @@ from raywds.models.start import Start, start_model
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.position import Position
 from raywds.train import trainer
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 SIZE = 224

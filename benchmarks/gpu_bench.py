@@ -52,7 +52,6 @@ import torch
 import torch._dynamo
 import torchvision
 
-from raywds.config import TrainConfig, resolve
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import MANIFEST, read_manifest
 from raywds.loader import crops
@@ -62,6 +61,7 @@ from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
 from raywds.serve import ShardServer
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig, resolve
 from raywds.train.loop import EpochResult, train_epoch
 from raywds.train.model import build_model
 from raywds.train.optim import make_optimizer

@@ -65,7 +65,6 @@ from PIL import Image, ImageFilter
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert, with_restarts
 from raywds.data.manifest import read_manifest
 from raywds.data.tars import members
@@ -75,6 +74,7 @@ from raywds.loader.clock import Spent
 from raywds.loader.loader import train_loader
 from raywds.loader.settings import DecodeName
 from raywds.plan.modes import epoch_plan
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 BATCH = 64

@@ -50,13 +50,13 @@ from torchvision.transforms import v2
 sys.path.insert(0, str(Path(__file__).parent))
 from loader_bench import build_tree, photos
 
-from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.launch import raydata
 from raywds.loader.loader import train_loader
 from raywds.loader.stages import train_decoder
 from raywds.plan.modes import epoch_plan
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 BATCH, SIZE = 64, 224

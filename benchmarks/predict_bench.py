@@ -95,7 +95,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from loader_bench import build_tree, loop_rate, photos, raywds_rate
 
-from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert, with_restarts
 from raywds.data.manifest import read_manifest
 from raywds.infer.predictoptions import Prediction
@@ -106,6 +105,7 @@ from raywds.loader.loader import train_loader
 from raywds.models.sources import TIMM_PREFIX, parse_model
 from raywds.plan.modes import epoch_plan
 from raywds.runs.checkpoint import save_checkpoint
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 ROOT = Path(__file__).resolve().parents[1]

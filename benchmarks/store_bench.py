@@ -52,7 +52,6 @@ from typing import Any
 import torch
 from loader_bench import BATCH, build_tree, photos, timed
 
-from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.http import ReadPolicy
 from raywds.data.manifest import Manifest, read_manifest
@@ -60,6 +59,7 @@ from raywds.data.stores import open_shard
 from raywds.data.upload import upload
 from raywds.loader.loader import train_loader
 from raywds.plan.modes import epoch_plan
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

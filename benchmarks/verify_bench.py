@@ -22,12 +22,12 @@ from pathlib import Path
 
 from loader_bench import BATCH, build_tree, photos, timed
 
-from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.loader.loader import expected, train_loader
 from raywds.loader.readers import ReadPolicy, tar_samples
 from raywds.plan.modes import epoch_plan
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.demo:
         data = str(raywds.prepare_demo(Path(args.demo_dir)))
     recipe = args.recipe or ("demo" if args.demo else None)
-    cfg = raywds.resolve(data, recipe=recipe, config_file=args.config, **raywds.given(args))
+    cfg = raywds.resolve(data, recipe=recipe, config_file=args.config, **raywds.given(args, TrainConfig))
     if args.ray:
         fit_on_ray(cfg, args.ray)
     else:

@@ -13,13 +13,14 @@ loads neither torch nor Ray nor Lightning (`raywds convert` imports no torch at 
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = metadata.version("raywds")  # pyproject.toml's, as installed
 
 _PUBLIC = {
-    "TrainConfig": "raywds.config",
-    "resolve": "raywds.config",
+    "TrainConfig": "raywds.train.config",
+    "resolve": "raywds.train.config",
     "RaywdsError": "raywds.errors",
     "World": "raywds.world",
     "fit": "raywds.launch.local:train_in_process",
@@ -61,7 +62,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from raywds.config import TrainConfig, resolve
     from raywds.data.demo import prepare as prepare_demo
     from raywds.errors import RaywdsError
     from raywds.flags import add_flags, given
@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from raywds.lightning.loggers import KeepTrackingIds
     from raywds.lightning.loggers import loggers as tracking_loggers
     from raywds.runs.follow import follow
+    from raywds.train.config import TrainConfig, resolve
     from raywds.train.model import build_model
     from raywds.train.optim import make_optimizer
     from raywds.train.progress import summary_line

@@ -83,11 +83,16 @@ def _stopped(command: str, e: KeyboardInterrupt) -> int:
     """Ctrl-C or SIGTERM: one line (with what the command added: what it keeps), 128 + the signal's number."""
     signum = getattr(e, "signum", None) or _signalled[0] or signal.SIGINT
     said = "; ".join(getattr(e, "__notes__", []))
-    print(
-        f"raywds: error: {command} stopped on {signal.Signals(signum).name}{': ' + said if said else ''}",
-        file=sys.stderr,
-    )
+    said_error(f"{command} stopped on {signal.Signals(signum).name}{': ' + said if said else ''}")
     return 128 + signum
+
+
+def said_error(text: str) -> None:
+    """`raywds: error: TEXT` on stderr in one write: the ranks of a torchrun or Ray run share one
+    pipe, and print's two writes (the text, then its newline) let another rank's line land between
+    them, which split neither line and joined both."""
+    sys.stderr.write(f"raywds: error: {text}\n")
+    sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         lines = one_line(e).splitlines() or [""]
-        print(f"raywds: error: {lines[0]}", file=sys.stderr)
-        if lines[1:]:
-            print("\n".join(lines[1:]), file=sys.stderr)
+        said_error("\n".join(lines))
         return int(getattr(e, "exit_code", 1))
     except KeyboardInterrupt as e:
         if debug:

@@ -256,7 +256,7 @@ def _preprocessed(cfg: Any) -> Any:
     before any rank starts: every rank, and the Ray Data plane's driver, use the same."""
     from raywds.models.start import weights_preprocessing, with_preprocessing
 
-    return with_preprocessing(cfg, weights_preprocessing(cfg))
+    return with_preprocessing(cfg, weights_preprocessing(cfg, resume=cfg.resume, s3_endpoint=cfg.s3_endpoint))
 
 
 def cmd_train(source: Source, training: Training) -> None:

@@ -182,6 +182,8 @@ MAX_SEED = 2**63 - 1
 """Seeds are 0 to this: torch.manual_seed takes them all (every command's --seed)."""
 MAX_STEPS = 10**9
 """The most steps or batches a setting counts."""
+MAX_EPOCHS = 100_000
+"""The most epochs a setting counts."""
 MAX_SECONDS = 10**6
 """The longest timeout a setting takes (11.6 days)."""
 
@@ -214,13 +216,15 @@ def flag(
     above: float | None = None,
     below: float | None = None,
     form: Form | None = None,
+    set_otherwise: bool = False,
 ) -> dict[str, Any]:
     """The field as a `positional` argument (with
     `nargs`); `parse` turns its text into the value (default: the field's type); `append` collects
     each use into a list; `choices` where they are not the field's Literal type; fields with the
     same `exclusive` name cannot be given together. A number takes `minimum` to `maximum` (or
     numbers `above` and `below`, open ends); a text has a `form` (each of a list's numbers and
-    texts alike)."""
+    texts alike). `set_otherwise`: the command sets the field otherwise (a run's --data: a
+    positional, --data or --demo), so the dataclass's flags leave it out."""
     bounds = Range(minimum, maximum, above, below)
     how = {
         "positional": positional,
@@ -230,6 +234,7 @@ def flag(
         "append": append,
         "choices": tuple(choices) if choices is not None else None,
         "exclusive": exclusive,
+        "set_otherwise": set_otherwise,
         "range": bounds if bounds != Range() else None,
         "form": form,
     }

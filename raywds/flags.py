@@ -5,7 +5,7 @@ and the field name with dashes, unless the field says otherwise (raywds.fields.f
 without a default is a required flag or positional.
 
     add_flags(parser, ServeOptions)                      # each flag's default the field's
-    add_flags(parser, TrainConfig, with_defaults=False)  # each None unless given (given())
+    add_flags(parser, TrainConfig, with_defaults=False)  # each None unless given (given(args, TrainConfig))
 """
 
 from __future__ import annotations
@@ -19,11 +19,7 @@ import types
 import typing
 from typing import Any
 
-from raywds.config import TrainConfig
 from raywds.fields import hints
-
-NOT_FLAGS = ("data",)
-"""TrainConfig fields the CLI sets otherwise (`--data` or `--demo`)."""
 
 
 @functools.cache
@@ -78,13 +74,13 @@ def _not_empty(kind: Any) -> Any:
 
 
 def flag_fields(
-    cls: type = TrainConfig, *, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+    cls: type, *, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None
 ) -> list[dataclasses.Field[Any]]:
-    """The fields of `cls` that are flags (those in `only`, but `skip`)."""
+    """The fields of `cls` that are flags (those in `only`, but `skip`, and none that is set otherwise)."""
     return [
         f
         for f in dataclasses.fields(cls)
-        if not (cls is TrainConfig and f.name in NOT_FLAGS) and f.name not in skip and (only is None or f.name in only)
+        if not f.metadata.get("set_otherwise") and f.name not in skip and (only is None or f.name in only)
     ]
 
 
@@ -158,9 +154,9 @@ def values(
     return {f.name: getattr(args, f.name) for f in flag_fields(cls, skip=skip, only=only)}
 
 
-def given(args: argparse.Namespace) -> dict[str, Any]:
-    """The TrainConfig fields set by flags (None: not given)."""
-    return {f.name: getattr(args, f.name, None) for f in flag_fields()}
+def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of `cls` (the training config: raywds.resolve's keywords) set by flags, None where not given."""
+    return {f.name: getattr(args, f.name, None) for f in flag_fields(cls)}
 
 
 class Parser(argparse.ArgumentParser):

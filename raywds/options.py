@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from raywds.config import MAX_EPOCHS, S3Endpoint, TrainConfig, check_known, resolve
 from raywds.data.shardoptions import ConvertOptions, IndexOptions
 from raywds.errors import ConfigError
 from raywds.fields import ADDRESS, HOST, PATH, PLACE, SHARDS, TEXT, check_values, flag
 from raywds.infer.predictoptions import Prediction, PredictPlane
 from raywds.launch.rayoptions import RayOptions
 from raywds.plan.modes import Schedule
-from raywds.recipes import RECIPES
 from raywds.serve import BACKENDS, ServerOptions
+from raywds.train.config import MAX_EPOCHS, S3Endpoint, TrainConfig, check_known, resolve
+from raywds.train.recipes import RECIPES
 
 DEMO_DIR = "runs/demo"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -443,9 +444,9 @@ def test_plan_takes_the_plan_section_and_refuses_what_training_refuses() -> None
     import dataclasses
 
     from raywds.cli import build_parser, command_options
-    from raywds.config import TrainConfig
     from raywds.errors import ConfigError
     from raywds.plan.modes import Schedule
+    from raywds.train.config import TrainConfig
 
     (_, training) = command_options(build_parser().parse_args(["plan"]))[:2]
     assert type(training) is Schedule
@@ -457,3 +458,28 @@ def test_plan_takes_the_plan_section_and_refuses_what_training_refuses() -> None
     with pytest.raises(ConfigError) as planned:
         command_options(build_parser().parse_args(["plan", "--mode", "split", "--batches-per-epoch", "3"]))
     assert str(planned.value) == str(trained.value)
+
+
+def test_error_lines_of_processes_sharing_a_pipe_stay_whole() -> None:
+    """The ranks of a run share one stderr pipe, unbuffered under torchrun's PYTHONUNBUFFERED: each
+    `raywds: error:` line is one write, so two ranks' lines never join (print wrote the text and its
+    newline apart, and a SIGTERM's two rank lines arrived as one)."""
+    import time
+
+    start = time.time() + 3  # every writer imported by then: they write at once
+    code = (
+        f"import time\nfrom raywds.cli import said_error\ntime.sleep(max(0, {start} - time.time()))\n"
+        "for i in range(3000): said_error('x' * 60 + str(i))"
+    )
+    read, write = os.pipe()
+    procs = [
+        subprocess.Popen([sys.executable, "-u", "-c", code], stderr=write, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for _ in range(3)
+    ]
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    assert all(p.wait(60) == 0 for p in procs)
+    lines = text.splitlines()
+    whole = [line for line in lines if re.fullmatch(r"raywds: error: x{60}\d+", line)]
+    assert len(lines) == len(whole) == 9000, [line for line in lines if line not in whole][:3]

@@ -3,7 +3,9 @@ torchrun drives the same loop without Ray."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -11,12 +13,12 @@ import pytest
 import torch
 from support.runs import SUMMARY, command
 
-from raywds.config import TrainConfig, resolve
 from raywds.errors import ConfigError
-from raywds.recipes import RECIPES
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig, resolve
 from raywds.train.model import DemoNet
 from raywds.train.optim import make_optimizer
+from raywds.train.recipes import RECIPES
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -37,14 +39,24 @@ def test_imagenet_recipe_is_the_reference_one() -> None:
 
 
 def test_config_file_overrides_the_recipe_and_flags_override_both(tmp_path: Path) -> None:
-    (tmp_path / "run.json").write_text(json.dumps({"epochs": 30, "lr": 0.4, "label_smoothing": 0.0}))
-    (tmp_path / "run.toml").write_text('epochs = 12\nmodel = "resnet34"\n')
+    (tmp_path / "run.json").write_text(json.dumps({"train": {"epochs": 30, "lr": 0.4, "label_smoothing": 0.0}}))
+    (tmp_path / "run.toml").write_text('[train]\nepochs = 12\n\n[model]\nmodel = "resnet34"\n')
     cfg = resolve("d", recipe="imagenet-resnet50", config_file=str(tmp_path / "run.json"), lr=0.2, epochs=None)
     assert (cfg.epochs, cfg.lr, cfg.label_smoothing, cfg.model) == (30, 0.2, 0.0, "resnet50")
     assert resolve("d", recipe="demo", config_file=str(tmp_path / "run.toml")).model == "resnet34"
-    (tmp_path / "bad.json").write_text(json.dumps({"batch-size": 3}))  # a flag's spelling, not the field's
-    with pytest.raises(ConfigError, match=r"config file .*bad.json has unknown keys \['batch-size'\]"):
-        resolve("d", config_file=str(tmp_path / "bad.json"))
+    for bad, said in [
+        ({"plan": {"batch-size": 3}}, r"batch-size in section \[plan\] is not a setting; \[plan\] holds mode, "),
+        ({"plan": {"epochs": 3}}, r"epochs in section \[plan\] belongs in section \[train\]; \[plan\] holds mode, "),
+        ({"epochs": 3}, r"epochs belongs in section \[train\] \(the config is by section: data, plan, loader, run, "),
+        (
+            {"optim": {"lr": 0.1}},
+            r"has an unknown section 'optim'; the sections are data, plan, loader, run, model, train$",
+        ),
+        ({"train": 3}, r"section \[train\] must hold its settings by name, not 3$"),
+    ]:
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=rf"^config file {re.escape(str(tmp_path))}/bad.json:? {said}"):
+            resolve("d", config_file=str(tmp_path / "bad.json"))
     with pytest.raises(
         ConfigError,
         match="unknown recipe 'resnet'; recipes are imagenet-resnet50, imagenet-resnet18, imagenet-resnet34, ",
@@ -195,11 +207,11 @@ def test_torchrun_two_processes_without_ray(shards: Path, tmp_path: Path) -> Non
     assert match and match.group(4) == "120", out.stdout  # 2 ranks, split mode: the whole epoch once
     assert len(SUMMARY.findall(out.stdout)) == 1, "only rank 0 reports"
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert saved["mode"] == "split" and saved["batch_size"] == 8
+    assert saved["plan"]["mode"] == "split" and saved["plan"]["batch_size"] == 8
 
 
 def test_the_fine_tuning_recipes_hold_their_sources_numbers() -> None:
-    """Each against the settings its source publishes (raywds/recipes.py names them): the rate,
+    """Each against the settings its source publishes (raywds/train/recipes.py names them): the rate,
     weight decay, layer decay, epochs, warm-up and batch, and that it starts from the weights."""
     tutorial = resolve("x", recipe="finetune-resnet50")
     assert (tutorial.model, tutorial.pretrained, tutorial.optimizer, tutorial.lr) == (
@@ -229,3 +241,27 @@ def test_the_fine_tuning_recipes_hold_their_sources_numbers() -> None:
     )
     assert (mae.mixup_alpha, mae.cutmix_alpha, mae.random_erase, mae.label_smoothing) == (0.8, 1.0, 0.25, 0.1)
     assert all(resolve("x", recipe=r).pretrained for r in ("finetune-convnext-tiny", "finetune-vit-b16-mae"))
+
+
+def test_a_runs_saved_config_is_a_config_file_by_section(tmp_path: Path) -> None:
+    """config.json (TrainConfig.to_dict) holds each part's section; given back as --config it
+    makes the same config, the data aside (--data decides), and from_dict reads it whole."""
+    cfg = resolve(
+        "shards/", recipe="finetune-convnext-tiny", epochs=4, batch_size=32, tracking=["mlflow"], mean="0.5,0.5,0.5"
+    )
+    saved = cfg.to_dict()
+    assert list(saved) == ["data", "plan", "loader", "run", "model", "train"]
+    assert (saved["plan"]["batch_size"], saved["train"]["epochs"], saved["run"]["tracking"]) == (32, 4, ["mlflow"])
+    assert (saved["loader"]["mean"], saved["model"]["model"], saved["data"]["data"]) == (
+        "0.5,0.5,0.5",
+        cfg.model,
+        "shards/",
+    )
+    assert sum(len(fields) for fields in saved.values()) == len(dataclasses.fields(TrainConfig)), (
+        "each field in one section"
+    )
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert resolve("elsewhere/", config_file=str(tmp_path / "config.json")) == dataclasses.replace(
+        cfg, data="elsewhere/"
+    )
+    assert TrainConfig.from_dict(json.loads((tmp_path / "config.json").read_text())) == cfg

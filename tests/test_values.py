@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from raywds import cli
-from raywds.config import TrainConfig
 from raywds.data.shardlists import expand, folder_glob
 from raywds.errors import DataError
 from raywds.fields import FORMS, TEXT, Range, check_values, hints, kinds
 from raywds.flags import flag_fields
 from raywds.options import COMMAND_FLAGS, MainOptions
+from raywds.train.config import TrainConfig
 
 FREE_FORM = {
     "model": "a model source's name: the sources' tables are asked before any work (an unknown one is one line)",
@@ -331,10 +331,10 @@ def test_a_malformed_brace_list_is_one_line(real: Callable[..., str], tmp_path: 
 def test_a_config_files_values_are_checked_as_the_flags_are(real: Callable[..., str], tmp_path: Path) -> None:
     """A string where a number goes was a TypeError traceback from the config's own checks."""
     for values, said in [
-        ({"epochs": "3"}, "epochs='3' must be a whole number"),
-        ({"ra_magnitude": 40}, "ra_magnitude=40 must be at most 30 (from 0 to 30)"),
-        ({"lr": math.inf}, "lr=inf must lie in (0, 100]"),
-        ({"out": ""}, "out='' is empty: give a path"),
+        ({"train": {"epochs": "3"}}, "epochs='3' must be a whole number"),
+        ({"loader": {"ra_magnitude": 40}}, "ra_magnitude=40 must be at most 30 (from 0 to 30)"),
+        ({"train": {"lr": math.inf}}, "lr=inf must lie in (0, 100]"),
+        ({"run": {"out": ""}}, "out='' is empty: give a path"),
     ]:
         (tmp_path / "config.json").write_text(json.dumps(values))
         assert real("train", "--data", "shards", "--config", "config.json") == f"raywds: error: {said}"

@@ -1,5 +1,5 @@
 """The data section of a run's config: where its shards live. The data part declares it, checks
-it and reads nothing else; the training config (raywds.config.TrainConfig) is composed of it and
+it and reads nothing else; the training config (raywds.train.config.TrainConfig) is composed of it and
 the other parts' sections, so a TrainConfig is a Source, and so is one built alone.
 
     source = Source(data="s3://bucket/imagenet/", s3_endpoint="http://127.0.0.1:8333")
@@ -19,7 +19,7 @@ class Source:
     """Where a run's shards are: --data, --val-data, where foreign shards' indexes are kept, where
     the shards are when not beside their manifest, and the S3-compatible store s3:// names."""
 
-    data: str
+    data: str = field(metadata=flag(form=SHARDS, set_otherwise=True))
     """Shards: a folder, manifest.json, an http(s) URL a shard server serves, an s3:// or gs:// prefix, or
     WebDataset shards as you name them (brace list, glob, pipe: template), indexed once on first use."""
     val_data: str | None = field(default=None, metadata=flag(form=SHARDS))

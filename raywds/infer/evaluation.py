@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raywds.config import TrainConfig, resolve
 from raywds.data.dataset import manifest_of
 from raywds.data.manifest import Manifest
 from raywds.errors import ConfigError, DataError
@@ -34,6 +33,7 @@ from raywds.loader.loader import val_loader
 from raywds.loader.stages import Batch
 from raywds.models.trained import Trained
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig, resolve
 from raywds.world import World
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.infer.evaluation import reading_config, with_workers
 from raywds.infer.inputs import Inputs, Unit, dealt, inputs_for
@@ -38,6 +37,7 @@ from raywds.loader.stages import Batch, val_decoder, worker_urls
 from raywds.loader.watch import Whereabouts
 from raywds.models.trained import Trained, load_trained
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 

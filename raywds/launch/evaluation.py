@@ -16,10 +16,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from raywds.config import TrainConfig
 from raywds.infer.evaluation import Scored, Scoring, evaluate
 from raywds.launch import gloo
 from raywds.models.trained import Trained
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 

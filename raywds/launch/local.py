@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raywds.config import TrainConfig
 from raywds.launch import gloo
 from raywds.runs import files
 from raywds.runs.folder import Metrics, RunDir
 from raywds.runs.lock import RunLock
+from raywds.train.config import TrainConfig
 from raywds.train.notice import Signals
 from raywds.train.trainer import train
 from raywds.world import World

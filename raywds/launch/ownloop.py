@@ -21,9 +21,9 @@ import ray.train  # RAY
 import torch
 from ray.train.torch import TorchTrainer  # RAY
 
-from raywds.config import TrainConfig
 from raywds.launch.cluster import connect, start_autoscaling_coordinator, wait_for_coordinator
 from raywds.launch.runstore import checkpoint_folder
+from raywds.train.config import TrainConfig
 
 Fit = Callable[[TrainConfig, "str | None"], None]
 """A worker's training: the run's config, and the folder of the checkpoint Ray restored (None at first)."""

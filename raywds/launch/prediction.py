@@ -13,10 +13,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from raywds.config import TrainConfig
 from raywds.infer.prediction import Tally, predict_rank, summed
 from raywds.infer.predictoptions import Prediction
 from raywds.launch.evaluation import process_group
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 

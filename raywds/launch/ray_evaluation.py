@@ -19,12 +19,12 @@ from typing import Any
 
 import ray
 
-from raywds.config import TrainConfig
 from raywds.data import stores
 from raywds.errors import RaywdsError, one_line, own_cause
 from raywds.infer.evaluation import Scored, Scoring, Sums
 from raywds.launch import cluster
 from raywds.models.trained import Trained
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 log = logging.getLogger(__name__)

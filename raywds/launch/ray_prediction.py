@@ -36,7 +36,6 @@ from ray.data.block import Block, BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 from ray.util.debug import log_once
 
-from raywds.config import TrainConfig
 from raywds.data import stores
 from raywds.errors import ConfigError, RaywdsError, StorageError, one_line, own_cause
 from raywds.infer.inputs import Inputs, Reading, Unit, unit_of
@@ -51,6 +50,7 @@ from raywds.loader.readers import Failures
 from raywds.loader.settings import LoaderConfig
 from raywds.loader.stages import Batch, Decoder, val_decoder
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 log = logging.getLogger(__name__)

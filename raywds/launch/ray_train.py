@@ -24,7 +24,6 @@ import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raywds import console
-from raywds.config import TrainConfig
 from raywds.data import stores
 from raywds.data.dataset import index_of, manifest_of
 from raywds.data.manifest import Manifest
@@ -53,6 +52,7 @@ from raywds.runs import files
 from raywds.runs.checkpoint import load_checkpoint, save_checkpoint
 from raywds.runs.folder import Metrics, RunDir
 from raywds.runs.rows import kind
+from raywds.train.config import TrainConfig
 from raywds.train.notice import Notice
 from raywds.train.state import check_unfinished, saved_progress
 from raywds.train.trainer import train

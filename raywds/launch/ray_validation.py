@@ -25,7 +25,6 @@ from typing import Any
 import ray
 import ray.train
 
-from raywds.config import TrainConfig
 from raywds.infer.evaluation import Scoring, evaluate, validation_numbers
 from raywds.launch.cluster import WorkerPlan
 from raywds.launch.runstore import checkpoint_folder, open_run_dir
@@ -34,6 +33,7 @@ from raywds.runs import files
 from raywds.runs.checkpoint import load_checkpoint
 from raywds.runs.folder import RunDir
 from raywds.runs.rows import kind, validation_row
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 log = logging.getLogger(__name__)

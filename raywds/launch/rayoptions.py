@@ -12,8 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from raywds.config import MAX_SECONDS
 from raywds.fields import ADDRESS, NAME, PLACE, flag
+from raywds.train.config import MAX_SECONDS
 
 DataPlane = Literal["loader", "ray"]
 PlaneExecutor = Literal["rank", "feeder"]

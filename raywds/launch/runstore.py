@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from raywds.config import TrainConfig
 from raywds.data import s3
 from raywds.launch.cluster import check_every_node_sees, split_storage
 from raywds.runs import files
@@ -22,6 +21,7 @@ from raywds.runs.bucket import BucketRunDir
 from raywds.runs.checkpoint import load_checkpoint
 from raywds.runs.folder import RunDir
 from raywds.runs.lock import RunLock
+from raywds.train.config import TrainConfig
 
 
 def open_run_dir(cfg: TrainConfig) -> RunDir | None:

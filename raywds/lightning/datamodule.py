@@ -26,7 +26,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from raywds.config import TrainConfig
 from raywds.data.dataset import manifest_of
 from raywds.errors import ConfigError, DataError
 from raywds.lightning.epochs import ExactEpochs
@@ -35,6 +34,7 @@ from raywds.loader.loader import PerRank
 from raywds.loader.stages import Batch
 from raywds.train.autoworkers import first
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig
 from raywds.train.epoch import EpochKeeper
 from raywds.world import World
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from raywds.config import TrainConfig
 from raywds.runs import files
 from raywds.runs.tensorboard import TensorBoard
 from raywds.runs.tracker import missing
 from raywds.runs.tracking import TRACKERS, Mlflow, Wandb
+from raywds.train.config import TrainConfig
 
 
 def _saved(cfg: TrainConfig) -> dict[str, str]:

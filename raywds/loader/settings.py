@@ -2,7 +2,7 @@
 augmented and normalised, declared and checked here), and the loader's own config for a pass
 (`LoaderConfig`: 20 fields, the crop sizes resolved for the epoch, the rest as the run's sections
 have them), built once per epoch by whoever trains (the trainer, the Lightning DataModule), as
-torchtitan hands each component its own config. The training config (raywds.config.TrainConfig)
+torchtitan hands each component its own config. The training config (raywds.train.config.TrainConfig)
 is composed of the sections, which the loader does not import. The fields keep the config's
 names, so `--batch-size` is `batch_size` in both.
 
@@ -34,7 +34,7 @@ MAX_SIDE = 8192
 class Loading:
     """The loader section of a run's config: how its images are read, decoded, cropped, augmented
     and normalised. The loader part declares and checks it; the training config
-    (raywds.config.TrainConfig) is composed of it and builds each epoch's LoaderConfig from it."""
+    (raywds.train.config.TrainConfig) is composed of it and builds each epoch's LoaderConfig from it."""
 
     mean: str | None = field(default=None, metadata=flag(metavar="R,G,B", form=RGB))
     """The per-channel mean images are normalised with, on a 0-1 scale (default: the weights' own

@@ -21,13 +21,13 @@ import os
 import secrets
 import shutil
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-import raywds
 from raywds.data.stores import sync_path
 from raywds.errors import ConfigError, RaywdsError, StorageError
 from raywds.models.onnxfile import (
@@ -97,7 +97,7 @@ def export_model(
     images = None
     if onnx is not None:  # the data is found before anything is written
         cfg = check_config(trained, onnx)
-        images = (check_manifest(cfg, given=onnx.data is not None), cfg, onnx.count)
+        images = (check_manifest(cfg.source, given=onnx.data is not None), cfg, onnx.count)
     tmp = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +219,7 @@ def _meta(model: str, trained: Trained, ema: bool) -> dict[str, Any]:
         "run": trained.record.get("run", {}) if again else _run_of(model),
         "config": trained.config,
         "weights": trained.record.get("weights", {}) if again else trained.record,
-        "raywds": raywds.__version__,
+        "raywds": metadata.version("raywds"),
         "torch": torch.__version__,
     }
 

@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from raywds.config import TrainConfig
+from raywds.data.source import Source
 from raywds.errors import ConfigError, RaywdsError
+from raywds.loader.settings import LoaderConfig, Loading
 from raywds.models.trained import Trained
+from raywds.plan.modes import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +98,23 @@ class OnnxCheck:
         }
 
 
-def check_config(trained: Trained, images: CheckImages) -> TrainConfig:
-    """The config the check reads its images with: --data (else the run's data) at the model's
+@dataclass(frozen=True)
+class CheckData:
+    """What the check reads its images with: where they are, and the model's validation inputs."""
+
+    source: Source
+    loading: Loading
+
+    def loader(self) -> LoaderConfig:
+        """A validation pass of CHECK_BATCH images a batch, read in this process."""
+        schedule = Schedule(loader_workers=0, batch_size=CHECK_BATCH)
+        return LoaderConfig.of(self.loading, schedule, self.source, crop_size=self.loading.val_crop)
+
+
+def check_config(trained: Trained, images: CheckImages) -> CheckData:
+    """Where and how the check reads its images: --data (else the run's data) at the model's
     validation inputs, read in this process."""
-    saved = trained.config
+    saved = trained.config.get("data") or {}  # the run's data section
     if images.data is None and not saved.get("data"):
         raise ConfigError(
             f"--onnx checks the ONNX file on validation images, and {trained.source} names no data: "
@@ -107,26 +122,26 @@ def check_config(trained: Trained, images: CheckImages) -> TrainConfig:
         )
     where = {"data": images.data} if images.data else {k: saved.get(k) for k in ("data", "val_data", "shards_at")}
     inputs = trained.inputs
-    return TrainConfig(
+    source = Source(
         **where,
-        model=trained.name,
         s3_endpoint=images.s3_endpoint or saved.get("s3_endpoint"),
         index_cache=saved.get("index_cache") if images.data is None else None,
+    )
+    loading = Loading(
         val_resize_size=inputs.resize,
         val_crop_size=inputs.crop,
         mean=",".join(map(str, inputs.mean)),
         std=",".join(map(str, inputs.std)),
-        loader_workers=0,
-        batch_size=CHECK_BATCH,
     )
+    return CheckData(source, loading)
 
 
-def check_manifest(cfg: TrainConfig, given: bool) -> Any:
+def check_manifest(source: Source, given: bool) -> Any:
     """The manifest of the check's data (read before anything is written), with a val split."""
     from raywds.data.dataset import manifest_of
 
     try:
-        manifest = manifest_of(cfg)
+        manifest = manifest_of(source)
     except RaywdsError as e:
         if given:
             raise
@@ -136,22 +151,22 @@ def check_manifest(cfg: TrainConfig, given: bool) -> Any:
         ) from None
     if not manifest.shards("val"):
         raise ConfigError(
-            f"--onnx checks on validation images, and {cfg.data} has no val split: give --data SHARDS with one"
+            f"--onnx checks on validation images, and {source.data} has no val split: give --data SHARDS with one"
         )
     return manifest
 
 
-def validation_images(manifest: Any, cfg: TrainConfig, count: int) -> Iterator[torch.Tensor]:
+def validation_images(manifest: Any, check: CheckData, count: int) -> Iterator[torch.Tensor]:
     """The val split's first `count` images, decoded by raywds's validation loader and normalised
     as raywds.train.compute does, as float32 batches."""
     from raywds.loader.loader import val_loader
     from raywds.world import World
 
-    mean, std = cfg.normalisation()
+    mean, std = check.loading.normalisation()
     mean_255 = torch.tensor([m * 255 for m in mean]).view(1, 3, 1, 1)
     std_255 = torch.tensor([s * 255 for s in std]).view(1, 3, 1, 1)
     left = count
-    batches = iter(val_loader(manifest, cfg.loader(), World()))
+    batches = iter(val_loader(manifest, check.loader(), World()))
     try:
         for batch in batches:
             if not isinstance(batch.images, torch.Tensor):  # cfg.decode is "cpu": decoded in the loader

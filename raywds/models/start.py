@@ -10,17 +10,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError
+from raywds.loader.settings import Loading
 from raywds.models import weights as weights_
 from raywds.models.finetune import Freeze, classifier_params, layer_scales
 from raywds.models.head import Fit, fit_state, grow_rows
 from raywds.models.sources import ModelName, parse_model
+from raywds.models.spec import ModelSpec
 from raywds.models.weights import Preprocessing, Weights
 
 
@@ -114,7 +115,10 @@ def _fit_ema(loaded: Weights, net: nn.Module, build: Any, classes: list[str]) ->
     return {**{f"module.{k}": v for k, v in fitted.items()}, **rest}
 
 
-def with_preprocessing(cfg: TrainConfig, preprocessing: Preprocessing | None) -> TrainConfig:
+L = TypeVar("L", bound=Loading)
+
+
+def with_preprocessing(cfg: L, preprocessing: Preprocessing | None) -> L:
     """`cfg` with --mean, --std and --crop-pct the weights' own, where the user set none of them."""
     if preprocessing is None:
         return cfg
@@ -128,16 +132,17 @@ def with_preprocessing(cfg: TrainConfig, preprocessing: Preprocessing | None) ->
     return dataclasses.replace(cfg, **fill) if fill else cfg
 
 
-def weights_preprocessing(cfg: TrainConfig) -> Preprocessing | None:
-    """The preprocessing of the weights `cfg` starts from, known before any rank starts (the Ray
+def weights_preprocessing(spec: ModelSpec, *, resume: str | None, s3_endpoint: str | None) -> Preprocessing | None:
+    """The preprocessing of the weights `spec` starts from, known before any rank starts (the Ray
     Data plane's driver needs it): --pretrained's from the library's tables; --initial-checkpoint's
-    as recorded in a raywds checkpoint (read once, into the node's cache for a remote one)."""
-    if cfg.resume is not None:
+    as recorded in a raywds checkpoint (read once, into the node's cache for a remote one); none
+    for a run that resumes."""
+    if resume is not None:
         return None
-    if cfg.pretrained:
-        return weights_.preprocessing_of(parse_model(cfg.model))
-    if cfg.initial_checkpoint:
-        return weights_.initial(cfg.initial_checkpoint, cfg.s3_endpoint).preprocessing
+    if spec.pretrained:
+        return weights_.preprocessing_of(parse_model(spec.model))
+    if spec.initial_checkpoint:
+        return weights_.initial(spec.initial_checkpoint, s3_endpoint).preprocessing
     return None
 
 

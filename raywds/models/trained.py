@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError, StorageError
+from raywds.loader.settings import Loading
 from raywds.models.sources import parse_model
+from raywds.models.spec import ModelSpec
 from raywds.models.weights import sha256_of
 from raywds.runs.files import CHECKPOINT
 
@@ -43,7 +44,7 @@ class Inputs:
     interpolation: str = "bilinear"
 
     @classmethod
-    def of(cls, cfg: TrainConfig) -> Inputs:
+    def of(cls, cfg: Loading) -> Inputs:
         mean, std = cfg.normalisation()
         return cls(cfg.val_resize, cfg.val_crop, mean, std)
 
@@ -116,15 +117,15 @@ def load_trained(where: str) -> Trained:
     if "classes" not in state or "config" not in state:
         raise StorageError(f"checkpoint {where} holds no classes or config: not one raywds wrote")
     saved = dict(state["config"])
-    try:
-        cfg = TrainConfig.from_dict(saved)
-    except (ConfigError, TypeError) as e:
+    try:  # the two sections a trained model needs of its run's config
+        spec, loading = ModelSpec(**saved["model"]), Loading(**saved["loader"])
+    except (ConfigError, TypeError, KeyError) as e:
         raise StorageError(f"checkpoint {where}: its config cannot be read by this raywds ({e})") from None
     classes = list(state["classes"])
-    model = _built(cfg.model, len(classes), state["model"], where)
-    ema = _built(cfg.model, len(classes), _ema_module(state["model_ema"]), where) if "model_ema" in state else None
+    model = _built(spec.model, len(classes), state["model"], where)
+    ema = _built(spec.model, len(classes), _ema_module(state["model_ema"]), where) if "model_ema" in state else None
     record = dict(state.get("weights") or {})
-    return Trained(cfg.model, model, classes, Inputs.of(cfg), f"checkpoint {where}", ema, saved, record)
+    return Trained(spec.model, model, classes, Inputs.of(loading), f"checkpoint {where}", ema, saved, record)
 
 
 def _export(folder: Path) -> Trained:

@@ -212,8 +212,9 @@ def _preprocessing(d: dict[str, Any]) -> Preprocessing:
     )
 
 
-def _configured(config: dict[str, Any]) -> Preprocessing | None:
-    """A raywds run's --mean, --std and --crop-pct, where it set any."""
+def _configured(saved: dict[str, Any]) -> Preprocessing | None:
+    """A raywds run's --mean, --std and --crop-pct (its config's loader section), where it set any."""
+    config = saved.get("loader") or {}
     if config.get("mean") is None and config.get("std") is None and config.get("crop_pct") is None:
         return None
 

@@ -30,7 +30,7 @@ ModeName = Literal["resample", "split"]
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
     """The plan section of a run's config: what an epoch's plan reads and nothing else. The plan
-    part declares and checks it; the training config (raywds.config.TrainConfig) is composed of it,
+    part declares and checks it; the training config (raywds.train.config.TrainConfig) is composed of it,
     and `raywds plan` takes it alone."""
 
     mode: ModeName = "resample"

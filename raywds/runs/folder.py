@@ -37,11 +37,11 @@ Metrics = dict[str, Any]
 
 
 class Described(Protocol):
-    """The run section of a run's config: what its folder needs of it, the config as written to
-    config.json (and sent to the trackers as parameters), and the trackers' names (the training
-    config, raywds.config.TrainConfig, is one)."""
+    """What a run folder needs of the config it records: the config by section, as written to
+    config.json and sent to the trackers as parameters, and the trackers' names (its run section's,
+    raywds.runs.recording.Recording.trackers); the training config is one."""
 
-    def to_dict(self) -> dict[str, Any]: ...
+    def to_dict(self) -> dict[str, dict[str, Any]]: ...
     def trackers(self) -> list[str]: ...
 
 
@@ -98,7 +98,9 @@ class RunDir:
         if not self.started:
             raise RuntimeError(f"run folder {self.path} written before its run started (RunDir.start)")
 
-    def open_tracking(self, names: list[str], config: dict[str, Any], saved: dict[str, str] | None) -> None:
+    def open_tracking(
+        self, names: list[str], config: Mapping[str, Mapping[str, Any]], saved: dict[str, str] | None
+    ) -> None:
         """Send each row from now on to the trackers in `names` (raywds.runs.tracking.TRACKERS),
         continuing the tracking runs of `saved` (a checkpoint's) or of this folder's tracking.json;
         TensorBoard keeps this folder's event files where the run continues here."""

@@ -148,7 +148,8 @@ class Follower:
         progress = self.progress
         if progress.epochs is None:
             config = run_config(self.run_dir)
-            progress.epochs, progress.max_steps = config.get("epochs"), config.get("max_steps")
+            progress.epochs = config.get("train", {}).get("epochs")
+            progress.max_steps = config.get("run", {}).get("max_steps")
         rows, restarted = self.reader.read()
         self.polls += 1
         if restarted:

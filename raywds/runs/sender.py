@@ -24,8 +24,8 @@ RETRY_MAX_S = 30.0
 
 
 def cause(e: BaseException, within: float | None = None) -> str:
-    """A failed call's cause in a few words (connection refused, no answer in 2 s, ...), else its
-    type and first line."""
+    """A failed call's cause in a few words (connection refused, connection lost: the server went
+    away during the call, no answer in 2 s, ...), else its type and first line."""
     chain: list[BaseException] = []
     link: BaseException | None = e
     while link is not None and link not in chain:
@@ -35,6 +35,8 @@ def cause(e: BaseException, within: float | None = None) -> str:
     for link in chain:
         if isinstance(link, ConnectionRefusedError):
             return "connection refused"
+        if isinstance(link, ConnectionResetError | ConnectionAbortedError):  # http.client's RemoteDisconnected too
+            return "connection lost"
         if isinstance(link, socket.gaierror):
             return "its host name does not resolve"
         if isinstance(link, TimeoutError):

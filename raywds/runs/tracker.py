@@ -65,7 +65,7 @@ class Opening:
     stay (a resumed or restarted run adds to them)."""
 
     run_id: str | None
-    config: Mapping[str, Any]
+    config: Mapping[str, Mapping[str, Any]]
     name: str
     folder: Path
     files: Path | None = None

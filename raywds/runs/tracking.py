@@ -84,9 +84,11 @@ def mlflow_client_env() -> Iterator[None]:
                 del os.environ[name]
 
 
-def params(config: Mapping[str, Any]) -> dict[str, str]:
-    """The config's fields as parameters: text of at most 500 characters (MLflow's limit)."""
-    return {k: (v if isinstance(v, str) else json.dumps(v))[:500] for k, v in sorted(config.items())}
+def params(config: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The config's fields as parameters, named by section (`plan.batch_size`): text of at most
+    500 characters (MLflow's limit)."""
+    flat = {f"{section}.{name}": value for section, fields in config.items() for name, value in fields.items()}
+    return {k: (v if isinstance(v, str) else json.dumps(v))[:500] for k, v in sorted(flat.items())}
 
 
 class Mlflow(Tracker):
@@ -96,7 +98,7 @@ class Mlflow(Tracker):
     sender: Sender
     setting, fixes = "MLFLOW_TRACKING_URI", ("start the server", "fix MLFLOW_TRACKING_URI")
 
-    def __init__(self, run_id: str | None, config: Mapping[str, Any], name: str, sender: Sender):
+    def __init__(self, run_id: str | None, config: Mapping[str, Mapping[str, Any]], name: str, sender: Sender):
         from mlflow.tracking import MlflowClient, get_tracking_uri
 
         super().__init__()
@@ -139,7 +141,7 @@ class Mlflow(Tracker):
             return cause(e, PROBE_S)
         return None
 
-    def _start(self, config: Mapping[str, Any], name: str) -> None:
+    def _start(self, config: Mapping[str, Mapping[str, Any]], name: str) -> None:
         from mlflow.entities import Param
 
         client = self.client
@@ -220,7 +222,14 @@ class Wandb(Tracker):
     sender: Sender
     setting, fixes = "WANDB_BASE_URL", ("start the server", "fix WANDB_BASE_URL", "set WANDB_MODE=offline")
 
-    def __init__(self, run_id: str | None, config: Mapping[str, Any], name: str, folder: Path | None, sender: Sender):
+    def __init__(
+        self,
+        run_id: str | None,
+        config: Mapping[str, Mapping[str, Any]],
+        name: str,
+        folder: Path | None,
+        sender: Sender,
+    ):
         import wandb
 
         super().__init__()
@@ -259,7 +268,7 @@ class Wandb(Tracker):
         except (OSError, ValueError) as e:
             return cause(e, PROBE_S)
 
-    def _start(self, config: Mapping[str, Any], name: str, folder: Path | None) -> None:
+    def _start(self, config: Mapping[str, Mapping[str, Any]], name: str, folder: Path | None) -> None:
         where = os.environ.get("WANDB_DIR") or (str(folder) if folder is not None else None)
         self.run = self.wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "raywds", id=self.run_id, name=name, resume="allow",
@@ -355,7 +364,7 @@ class Trackers:
     def open(
         cls,
         names: Sequence[str],
-        config: Mapping[str, Any],
+        config: Mapping[str, Mapping[str, Any]],
         folder: Path,
         saved: Mapping[str, str] | None,
         *,

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from raywds.config import TrainConfig
+from raywds.train.config import TrainConfig
 from raywds.train.doctor import MARGIN
 from raywds.train.ledger import per_rank
 from raywds.train.timing import ranks

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from raywds.config import TrainConfig
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 

@@ -36,7 +36,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from raywds.config import TrainConfig
 from raywds.data.columns import sample_counts
 from raywds.data.manifest import Manifest
 from raywds.errors import DataError
@@ -46,6 +45,7 @@ from raywds.plan.epoch import EpochPlan
 from raywds.plan.modes import epoch_plan, parse
 from raywds.plan.position import Position, done_in
 from raywds.train.audit import Audit
+from raywds.train.config import TrainConfig
 from raywds.train.ledger import Ledger, Tally, tally
 from raywds.train.optim import lr_at
 from raywds.world import World

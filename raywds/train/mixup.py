@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from raywds.config import TrainConfig
 from raywds.plan import seeds
+from raywds.train.config import TrainConfig
 
 
 @dataclass(frozen=True)

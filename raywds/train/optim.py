@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from raywds.config import TrainConfig
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 NORMS = (

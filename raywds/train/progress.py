@@ -14,9 +14,9 @@ import time
 
 from tqdm import tqdm
 
-from raywds.config import TrainConfig
 from raywds.runs.folder import Metrics, RunDir
 from raywds.runs.rows import ProgressRow, kind
+from raywds.train.config import TrainConfig
 from raywds.train.doctor import diagnose
 from raywds.train.loop import EpochResult
 from raywds.train.timing import stage_times

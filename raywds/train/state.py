@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.models.start import Start, grow_checkpoint
 from raywds.plan.position import check_same_shards, grown, shard_entries
+from raywds.train.config import TrainConfig
 from raywds.train.epoch import EpochKeeper
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def restore(
     Shards an append added after the checkpoint's are trained on from the next epoch that starts
     (EpochKeeper.grew)."""
     manifest = keeper.manifest
-    saved_model = (state.get("config") or {}).get("model")
+    saved_model = ((state.get("config") or {}).get("model") or {}).get("model")  # its model section's --model
     if started is not None and saved_model and saved_model != str(started.name):
         raise ConfigError(
             f"the checkpoint was trained as --model {saved_model}, not {started.name}: "

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from raywds.config import TrainConfig
 from raywds.loader.clock import Spent
 from raywds.runs.stagetimes import LOADER, NUMBERS, Steps, steps
+from raywds.train.config import TrainConfig
 from raywds.train.ledger import gathered, per_rank
 from raywds.world import World
 

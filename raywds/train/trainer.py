@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raywds.config import TrainConfig
 from raywds.data.dataset import Manifest, manifest_of
 from raywds.errors import RaywdsError
 from raywds.loader.loader import EpochLoader, Loaders, PerRank
@@ -27,6 +26,7 @@ from raywds.runs.folder import Metrics, RunDir, check_trackers
 from raywds.runs.rows import EpochRow, checkpoint_row
 from raywds.train.autoworkers import Workers
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig
 from raywds.train.doctor import diagnose
 from raywds.train.ema import ModelEma
 from raywds.train.epoch import Epoch, EpochKeeper

@@ -18,12 +18,12 @@ from PIL import Image
 from support.data import same_jpeg_pixels
 
 import raywds.data.convert
-from raywds.config import TrainConfig
 from raywds.data.convert import JOURNAL, TIMM_INFO, ConvertOptions, convert
 from raywds.data.manifest import read_manifest, shardsum
 from raywds.data.verify import verify
 from raywds.errors import DataError
 from raywds.loader.loader import val_loader
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 RAYWDS = Path(sys.executable).parent / "raywds"

@@ -538,8 +538,8 @@ def test_a_worker_on_another_node_takes_the_drivers_index_and_reads_no_shard(wds
     """`raywds ray`: the driver indexes --data and hands the manifest to the workers, so a node
     with an empty cache neither indexes the shards again nor asks the store about each one. Here
     the shards are gone by the time the worker reads its manifest: it still gets the driver's."""
-    from raywds.config import TrainConfig
     from raywds.data.dataset import index_of, manifest_of
+    from raywds.train.config import TrainConfig
 
     data = tmp_path / "shards"
     shutil.copytree(wds_dir, data)

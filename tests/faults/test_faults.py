@@ -30,7 +30,6 @@ from support.data import audited
 from support.runs import small_config
 
 from raywds.cli import main
-from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo, read_manifest
 from raywds.errors import DataError
 from raywds.loader.loader import expected
@@ -38,6 +37,7 @@ from raywds.loader.plane import Rebatcher, decode_rows, shard_rows
 from raywds.loader.stages import BadSample, train_decoder
 from raywds.plan.modes import Resample
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig
 from raywds.train.loop import train_epoch
 from raywds.train.model import build_model
 from raywds.train.trainer import train
@@ -508,7 +508,7 @@ def test_too_many_bad_samples_stop_a_resample_run(
 
 
 def test_a_fraction_bounds_bad_samples_by_the_epoch(shards: Path) -> None:
-    from raywds.config import TrainConfig
+    from raywds.train.config import TrainConfig
 
     assert TrainConfig(data="x", max_bad_samples=0.01).bad_samples_allowed(1_281_167) == 12811
     assert TrainConfig(data="x", max_bad_samples=3).bad_samples_allowed(10) == 3

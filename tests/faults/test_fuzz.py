@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from support import shardedit as edit
 
-from raywds.config import TrainConfig
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.manifest import read_manifest
 from raywds.errors import RaywdsError
 from raywds.loader.loader import train_loader
 from raywds.loader.stages import SampleError
 from raywds.plan.modes import epoch_plan
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 pytestmark = pytest.mark.faults

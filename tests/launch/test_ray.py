@@ -20,10 +20,10 @@ from support.data import epoch_keys, tar_keys
 from support.mlflowserver import MlflowServer
 from support.runs import assert_charts_hold, small_config
 
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.launch.rayoptions import RayOptions, worker_count
 from raywds.runs import files
+from raywds.train.config import TrainConfig
 from raywds.train.model import DemoNet
 from raywds.world import World
 
@@ -360,7 +360,7 @@ def test_async_validation_lands_each_epochs_exact_numbers_in_its_row_and_best(
     assert best["val_top1"] == max(r["val_top1"] for r in merged)
     assert best["epoch"] == max(merged, key=lambda r: (r["val_top1"], -r["epoch"]))["epoch"], "the first best epoch"
     trained = load_trained(str(Path(run.path) / files.BEST))
-    assert trained.config["epochs"] == 3
+    assert trained.config["train"]["epochs"] == 3
     again = validation_numbers(evaluate(Scoring.of(trained, TrainConfig.from_dict(trained.config)), World()))
     assert again["val_top1"] == best["val_top1"] and again["val_samples"] == 50
     assert again["val_loss"] == pytest.approx(best["val_loss"], rel=1e-9)

@@ -21,12 +21,12 @@ import torch
 from support.data import made_shards, tar_keys
 from support.runs import small_config
 
-from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.loader.loader import PerRank
 from raywds.loader.stages import Batch
 from raywds.plan.modes import epoch_plan
 from raywds.plan.position import Position, done_in
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 pytestmark = pytest.mark.ray

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.loader.blocks import SLOTS, Blocks
 from raywds.loader.loader import _loader, train_loader
@@ -21,6 +20,7 @@ from raywds.loader.pool import Pool
 from raywds.loader.stages import Skips
 from raywds.loader.watch import Whereabouts
 from raywds.plan.modes import epoch_plan
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 BATCH = 4

@@ -15,7 +15,6 @@ import torch
 from support.data import UNEVEN_SIZES, tar_keys
 from support.runs import small_config
 
-from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError
 from raywds.loader.decodings import Encoded
@@ -25,6 +24,7 @@ from raywds.loader.stages import Batch, fold_single_tail, rebatched
 from raywds.plan.checks import check_plan
 from raywds.plan.modes import Resample, Split, epoch_plan
 from raywds.plan.position import Position, done_in
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 from support.runs import small_config
 
-from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, read_manifest
 from raywds.loader.loader import EpochLoader, PerRank, train_loader, val_loader
 from raywds.loader.pool import Pool
@@ -25,6 +24,7 @@ from raywds.loader.stages import Batch
 from raywds.plan.epoch import EpochPlan
 from raywds.plan.modes import epoch_plan
 from raywds.plan.position import Position
+from raywds.train.config import TrainConfig
 from raywds.train.trainer import train
 from raywds.world import World
 

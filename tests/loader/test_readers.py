@@ -23,7 +23,6 @@ import pytest
 from support.data import tar_keys
 from support.runs import small_config
 
-from raywds.config import TrainConfig
 from raywds.data.cache import cache_path
 from raywds.data.http import ReadPolicy
 from raywds.data.manifest import read_manifest
@@ -33,6 +32,7 @@ from raywds.loader.loader import train_loader, val_loader
 from raywds.loader.readers import Expected, Failures, Prefetch, tar_samples
 from raywds.plan.modes import epoch_plan
 from raywds.serve import ShardServer, free_port
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 FAST = ReadPolicy(read_timeout_s=2.0, retries=2, backoff_s=0.1)

@@ -25,7 +25,6 @@ from support.runs import small_config
 
 import raywds
 from raywds.cli import main
-from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError, StorageError
 from raywds.launch.local import run_local
@@ -35,6 +34,7 @@ from raywds.models.export import export_model
 from raywds.models.onnxfile import (
     EXAMPLE_BATCH,
     TOLERANCE,
+    CheckData,
     CheckImages,
     check_config,
     check_manifest,
@@ -44,6 +44,7 @@ from raywds.models.onnxfile import (
 from raywds.models.trained import Inputs, Trained, load_trained
 from raywds.runs.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 CLI_LINE = "raywds: exported demo (10 classes) to {out}: model.safetensors, model_ema.safetensors, model.json"
@@ -115,7 +116,7 @@ def test_model_json_says_what_the_model_is_and_where_it_came_from(run: Path, tmp
     assert numbers["val_top1"] == epochs[-1]["val_top1"] and "val_top1_ema" in numbers
     assert meta["format"] == "raywds-export" and meta["version"] == 1 and meta["raywds"] == raywds.__version__
     assert meta["model"] == "demo" and meta["ema"] is False
-    assert meta["classes"] == read_manifest(str(state["config"]["data"])).classes == state["classes"]
+    assert meta["classes"] == read_manifest(str(state["config"]["data"]["data"])).classes == state["classes"]
     assert meta["inputs"] == Inputs(32, 28, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)).to_dict()
     assert meta["config"] == state["config"] and meta["weights"] == state["weights"] == {"model": "demo"}
     assert meta["run"] == {
@@ -185,7 +186,8 @@ def test_the_onnx_file_agrees_with_the_model_on_the_runs_validation_images(
     manifest, cfg = _data(trained)
     batch = next(validation_images(manifest, cfg, 7))
     raw = next(iter(val_loader(manifest, cfg.loader(), World())))
-    assert torch.equal(batch, Compute.for_run(cfg, "cpu").inputs(raw.images, raw.labels)[0][:7])  # as training's
+    run_cfg = TrainConfig.from_dict(trained.config)
+    assert torch.equal(batch, Compute.for_run(run_cfg, "cpu").inputs(raw.images, raw.labels)[0][:7])  # as training's
     for size in (1, 7):  # a batch of one too: predict's smallest
         got = session.run(None, {"images": batch[:size].numpy()})[0]
         with torch.no_grad():
@@ -193,10 +195,10 @@ def test_the_onnx_file_agrees_with_the_model_on_the_runs_validation_images(
         assert got.shape == (size, 10) and np.abs(got - expected).max() < 1e-4
 
 
-def _data(trained: Trained) -> tuple[Any, TrainConfig]:
+def _data(trained: Trained) -> tuple[Any, CheckData]:
     """The run's val split, as the check reads it."""
-    cfg = check_config(trained, CheckImages())
-    return check_manifest(cfg, given=False), cfg
+    check = check_config(trained, CheckImages())
+    return check_manifest(check.source, given=False), check
 
 
 def _one_weight_changed(path: Path, into: Path, name: str = "head.2.bias", by: float = 0.01) -> Path:

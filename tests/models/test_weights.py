@@ -263,4 +263,4 @@ def test_raywds_train_fine_tunes_from_a_hub_cache_offline(shards: Path, tmp_path
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert state["weights"]["source"] == f"timm {REPO}"
     assert state["weights"]["sha256"] == __import__("hashlib").sha256(path.read_bytes()).hexdigest()
-    assert state["config"]["mean"] == "0.5,0.5,0.5" and state["config"]["crop_pct"] == 0.95
+    assert state["config"]["loader"]["mean"] == "0.5,0.5,0.5" and state["config"]["loader"]["crop_pct"] == 0.95

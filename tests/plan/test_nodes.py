@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from raywds.config import TrainConfig
 from raywds.data.manifest import ShardInfo, deal, read_manifest
 from raywds.plan import seeds
 from raywds.plan.epoch import EpochPlan, Nodes
 from raywds.plan.modes import epoch_plan
 from raywds.plan.split import Split, canonical
+from raywds.train.config import TrainConfig
 from raywds.world import World
 
 SHARDS = [ShardInfo(f"s-{i:05d}.tar", random.Random(i).randint(20, 80), 1000, "") for i in range(960)]

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from raywds.config import TrainConfig
 from raywds.data.columns import ShardTable, table
 from raywds.data.manifest import Manifest, ShardInfo
 from raywds.errors import DataError
@@ -32,6 +31,7 @@ from raywds.plan.position import Position, already_done
 from raywds.plan.resample import Resample
 from raywds.plan.split import Split
 from raywds.train.audit import audit
+from raywds.train.config import TrainConfig
 from raywds.train.ledger import Ledger, _pack, tally
 from raywds.world import World
 

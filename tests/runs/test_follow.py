@@ -76,7 +76,7 @@ def test_rows_written_before_the_bar_and_after_its_thread_stopped_are_counted(tm
 def test_the_total_comes_from_the_run_folders_config_and_max_steps(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "raywds-config.json").write_text(json.dumps({"epochs": 6, "max_steps": 15}))
+    (run_dir / "raywds-config.json").write_text(json.dumps({"train": {"epochs": 6}, "run": {"max_steps": 15}}))
     with follow(run_dir, poll_s=0.01, file=io.StringIO()) as follower:
         append(run_dir, epoch_row(1, 10))
         wait_until(lambda: follower.bar.total == 15, follower)  # 6 epochs of 10 steps, cut at max_steps

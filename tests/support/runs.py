@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from raywds.config import TrainConfig
 from raywds.runs.rows import kind
+from raywds.train.config import TrainConfig
 
 SUMMARY = re.compile(r"^epochs (\d+)  top-1 ([\d.]+)  top-5 ([\d.]+)  samples seen (\d+)  images/s ([\d.]+)$", re.M)
 """The summary line a run prints at its end (raywds.train.progress.summary_line): epochs, top-1,

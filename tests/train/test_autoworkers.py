@@ -17,10 +17,10 @@ from support.data import epoch_keys, tar_keys
 from support.runs import FORKSERVER_PRELOAD, made_stages, small_config
 
 from raywds.cli import main
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.runs.folder import RunDir
 from raywds.train.autoworkers import MARGIN, Workers, after, first
+from raywds.train.config import TrainConfig
 from raywds.train.trainer import train
 from raywds.world import World
 

@@ -12,7 +12,6 @@ import torch
 from support.runs import small_config
 from torch import nn
 
-from raywds.config import TrainConfig
 from raywds.data.dataset import manifest_of
 from raywds.errors import ConfigError
 from raywds.loader.loader import val_loader
@@ -20,6 +19,7 @@ from raywds.models.start import start_model
 from raywds.runs import files
 from raywds.runs.checkpoint import load_checkpoint
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig
 from raywds.train.ema import ModelEma, adjusted_decay
 from raywds.train.loop import evaluate
 from raywds.world import World

@@ -16,12 +16,12 @@ import torch.multiprocessing as mp
 from support.runs import small_config
 from torch import nn
 
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.launch.ray_train import check_global_batch
 from raywds.models import sources
 from raywds.runs.folder import RunDir
 from raywds.runs.rows import read_rows
+from raywds.train.config import TrainConfig
 from raywds.train.trainer import train
 from raywds.world import World
 

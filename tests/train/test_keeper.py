@@ -18,13 +18,13 @@ import torch
 from support.runs import small_config
 from torch import nn
 
-from raywds.config import TrainConfig
 from raywds.data.manifest import Manifest, ShardInfo, read_manifest
 from raywds.errors import ConfigError, DataError
 from raywds.loader.loader import train_loader
 from raywds.loader.stages import BadSample, Batch
 from raywds.plan.modes import epoch_plan
 from raywds.runs.checkpoint import load_checkpoint, save_checkpoint
+from raywds.train.config import TrainConfig
 from raywds.train.epoch import Epoch, EpochKeeper, Progress
 from raywds.train.ledger import tally
 from raywds.train.optim import set_lr

@@ -15,10 +15,10 @@ import torch
 import torch._dynamo
 from support.runs import small_config
 
-from raywds.config import TrainConfig
 from raywds.errors import ConfigError
 from raywds.loader.crops import crop_rng, draw_crop, reduction
 from raywds.runs.folder import RunDir
+from raywds.train.config import TrainConfig
 from raywds.train.trainer import train
 from raywds.world import World
 
@@ -64,7 +64,7 @@ def test_the_schedule_is_checked_in_one_line() -> None:
 
 
 def test_the_schedule_is_parsed_once_into_numbers() -> None:
-    from raywds.config import Progression
+    from raywds.train.config import Progression
 
     cfg = TrainConfig(data="x", epochs=10, progressive_resize="160:192", progressive_epochs="2:6")
     assert cfg.progression == Progression(160, 192, 2.0, 6.0)

@@ -20,7 +20,6 @@ from support.data import UNEVEN_SIZES, epoch_keys, tar_keys
 from support.runs import FORKSERVER_PRELOAD, small_config
 from torch.nn.parallel import DistributedDataParallel
 
-from raywds.config import TrainConfig
 from raywds.data.manifest import read_manifest
 from raywds.errors import CollectiveError, ConfigError
 from raywds.loader.loader import val_loader
@@ -29,6 +28,7 @@ from raywds.plan.modes import Split
 from raywds.plan.position import Position
 from raywds.runs.folder import RunDir
 from raywds.train.compute import Compute
+from raywds.train.config import TrainConfig
 from raywds.train.loop import EpochResult, evaluate, train_epoch
 from raywds.train.model import DemoNet, build_model
 from raywds.train.optim import lr_at

@@ -1,7 +1,7 @@
 """The recipes `--recipe NAME` starts from: TrainConfig fields by name, each recipe's source in its
 comment (docs/training.md has the table with the accuracy each is published at).
 
-    resolve("shards/", recipe="imagenet-resnet50-v2", epochs=90)   # raywds.config.resolve
+    resolve("shards/", recipe="imagenet-resnet50-v2", epochs=90)   # raywds.train.config.resolve
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """One frozen config shared by the CLI, the notebook and the Ray job, composed of the sections its
-parts declare and check: where the shards are (raywds.data.source.Source), the epoch's plan
-(raywds.plan.modes.Schedule) and how the loader reads and crops (raywds.loader.settings.Loading),
-with the rest of a run's settings beside them.
+parts declare and check (SECTIONS): where the shards are (raywds.data.source.Source), the epoch's
+plan (raywds.plan.modes.Schedule), how the loader reads and crops (raywds.loader.settings.Loading),
+the run's record (raywds.runs.recording.Recording) and the model (raywds.models.spec.ModelSpec),
+with the training's own settings beside them and the checks across sections.
 
-from raywds.config import TrainConfig
+from raywds.train.config import TrainConfig
 cfg = TrainConfig(data="shards/", epochs=3, model="resnet18")
 """
 
@@ -16,20 +17,20 @@ from typing import Any, Literal
 
 from raywds.data.source import Source
 from raywds.errors import ConfigError
-from raywds.fields import MAX_SECONDS, MAX_STEPS, PATH, PLACE, TEXT, URL, check_values, flag
+from raywds.fields import MAX_EPOCHS, MAX_SECONDS, MAX_STEPS, URL, check_values, flag
 from raywds.loader.settings import MAX_SIDE, LoaderConfig, Loading
+from raywds.models.spec import ModelSpec
 from raywds.plan.modes import Schedule
-from raywds.recipes import RECIPES
+from raywds.runs.recording import Recording
+from raywds.train.recipes import RECIPES
 
 # The choices of each setting; the CLI's --help and choices come from these (raywds.flags).
 Optimizer = Literal["sgd", "adamw"]
 Precision = Literal["auto", "bf16", "fp32"]
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]
-TrackerName = Literal["mlflow", "wandb", "tensorboard"]
 
 PROGRESSIVE_STEP_PX = 32
 """--progressive-resize's sizes go up in steps of this many pixels (FFCV's schedule)."""
-MAX_EPOCHS = 100_000
 
 
 @dataclass(frozen=True)
@@ -75,27 +76,13 @@ class S3Endpoint:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(Source, Schedule, Loading):
-    """Everything a training run needs to know: its parts' sections (Source, Schedule, Loading) and the
-    settings below; the world (rank, size) is passed separately."""
+class TrainConfig(Source, Schedule, Loading, Recording, ModelSpec):
+    """Everything a training run needs to know: its parts' sections (Source, Schedule, Loading,
+    Recording, ModelSpec) and the training's own settings below (the optimizer, its schedule and
+    recipe, precision); the world (rank, size) is passed separately."""
 
     epochs: int = field(default=3, metadata=flag(minimum=1, maximum=MAX_EPOCHS))
     """Passes over the training split."""
-    model: str = field(default="resnet50", metadata=flag(form=TEXT))
-    """A torchvision model (resnet50; with a weights tag: resnet50.IMAGENET1K_V2), a timm model as the
-    Hugging Face Hub names it (timm/convnext_tiny.fb_in22k; needs raywds[timm]), or `demo` for the small CPU network."""
-    pretrained: bool = False
-    """Start from the weights --model's library publishes for it (torchvision's default or the tag's;
-    timm's tag), read through that library's cache (TORCH_HOME, HF_HOME; HF_HUB_OFFLINE=1 works offline)."""
-    initial_checkpoint: str | None = field(default=None, metadata=flag(form=PLACE))
-    """Start from these weights: a .safetensors or .pth/.pt state dict, or a raywds run or checkpoint
-    (its weights and EMA only), at a path or an s3://, gs:// or http(s):// URL; --resume continues a run instead."""
-    layer_decay: float | None = field(default=None, metadata=flag(above=0, maximum=1))
-    """Scale each layer group's learning rate by this to the power of its depth below the classifier
-    (timm's --layer-decay, e.g. 0.75 for ViT fine-tuning); None leaves every group at the peak lr."""
-    freeze_epochs: int = field(default=0, metadata=flag(minimum=0, maximum=MAX_EPOCHS))
-    """Train only the classifier for the first this many epochs (every other tensor frozen, BatchNorm
-    statistics too), then the whole model."""
     optimizer: Optimizer = "sgd"
     """`sgd` (momentum, nesterov) or `adamw`."""
     lr: float | None = field(default=None, metadata=flag(above=0, maximum=100))
@@ -129,42 +116,16 @@ class TrainConfig(Source, Schedule, Loading):
     `channels_last` or `contiguous`."""
     compile: bool = False
     """Wrap the model in torch.compile."""
-    out: str = field(default="runs/local", metadata=flag(form=PATH))
-    """Where checkpoints and metrics go when not running under Ray (runs/demo for --demo)."""
     pg_timeout: int = field(default=300, metadata=flag(minimum=1, maximum=MAX_SECONDS))
     """Process-group timeout: a stalled collective becomes an error after this long."""
     max_bad_samples: float = field(default=0.001, metadata=flag(minimum=0, maximum=MAX_STEPS))
     """resample mode: samples that cannot be decoded are skipped and counted, up to this many distinct
     ones per epoch (below 1: a fraction of the epoch's samples; each draw of a sample is skipped,
     the sample counts once), then the run stops. Split mode never skips."""
-    log_every: float = field(default=60.0, metadata=flag(minimum=0, maximum=MAX_SECONDS))
-    """Rank 0 prints a progress line (loss, lr, images/s, data wait, ETA) this often inside an epoch."""
-    tensorboard: bool = False
-    """Rank 0 also writes the epoch and progress rows of metrics.jsonl as TensorBoard scalars to
-    RUN_DIR/tensorboard/ (needs the tensorboard extra: pip install 'raywds[tensorboard]')."""
-    tracking: list[TrackerName] | None = field(default=None, metadata=flag(append=True))
-    """Also send the config and each epoch's (and in-epoch checkpoint's) numbers to these (repeatable): mlflow
-    (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME), wandb (WANDB_PROJECT, WANDB_MODE), tensorboard (as --tensorboard);
-    one tracking run per training run, through resumes and restarts."""
-    tracking_checkpoint: bool = False
-    """With --tracking mlflow or wandb: send best/checkpoint.pt as an artifact at the run's end."""
-    val_every: int = field(default=1, metadata=flag(minimum=1, maximum=MAX_EPOCHS))
-    """Validate every this many epochs (and always after the last)."""
-    checkpoint_every_steps: int | None = field(default=None, metadata=flag(minimum=1, maximum=MAX_STEPS))
-    """Also checkpoint inside an epoch, every this many steps (at steps every rank reaches)."""
     global_batch: int | None = field(default=None, metadata=flag(minimum=1, maximum=2**24))
     """Samples each optimizer step sees, on any number of ranks: each rank adds up the gradients
     of global_batch / (ranks x --batch-size) batches a step, so an elastic resize keeps the
     optimisation the same (None: one batch a rank, a step)."""
-    notice_every: int | None = field(default=10, metadata=flag(minimum=1, maximum=MAX_STEPS))
-    """Every this many steps, every rank asks whether a notice came (Ray's preemption notice, or
-    SIGTERM to any rank) and checkpoints on one at once (None: never ask)."""
-    max_steps: int | None = field(default=None, metadata=flag(minimum=1, maximum=MAX_STEPS))
-    """Stop, with a checkpoint, after this many steps in all; a later run with resume goes on."""
-    resume: str | None = field(default=None, metadata=flag(form=PLACE))
-    """A checkpoint (file, or Ray checkpoint directory) to continue from: weights, optimizer and data position."""
-    audit_dir: str | None = field(default=None, metadata=flag(form=PATH))
-    """Write the id of every sample trained on, per epoch, rank and segment, here (`raywds audit` checks them)."""
 
     def __post_init__(self) -> None:
         for section in SECTIONS:
@@ -183,8 +144,6 @@ class TrainConfig(Source, Schedule, Loading):
 
     def _check_start(self) -> None:
         """The starting weights' settings across fields (each field's own range is declared with it)."""
-        if self.pretrained and self.initial_checkpoint:
-            raise ConfigError("--pretrained and --initial-checkpoint both give starting weights: give one")
         if self.freeze_epochs >= self.epochs:
             raise ConfigError(
                 f"freeze_epochs={self.freeze_epochs} leaves no epoch of the {self.epochs} to train the whole model: "
@@ -252,21 +211,54 @@ class TrainConfig(Source, Schedule, Loading):
             )
         return self.global_batch // per_step
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def trackers(self) -> list[str]:
-        """What rank 0 sends the rows to: --tracking's, and tensorboard for --tensorboard (the older flag)."""
-        return list(dict.fromkeys([*(self.tracking or []), *(["tensorboard"] if self.tensorboard else [])]))
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The config by section, as config.json, a checkpoint and the trackers hold it:
+        {"data": {"data": ..., ...}, "plan": {...}, "loader": {...}, "run": {...}, "model": {...}, "train": {...}}."""
+        flat = dataclasses.asdict(self)
+        return {key: {name: flat[name] for name in names} for key, names in section_fields().items()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        check_known(values, "config")
-        return cls(**values)
+        """The config of a dict by section (to_dict's, config.json's, a config file's)."""
+        return cls(**flatten(values, "config"))
 
 
-SECTIONS = (Source, Schedule, Loading)
+SECTIONS = (Source, Schedule, Loading, Recording, ModelSpec)
 """The parts' sections the training config is composed of, each declared and checked by its part."""
+SECTION_KEYS = {Source: "data", Schedule: "plan", Loading: "loader", Recording: "run", ModelSpec: "model"}
+"""Each section's key in config.json and config files; "train" holds the training's own settings."""
+
+
+@functools.cache
+def section_fields() -> dict[str, tuple[str, ...]]:
+    """Each section's key and its fields' names, the training's own last ("train")."""
+    keyed = {SECTION_KEYS[section]: tuple(f.name for f in dataclasses.fields(section)) for section in SECTIONS}
+    return {**keyed, "train": own_fields()}
+
+
+def flatten(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """{section: {field: value}} as {field: value}, refusing in one line, naming `where` they came
+    from, a section or a key that is not one, or a key in another section than its own."""
+    sections = section_fields()
+    home = {name: key for key, names in sections.items() for name in names}
+    flat: dict[str, Any] = {}
+    for key, fields in values.items():
+        if key in home and key not in sections:
+            raise ConfigError(
+                f"{where}: {key} belongs in section [{home[key]}] (the config is by section: {', '.join(sections)})"
+            )
+        if key not in sections:
+            raise ConfigError(f"{where} has an unknown section {key!r}; the sections are {', '.join(sections)}")
+        if not isinstance(fields, dict):
+            raise ConfigError(f"{where}: section [{key}] must hold its settings by name, not {fields!r}")
+        for name, value in fields.items():
+            if home.get(name) != key:
+                said = f"belongs in section [{home[name]}]" if name in home else "is not a setting"
+                raise ConfigError(
+                    f"{where}: {name} in section [{key}] {said}; [{key}] holds {', '.join(sections[key])}"
+                )
+            flat[name] = value
+    return flat
 
 
 @functools.cache
@@ -294,7 +286,8 @@ def check_known(values: dict[str, Any], where: str) -> None:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """TrainConfig fields from a .json or .toml file."""
+    """TrainConfig fields from a .json or .toml file of sections (a TOML table or a JSON object
+    each: [plan] batch_size = 256), as {field: value}."""
     import json
     from pathlib import Path
 
@@ -312,8 +305,7 @@ def read_config_file(path: str) -> dict[str, Any]:
             values = json.loads(text)
     except ValueError as e:
         raise ConfigError(f"config file {path} does not parse: {e}") from None
-    check_known(values, f"config file {path}")
-    return values
+    return flatten(values, f"config file {path}")
 
 
 def resolve(data: str, *, recipe: str | None = None, config_file: str | None = None, **flags: Any) -> TrainConfig:
