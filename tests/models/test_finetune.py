@@ -159,7 +159,8 @@ def test_the_weights_preprocessing_is_the_runs(shards: Path, tmp_path: Path, mon
         shards, epochs=1, initial_checkpoint=str(tmp_path / "a"), mean="0.4,0.4,0.4", out=str(tmp_path / "c")
     )
     run_local(mine)
-    assert json.loads((tmp_path / "c" / "config.json").read_text())["loader"]["mean"] == "0.4,0.4,0.4"  # the user's wins
+    used = json.loads((tmp_path / "c" / "config.json").read_text())["loader"]
+    assert used["mean"] == "0.4,0.4,0.4"  # the user's wins
 
 
 @pytest.mark.slow  # a real MLflow server: its start is 15-20 s of the inner loop

@@ -64,7 +64,9 @@ def test_a_run_stopped_and_resumed_is_one_mlflow_run_with_one_history(
     [only] = server.runs(experiment)
     assert only.info.run_id == first.info.run_id and only.info.status == "FINISHED"
     fields = {f"{section}.{name}" for section, names in cfg.to_dict().items() for name in names}
-    assert set(only.data.params) == fields and len(fields) == len(dataclasses.fields(TrainConfig)), "each field, by section"
+    assert set(only.data.params) == fields and len(fields) == len(dataclasses.fields(TrainConfig)), (
+        "each field, by section"
+    )
     assert only.data.params["plan.batch_size"] == "16" and only.data.tags["resumed.run.max_steps"] == "null"
     client = server.client()
     seen = [(m.step, m.value) for m in client.get_metric_history(only.info.run_id, "samples_seen")]
