@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from raywds.data.shardoptions import ConvertOptions, IndexOptions
+from raywds.data.source import Endpoint
 from raywds.errors import ConfigError
 from raywds.fields import ADDRESS, HOST, PATH, PLACE, SHARDS, TEXT, check_values, flag
 from raywds.infer.predictoptions import Prediction, PredictPlane
 from raywds.launch.rayoptions import RayOptions
 from raywds.plan.modes import Schedule
 from raywds.serve import BACKENDS, ServerOptions
-from raywds.train.config import MAX_EPOCHS, S3Endpoint, TrainConfig, check_known, resolve
+from raywds.train.config import MAX_EPOCHS, TrainConfig, check_known, resolve
 from raywds.train.recipes import RECIPES
 
 DEMO_DIR = "runs/demo"
@@ -42,7 +43,7 @@ class DemoOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConvertWhere(S3Endpoint):
+class ConvertWhere(Endpoint):
     src: str = field(metadata=flag(positional=True, form=PLACE))
     """Folder holding train/<class>/* and val/<class>/*, or one ImageFolder; or such a tree under an s3:// or
     gs:// prefix, or behind an http(s):// directory listing. (Shards already written, as a brace list or a
@@ -62,14 +63,14 @@ class ConvertWhere(S3Endpoint):
 
 
 @dataclass(frozen=True, kw_only=True)
-class VerifyOptions(S3Endpoint):
+class VerifyOptions(Endpoint):
     shards: str = field(metadata=flag(positional=True, form=SHARDS))
     """Shard folder (with manifest.json), an s3:// or gs:// prefix, or shards as a run's --data names them (a
     brace list, a glob: checked against the index the run made of them)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class IndexWhere(S3Endpoint):
+class IndexWhere(Endpoint):
     shards: list[str] | None = field(default=None, metadata=flag(positional=True, nargs="*", form=SHARDS))
     """Shards as WebDataset names them: brace lists, globs, folders or bucket prefixes, pipe: templates
     (local, http(s)://, s3://, gs://); split into train and val by name (*train*, *val*, *validation*)."""
@@ -82,7 +83,7 @@ class IndexWhere(S3Endpoint):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AuditOptions(S3Endpoint):
+class AuditOptions(Endpoint):
     audit_dir: Path = field(metadata=flag(positional=True, form=PATH))
     """The run's --audit-dir."""
     data: str = field(metadata=flag(form=SHARDS))
@@ -148,7 +149,7 @@ class PlanOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunOptions(S3Endpoint):
+class RunOptions(Endpoint):
     run_dir: str = field(metadata=flag(positional=True, form=PLACE))
     """A run's folder (the --out of a local run, a Ray run's folder) or s3://… prefix, with metrics.jsonl."""
 
@@ -212,7 +213,7 @@ EVALUATE_FIELDS = (
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExportOptions(S3Endpoint):
+class ExportOptions(Endpoint):
     model: str = field(metadata=flag(positional=True, form=PATH))
     """The trained model: a run folder (its checkpoint.pt), RUN/best, a checkpoint file, or an export folder."""
     out: str = field(metadata=flag(form=PATH))

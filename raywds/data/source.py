@@ -15,7 +15,17 @@ from raywds.fields import PATH, PLACE, SHARDS, URL, check_fields, flag
 
 
 @dataclass(frozen=True, kw_only=True)
-class Source:
+class Endpoint:
+    """Which store s3:// paths name: every command that reads or writes them takes it (a run's
+    Source, and `convert`, `index`, `verify`, `audit`, `report`, `export`'s options)."""
+
+    s3_endpoint: str | None = field(default=None, metadata=flag(form=URL))
+    """The S3-compatible store's URL for s3:// paths (MinIO, AIStore, SeaweedFS, R2...); default
+    AWS_ENDPOINT_URL, else AWS. Credentials come from boto3's chain (AWS_* variables, ~/.aws, a role)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source(Endpoint):
     """Where a run's shards are: --data, --val-data, where foreign shards' indexes are kept, where
     the shards are when not beside their manifest, and the S3-compatible store s3:// names."""
 
@@ -32,9 +42,6 @@ class Source:
     """Where the shards are when not beside the manifest: a folder, a base URL, or a template
     with {} for the shard name, e.g. `pipe:aws s3 cp s3://bucket/shards/{} -`. Several base URLs,
     comma-separated, share the shards between servers of the same folder (a shard always from one)."""
-    s3_endpoint: str | None = field(default=None, metadata=flag(form=URL))
-    """The S3-compatible store's URL for s3:// paths (MinIO, AIStore, SeaweedFS, R2...); default
-    AWS_ENDPOINT_URL, else AWS. Credentials come from boto3's chain (AWS_* variables, ~/.aws, a role)."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -42,4 +49,4 @@ class Source:
         check_fields(self, Source)  # each field's type, range and form, as declared above
 
 
-__all__ = ["Source"]
+__all__ = ["Endpoint", "Source"]

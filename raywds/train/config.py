@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from raywds.data.source import Source
 from raywds.errors import ConfigError
-from raywds.fields import MAX_EPOCHS, MAX_SECONDS, MAX_STEPS, URL, check_values, flag
+from raywds.fields import MAX_EPOCHS, MAX_SECONDS, MAX_STEPS, check_values, flag
 from raywds.loader.settings import MAX_SIDE, LoaderConfig, Loading
 from raywds.models.spec import ModelSpec
 from raywds.plan.modes import Schedule
@@ -64,15 +64,6 @@ class Progression:
             return self.low
         at = self.low + (self.high - self.low) * (epoch + 1 - self.start) / (self.end - self.start)
         return min(self.high, self.low + PROGRESSIVE_STEP_PX * round((at - self.low) / PROGRESSIVE_STEP_PX))
-
-
-@dataclass(frozen=True, kw_only=True)
-class S3Endpoint:
-    """Which store s3:// paths name; every command that reads or writes them takes it."""
-
-    s3_endpoint: str | None = field(default=None, metadata=flag(form=URL))
-    """The S3-compatible store's URL for s3:// paths (MinIO, AIStore, SeaweedFS, R2...); default
-    AWS_ENDPOINT_URL, else AWS. Credentials come from boto3's chain (AWS_* variables, ~/.aws, a role)."""
 
 
 @dataclass(frozen=True, kw_only=True)
