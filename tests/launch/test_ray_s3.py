@@ -37,7 +37,9 @@ def ray_env(ray_temp: Path) -> dict[str, str]:
 def config_file(tmp_path: Path, data: str, audit: Path, **overrides: object) -> Path:
     cfg = small_config(data, mode="split", audit_dir=str(audit), batch_size=4, pg_timeout=60, **overrides)
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in ("data", "out")}))
+    saved = cfg.to_dict()  # by section; --data and the run's own folder come from the command
+    del saved["data"]["data"], saved["run"]["out"]
+    path.write_text(json.dumps(saved))
     return path
 
 

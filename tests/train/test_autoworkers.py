@@ -4,6 +4,7 @@ is the limit than where the model is, with split epochs still exact."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -96,7 +97,7 @@ def chosen(run: Path) -> list[tuple[int, str]]:
 
 
 def auto(cfg: TrainConfig, **overrides: object) -> TrainConfig:
-    return TrainConfig(**{**cfg.to_dict(), "loader_workers": "auto", "mode": "split", **overrides})
+    return dataclasses.replace(cfg, **{"loader_workers": "auto", "mode": "split", **overrides})
 
 
 @pytest.mark.slow
