@@ -109,11 +109,11 @@ class Loading:
 
     def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """--mean and --std as numbers (ImageNet's where not set)."""
-        return _triple(self.mean, "mean", (0.485, 0.456, 0.406)), _triple(self.std, "std", (0.229, 0.224, 0.225))
+        return rgb(self.mean, "mean", (0.485, 0.456, 0.406)), rgb(self.std, "std", (0.229, 0.224, 0.225))
 
 
-def _triple(text: str | None, name: str, default: tuple[float, ...]) -> tuple[float, ...]:
-    """An R,G,B setting's three numbers."""
+def rgb(text: str | None, name: str, default: tuple[float, float, float]) -> tuple[float, float, float]:
+    """An R,G,B setting's three numbers (`default` where it is not set), or one line on a bad one."""
     if text is None:
         return default
     try:
@@ -124,7 +124,8 @@ def _triple(text: str | None, name: str, default: tuple[float, ...]) -> tuple[fl
         raise ConfigError(
             f"{name}={text!r} must be three numbers R,G,B on a 0-1 scale (e.g. {','.join(map(str, default))})"
         )
-    return values
+    r, g, b = values
+    return r, g, b
 
 
 @dataclass(frozen=True, kw_only=True)

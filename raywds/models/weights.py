@@ -30,6 +30,7 @@ import torch
 
 from raywds.data import stores
 from raywds.errors import ConfigError, StorageError
+from raywds.loader.settings import rgb
 from raywds.models.sources import ModelName, Timm, TorchVision
 
 HUB_PROBE_S = 5.0
@@ -217,13 +218,9 @@ def _configured(saved: dict[str, Any]) -> Preprocessing | None:
     config = saved.get("loader") or {}
     if config.get("mean") is None and config.get("std") is None and config.get("crop_pct") is None:
         return None
-
-    def triple(text: Any, default: tuple[float, float, float]) -> tuple[float, float, float]:
-        return tuple(float(v) for v in str(text).split(",")) if text else default  # type: ignore[return-value]
-
     return Preprocessing(
-        mean=triple(config.get("mean"), IMAGENET.mean),
-        std=triple(config.get("std"), IMAGENET.std),
+        mean=rgb(config.get("mean"), "mean", IMAGENET.mean),
+        std=rgb(config.get("std"), "std", IMAGENET.std),
         crop_pct=float(config.get("crop_pct") or IMAGENET.crop_pct),
     )
 
