@@ -119,7 +119,7 @@ if "--ray" in sys.argv:
     import raywds.launch.cluster
     timed(raywds.launch.cluster, "connect")
     timed(raywds.launch.cluster, "check_every_node_sees")
-from raywds.cli import main
+from raywds.cli.main import main
 code = main(sys.argv[1:])
 print("BENCH", *(f"{k}={v:.4f}" for k, v in marks.items()), f"end={time.time():.6f}")
 sys.exit(code)

@@ -8,7 +8,7 @@
     python examples/lightning_imagenet.py --demo --resume runs/demo/last.ckpt   # on from a checkpoint
 
 Every `raywds train` flag is accepted (`--data`, `--mode`, `--epochs`, `--out`, `--batch-size`,
-`--checkpoint-every-steps`, `--audit-dir`, ...: raywds.flags makes them from the TrainConfig),
+`--checkpoint-every-steps`, `--audit-dir`, ...: raywds.cli.flags makes them from the TrainConfig),
 plus Lightning's `--devices` and `--accelerator`. It ends with `raywds train`'s summary line:
 `epochs N  top-1 X  top-5 X  samples seen N  images/s X`. See docs/lightning.md.
 """

@@ -36,8 +36,8 @@ _PUBLIC = {
     "KeepTrackingIds": "raywds.lightning.loggers",
     "tracking_loggers": "raywds.lightning.loggers:loggers",
     "prepare_demo": "raywds.data.demo:prepare",
-    "add_flags": "raywds.flags",
-    "given": "raywds.flags",
+    "add_flags": "raywds.cli.flags",
+    "given": "raywds.cli.flags",
 }
 __all__ = [
     "KeepTrackingIds",
@@ -62,9 +62,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from raywds.cli.flags import add_flags, given
     from raywds.data.demo import prepare as prepare_demo
     from raywds.errors import RaywdsError
-    from raywds.flags import add_flags, given
     from raywds.launch.cluster import connect
     from raywds.launch.local import train_in_process as fit
     from raywds.launch.ownloop import run_on_ray

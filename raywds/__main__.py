@@ -3,6 +3,6 @@ runs it as N DDP ranks."""
 
 import sys
 
-from raywds.cli import main
+from raywds.cli.main import main
 
 sys.exit(main())

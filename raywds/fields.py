@@ -1,13 +1,13 @@
 """How a documented dataclass field becomes a command-line flag where it takes more than its type
 says, and which values it takes: `field(metadata=flag(...))`. The flag is always `--` and the
 field's name with dashes (one name per setting: the flag, the config file and config.json say the
-same word). raywds.flags makes every command's flags from such dataclasses; the field's docstring
+same word). raywds.cli.flags makes every command's flags from such dataclasses; the field's docstring
 is the flag's help, its default the flag's default, a Literal type its choices.
 
 Every value a field takes is declared here, where the field is: a number's range (`minimum`,
 `maximum`, or `above`/`below` for open ends), a text's form (a path, a URL, a brace list of
 shards...), a word's choices. `problem` checks a value against its field's declaration, in one
-place for every flag of every command (raywds.options.Flags.build, before a command starts) and
+place for every flag of every command (raywds.cli.options.Flags.build, before a command starts) and
 for every section of a config (check_fields, below: for values from a file or from Python).
 
     epochs: int = field(default=3, metadata=flag(minimum=1, maximum=100_000))   # --epochs 0: one line, its range

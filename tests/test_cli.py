@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from support.runs import SUMMARY, assert_charts_hold, command
 
-from raywds.cli import main
+from raywds.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYWDS = Path(sys.executable).parent / "raywds"
@@ -379,8 +379,8 @@ def test_tensorboard_without_the_package_is_one_line_before_training(
 
 
 def test_ray_serve_flag_hands_workers_an_http_url(shards: Path) -> None:
-    from raywds.cli import build_parser, command_options
-    from raywds.commands import _data
+    from raywds.cli.commands import _data
+    from raywds.cli.main import build_parser, command_options
     from raywds.data.manifest import read_manifest
 
     args = build_parser().parse_args(["ray", "--data", str(shards), "--serve", "--server-backend", "embedded"])
@@ -405,12 +405,12 @@ MINIMAL = {
 
 def test_each_command_takes_one_typed_object_per_group_of_its_flags() -> None:
     """raywds.cli makes each command's options once, one object per group of its flags
-    (raywds.options.COMMAND_FLAGS), and the command's parameters are typed as those objects."""
+    (raywds.cli.options.COMMAND_FLAGS), and the command's parameters are typed as those objects."""
     import inspect
 
-    from raywds.cli import build_parser, command_options
-    from raywds.commands import COMMANDS
-    from raywds.options import COMMAND_FLAGS
+    from raywds.cli.commands import COMMANDS
+    from raywds.cli.main import build_parser, command_options
+    from raywds.cli.options import COMMAND_FLAGS
 
     assert sorted(COMMANDS) == sorted(COMMAND_FLAGS)
     for name, takes in COMMANDS.items():
@@ -420,9 +420,9 @@ def test_each_command_takes_one_typed_object_per_group_of_its_flags() -> None:
 
 
 def test_the_flags_arrive_in_the_options_under_their_own_names() -> None:
-    from raywds.cli import build_parser, command_options
+    from raywds.cli.main import build_parser, command_options
+    from raywds.cli.options import Source, Training
     from raywds.launch.rayoptions import RayOptions
-    from raywds.options import Source, Training
 
     argv = ["ray", "--demo", "--epochs", "2", "--keep-checkpoints", "5", "--worker-resource", "trainer=1"]
     source, training, ray = command_options(build_parser().parse_args(argv))
@@ -443,7 +443,7 @@ def test_plan_takes_the_plan_section_and_refuses_what_training_refuses() -> None
     training would refuse is refused in the same words."""
     import dataclasses
 
-    from raywds.cli import build_parser, command_options
+    from raywds.cli.main import build_parser, command_options
     from raywds.errors import ConfigError
     from raywds.plan.modes import Schedule
     from raywds.train.config import TrainConfig
@@ -468,7 +468,7 @@ def test_error_lines_of_processes_sharing_a_pipe_stay_whole() -> None:
 
     start = time.time() + 3  # every writer imported by then: they write at once
     code = (
-        f"import time\nfrom raywds.cli import said_error\ntime.sleep(max(0, {start} - time.time()))\n"
+        f"import time\nfrom raywds.cli.main import said_error\ntime.sleep(max(0, {start} - time.time()))\n"
         "for i in range(3000): said_error('x' * 60 + str(i))"
     )
     read, write = os.pipe()

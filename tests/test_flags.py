@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from raywds.cli import build_parser
+from raywds.cli.main import build_parser
 
 SNAPSHOT = Path(__file__).with_name("cli_flags.json")
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from raywds import cli
+from raywds.cli.flags import flag_fields
+from raywds.cli import main as cli
+from raywds.cli.options import COMMAND_FLAGS, MainOptions
 from raywds.data.shardlists import expand, folder_glob
 from raywds.errors import DataError
 from raywds.fields import FORMS, TEXT, Range, check_values, hints, kinds
-from raywds.flags import flag_fields
-from raywds.options import COMMAND_FLAGS, MainOptions
 from raywds.train.config import TrainConfig
 
 FREE_FORM = {
@@ -104,7 +104,7 @@ def bases(tmp: Path) -> dict[str, list[str]]:
 
 def every_flag() -> Iterator[Flag]:
     """Every flag and positional of every command (the top level's as `raywds`), with the field it
-    is made from (raywds.options.COMMAND_FLAGS, raywds.flags)."""
+    is made from (raywds.cli.options.COMMAND_FLAGS, raywds.cli.flags)."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     groups = [("raywds", parser, [(MainOptions, flag_fields(MainOptions))])]

@@ -1,5 +1,5 @@
 """`raywds convert`'s and `raywds index`'s options (raywds.data.convert and raywds.data.index
-take them; the commands' flags are made from them, raywds.flags). Apart from the converter and
+take them; the commands' flags are made from them, raywds.cli.flags). Apart from the converter and
 the indexer, so that building the command line imports no PIL, numpy or tqdm."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What `raywds predict` predicts, with which model, into which folder: the options the per-rank
 predict (raywds.infer.prediction) and its Ray launchers read; the command line adds how to use Ray
-(raywds.options.PredictOptions). Imports no torch, so `raywds --help` does not load it.
+(raywds.cli.options.PredictOptions). Imports no torch, so `raywds --help` does not load it.
 
     Prediction(model="runs/local", data="shards/", out="preds", top_k=5)
 """

@@ -1,5 +1,5 @@
 """What `raywds ray` takes besides the training config, with the one default of each: the CLI's
-flags are made from RayOptions (raywds.flags), and raywds.launch.ray_train.run takes the same
+flags are made from RayOptions (raywds.cli.flags), and raywds.launch.ray_train.run takes the same
 object (DEFAULTS unless given). Imports no Ray, so `raywds --help` does not load it.
 
     ray_train.run(cfg, RayOptions(storage_path="runs/ray", name="first", max_failures=0))

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from raywds.data.http import ReadPolicy
 from raywds.data.source import Source
 from raywds.errors import ConfigError
 from raywds.fields import MAX_SECONDS, PAIR, PATH, RGB, check_fields, flag
-from raywds.loader.augment import Augment
-from raywds.loader.decodings import decoding
-from raywds.loader.readers import ReadPolicy
 from raywds.plan.modes import Schedule, loader_slots
+
+if TYPE_CHECKING:
+    from raywds.loader.decodings import Decoding
 
 DecodeName = Literal["cpu", "device", "pil"]
 AutoAugmentName = Literal["ta_wide", "ra", "augmix", "imagenet"]
@@ -92,7 +93,7 @@ class Loading:
         check_fields(self, Loading)  # each field's type, choices, range and form, as declared above
         if self.val_resize_size is not None and self.val_resize_size < self.val_crop:
             raise ConfigError(f"val_resize_size={self.val_resize_size} is smaller than the val crop ({self.val_crop})")
-        if Augment.of(self) is not None and not decoding(self.decode).in_workers:
+        if self.augments and not self.decoding.in_workers:
             raise ConfigError(
                 "--auto-augment and --random-erase change the decoded crop in the loader workers: "
                 f"use --decode cpu or pil with them, not {self.decode}"
@@ -106,6 +107,19 @@ class Loading:
     def val_resize(self) -> int:
         """The short side validation images are resized to before the centre crop."""
         return self.val_resize_size or round(self.val_crop / (self.crop_pct or 0.875))
+
+    @property
+    def augments(self) -> bool:
+        """Whether the loader workers augment the decoded crop (raywds.loader.augment.Augment.of)."""
+        return self.auto_augment is not None or bool(self.random_erase)
+
+    @property
+    def decoding(self) -> Decoding:
+        """The decoding --decode names, imported where first asked: the decoders import torch, which
+        the command line (`raywds convert`, `raywds --help`) does without."""
+        from raywds.loader.decodings import decoding
+
+        return decoding(self.decode)
 
     def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """--mean and --std as numbers (ImageNet's where not set)."""

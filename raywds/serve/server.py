@@ -38,7 +38,7 @@ BACKENDS = tuple(TRIES)
 @dataclass(frozen=True, kw_only=True)
 class ServerOptions:
     """How a ShardServer serves: the backend, where it listens, and each backend's own settings.
-    `raywds serve`'s flags are made from these (raywds.options.ServeOptions)."""
+    `raywds serve`'s flags are made from these (raywds.cli.options.ServeOptions)."""
 
     backend: str = field(default="auto", metadata=flag(choices=BACKENDS))
     """nginx in Docker, the local nginx, or the embedded Python server; auto tries them in that order."""

@@ -24,7 +24,7 @@ from raywds.plan.modes import Schedule
 from raywds.runs.recording import Recording
 from raywds.train.recipes import RECIPES
 
-# The choices of each setting; the CLI's --help and choices come from these (raywds.flags).
+# The choices of each setting; the CLI's --help and choices come from these (raywds.cli.flags).
 Optimizer = Literal["sgd", "adamw"]
 Precision = Literal["auto", "bf16", "fp32"]
 MemoryFormat = Literal["auto", "channels_last", "contiguous"]

@@ -22,7 +22,7 @@ from PIL import Image
 from support.data import epoch_keys, tar_keys
 from support.runs import small_config
 
-from raywds.cli import main
+from raywds.cli.main import main
 from raywds.data.append import append
 from raywds.data.convert import ConvertOptions, ShardJob, convert, processes
 from raywds.data.manifest import read_manifest

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support import foreign
 
-from raywds.cli import main
+from raywds.cli.main import main
 from raywds.data import stores
 from raywds.data.dataset import manifest_for
 from raywds.data.http import ReadPolicy

@@ -136,7 +136,7 @@ def test_each_command_line_in_the_manifests_is_one_raywds_accepts(command: Any, 
     """raywds's own parser takes each command line the manifests hold, with every value set; the
     image tests (test_image.py) run the RayJob's and the shard server's lines read from the same
     manifests, so what `kubectl apply` runs is what the tests ran."""
-    from raywds.cli import build_parser
+    from raywds.cli.main import build_parser
 
     args = command(values())
     assert args[: len(expect)] == expect

@@ -29,7 +29,7 @@ from support import shardedit as edit
 from support.data import audited
 from support.runs import small_config
 
-from raywds.cli import main
+from raywds.cli.main import main
 from raywds.data.manifest import Manifest, ShardInfo, read_manifest
 from raywds.errors import DataError
 from raywds.loader.loader import expected

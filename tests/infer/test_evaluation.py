@@ -22,7 +22,7 @@ from support.foreign import demo_images, shardwriter_shards, write_tar
 from support.runs import FORKSERVER_PRELOAD, small_config
 from support.scoring import assert_same, confusion_csv, plain_loop, split_samples, tar_samples
 
-from raywds import cli
+from raywds.cli import main as cli
 from raywds.errors import DataError
 from raywds.infer.evaluation import Scoring, Sums, reading_config
 from raywds.infer.scorecard import most_confused

@@ -29,7 +29,7 @@ from support.data import tar_keys
 from support.planted import planted_slowness
 from support.runs import FORKSERVER_PRELOAD, small_config
 
-from raywds import cli
+from raywds.cli import main as cli
 from raywds.infer.prediction import predict_rank
 from raywds.infer.predictoptions import Prediction
 from raywds.launch.local import run_local

@@ -134,7 +134,7 @@ def test_the_demo_submitted_as_a_job_runs_a_rank_on_each_node_and_trains_every_s
     args += ["--storage-path", f"file://{tmp_path}/ray"]  # a URI goes to Ray untouched
     out = two_node_cluster.run(
         [str(RAY), "job", "submit", "--address", two_node_cluster.head.dashboard_url, "--working-dir", str(ROOT)]
-        + ["--", sys.executable, "-m", "raywds.cli", "ray", *args],
+        + ["--", sys.executable, "-m", "raywds", "ray", *args],
         timeout=400,
     )
     output = out.stdout + out.stderr

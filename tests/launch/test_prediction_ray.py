@@ -13,7 +13,7 @@ import pytest
 from support.data import tar_keys
 from support.runs import small_config
 
-from raywds import cli
+from raywds.cli import main as cli
 from raywds.launch.local import run_local
 
 pytestmark = pytest.mark.ray

@@ -19,7 +19,7 @@ from support.planted import planted_slowness
 from support.raycluster import token_env, write_token
 from support.s3server import S3Server
 
-from raywds.cli import main
+from raywds.cli.main import main
 from raywds.data.append import append
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.resume import JOURNAL

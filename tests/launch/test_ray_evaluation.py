@@ -13,7 +13,7 @@ import pytest
 from support.runs import small_config
 from support.scoring import assert_same, plain_loop, split_samples
 
-from raywds import cli
+from raywds.cli import main as cli
 from raywds.launch.local import run_local
 from raywds.models.trained import load_trained
 

@@ -24,7 +24,7 @@ from onnx import numpy_helper
 from support.runs import small_config
 
 import raywds
-from raywds.cli import main
+from raywds.cli.main import main
 from raywds.data.manifest import read_manifest
 from raywds.errors import ConfigError, StorageError
 from raywds.launch.local import run_local

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from support.runs import small_config
 
-from raywds.cli import main
+from raywds.cli.main import main
 from raywds.launch.local import train_in_process
 from raywds.runs import files
 

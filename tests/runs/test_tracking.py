@@ -181,7 +181,7 @@ def test_an_unreachable_tracking_server_is_refused_at_once_in_a_line_naming_it(
 def test_a_run_with_an_unreachable_mlflow_server_is_refused_in_one_line_before_it_writes(
     shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from raywds.cli import main
+    from raywds.cli.main import main
 
     closed = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", closed)

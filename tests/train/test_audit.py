@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from support.runs import small_config
 
-from raywds.cli import main
+from raywds.cli.main import main
 from raywds.runs.folder import RunDir
 from raywds.train.audit import kept
 from raywds.train.trainer import train

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from support.data import epoch_keys, tar_keys
 from support.runs import FORKSERVER_PRELOAD, made_stages, small_config
 
-from raywds.cli import main
+from raywds.cli.main import main
 from raywds.errors import ConfigError
 from raywds.runs.folder import RunDir
 from raywds.train.autoworkers import MARGIN, Workers, after, first

@@ -196,7 +196,7 @@ def test_one_slow_rank_of_two_is_named_as_compute_not_data(shards: Path, tmp_pat
 def test_the_doctor_command_reads_a_runs_folder(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from raywds.cli import main
+    from raywds.cli.main import main
 
     train(small_config(str(shards), epochs=2), World(), run_dir=RunDir(tmp_path))
     stages = rows(tmp_path)[0]["stages"]

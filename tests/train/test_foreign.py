@@ -13,7 +13,7 @@ import pytest
 from support import foreign
 from support.runs import small_config
 
-from raywds.cli import main
+from raywds.cli.main import main
 from raywds.data import shardlists
 from raywds.data.dataset import manifest_for, write_index
 from raywds.data.index import index_shards

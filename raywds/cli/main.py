@@ -1,7 +1,7 @@
-"""The `raywds` command: its parser, made from each command's options (raywds.options, through
-raywds.flags); the one place where the parsed flags become each command's typed options; and the
+"""The `raywds` command: its parser, made from each command's options (raywds.cli.options, through
+raywds.cli.flags); the one place where the parsed flags become each command's typed options; and the
 one place where a RaywdsError becomes exit code 1 and a one-line message. What each command does
-with its options is in raywds.commands.
+with its options is in raywds.cli.commands.
 
     raywds --help
     raywds train --demo
@@ -19,15 +19,15 @@ import traceback
 from typing import Any
 
 from raywds import console
-from raywds.commands import COMMANDS
+from raywds.cli.commands import COMMANDS
+from raywds.cli.flags import Parser, add_flags, values
+from raywds.cli.options import COMMAND_FLAGS, MainOptions, check_together
 from raywds.errors import RaywdsError, one_line
-from raywds.flags import Parser, add_flags, values
-from raywds.options import COMMAND_FLAGS, MainOptions, check_together
 
 
 @functools.cache  # built once a process: parsing leaves it as it was
 def build_parser() -> argparse.ArgumentParser:
-    """Every command's flags, each made from a documented dataclass field (raywds.options)."""
+    """Every command's flags, each made from a documented dataclass field (raywds.cli.options)."""
     parser = Parser(
         prog="raywds", description="Train image classifiers from WebDataset shards, on one machine or a Ray cluster."
     )
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def command_options(args: argparse.Namespace) -> list[Any]:
     """The options the parsed command takes, made here once: one typed object per group of its
-    flags (raywds.options.COMMAND_FLAGS), in that order (`cmd_ray(source, training, ray)`); each
+    flags (raywds.cli.options.COMMAND_FLAGS), in that order (`cmd_ray(source, training, ray)`); each
     value checked as its field declares, and what they decide together, before any command starts."""
     _, parts = COMMAND_FLAGS[args.command]
     options = [part.build(values(args, part.cls, skip=part.skip, only=part.only)) for part in parts]

@@ -1,5 +1,5 @@
 """Every command's flags, made from documented dataclasses (TrainConfig, ConvertOptions, the
-options in raywds.options and raywds.launch.rayoptions): one flag per field, its help the field's
+options in raywds.cli.options and raywds.launch.rayoptions): one flag per field, its help the field's
 docstring, its default the field's default, its choices the field's Literal type. A flag is `--`
 and the field name with dashes, unless the field says otherwise (raywds.fields.flag). A field
 without a default is a required flag or positional.
@@ -150,7 +150,7 @@ def values(
     args: argparse.Namespace, cls: type, *, skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None
 ) -> dict[str, Any]:
     """The fields of `cls` (those in `only`, but `skip`) as the parsed flags hold them: the
-    keywords of the typed options a command takes (raywds.cli.command_options)."""
+    keywords of the typed options a command takes (raywds.cli.main.command_options)."""
     return {f.name: getattr(args, f.name) for f in flag_fields(cls, skip=skip, only=only)}
 
 

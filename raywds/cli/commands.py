@@ -1,5 +1,5 @@
 """What each `raywds` command does with its options: each command takes the typed objects that
-raywds.cli makes once from its parsed flags, one per group of them (raywds.options.COMMAND_FLAGS).
+raywds.cli makes once from its parsed flags, one per group of them (raywds.cli.options.COMMAND_FLAGS).
 Imports are inside each command: `raywds convert` never loads torch, `raywds plan` never loads Ray.
 
     cmd_verify(VerifyOptions(shards="shards/"))
@@ -15,10 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from raywds.data.shardoptions import ConvertOptions, IndexOptions
-from raywds.errors import ConfigError, RaywdsError
-from raywds.launch.rayoptions import RayOptions
-from raywds.options import (
+from raywds.cli.options import (
     AuditOptions,
     ConvertWhere,
     DemoOptions,
@@ -35,6 +32,9 @@ from raywds.options import (
     Training,
     VerifyOptions,
 )
+from raywds.data.shardoptions import ConvertOptions, IndexOptions
+from raywds.errors import ConfigError, RaywdsError
+from raywds.launch.rayoptions import RayOptions
 from raywds.plan.modes import Schedule
 
 
@@ -370,4 +370,4 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "export": cmd_export,
     "predict": cmd_predict,
 }
-"""Each command, taking the objects raywds.cli.command_options makes of its flags."""
+"""Each command, taking the objects raywds.cli.main.command_options makes of its flags."""

@@ -1,11 +1,11 @@
 """Each `raywds` command's options as documented dataclasses, and which of them each command
-takes (COMMAND_FLAGS). raywds.cli makes every flag from these (raywds.flags) and, once the flags
-are parsed, one typed object per group of them, which the command in raywds.commands takes. The
+takes (COMMAND_FLAGS). raywds.cli makes every flag from these (raywds.cli.flags) and, once the flags
+are parsed, one typed object per group of them, which the command in raywds.cli.commands takes. The
 training flags come from TrainConfig (given as Training), `raywds ray`'s from
 raywds.launch.rayoptions.RayOptions, `raywds serve`'s from raywds.serve.ServerOptions,
 `raywds convert`'s from raywds.data.shardoptions.ConvertOptions.
 
-    raywds.commands.cmd_ray(Source(data="shards/"), Training({"epochs": 1}), RayOptions(num_workers=2))
+    raywds.cli.commands.cmd_ray(Source(data="shards/"), Training({"epochs": 1}), RayOptions(num_workers=2))
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ class Training:
 
 @dataclass(frozen=True)
 class Flags:
-    """One dataclass's fields as flags (raywds.flags.add_flags's keywords), and the object the
+    """One dataclass's fields as flags (raywds.cli.flags.add_flags's keywords), and the object the
     command takes of their parsed values."""
 
     cls: type
