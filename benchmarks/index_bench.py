@@ -75,6 +75,7 @@ from raywds.data.http import ReadPolicy
 from raywds.data.index import index_shards
 from raywds.data.manifest import Manifest, read_manifest
 from raywds.data.shardoptions import IndexOptions
+from raywds.data.stores import Storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import s3server  # the tests' private SeaweedFS: own temp dir, ports and keys; stopped by its PID
@@ -477,7 +478,7 @@ def main() -> None:
             for path in paths:
                 client.upload_file(str(path), server.bucket, f"{PREFIX}/{path.name}")
             s3_policy = ReadPolicy(s3_endpoint=server.endpoint)
-            s3_urls = shardlists.expand([server.url(f"{PREFIX}/")], server.endpoint)
+            s3_urls = shardlists.expand([server.url(f"{PREFIX}/")], Storage(server.endpoint))
             assert len(s3_urls) == len(urls), s3_urls
             store = Rounds()
             plain = partial(plain_read, s3_urls, s3_policy, threads, num_bytes)

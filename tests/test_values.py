@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from raywds.cli.flags import flag_fields
 from raywds.cli import main as cli
+from raywds.cli.flags import flag_fields
 from raywds.cli.options import COMMAND_FLAGS, MainOptions
 from raywds.data.shardlists import expand, folder_glob
 from raywds.errors import DataError

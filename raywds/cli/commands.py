@@ -98,16 +98,16 @@ def cmd_convert(where: ConvertWhere, options: ConvertOptions) -> None:
             options,
             where.address,
             append=where.append,
-            endpoint=where.s3_endpoint,
+            storage=where.storage,
             staging=staging,
         )
     elif stores.is_url(where.out):
         if where.append:
             raise ConfigError(f"--append adds to a dataset in a folder, not in a bucket ({where.out}) yet")
-        tree = tree_at(where.src, where.s3_endpoint)
-        manifest = convert_to_bucket(tree, where.out, options, staging=staging, endpoint=where.s3_endpoint)
+        tree = tree_at(where.src, where.storage)
+        manifest = convert_to_bucket(tree, where.out, options, staging=staging, storage=where.storage)
     else:
-        tree = tree_at(where.src, where.s3_endpoint)
+        tree = tree_at(where.src, where.storage)
         manifest = (append if where.append else convert)(tree, Path(where.out), options)
     lines = summary(manifest, shard_url(where.out, "manifest.json"))
     print("\n".join([*lines[:-1], *(appended_lines(manifest) if where.append else []), lines[-1]]))
@@ -116,7 +116,7 @@ def cmd_convert(where: ConvertWhere, options: ConvertOptions) -> None:
 def cmd_verify(options: VerifyOptions) -> None:
     from raywds.data.verify import verify
 
-    count, problems = verify(options.shards, s3_endpoint=options.s3_endpoint)
+    count, problems = verify(options.shards, options.storage)
     if problems:
         raise RaywdsError(f"{len(problems)} problems in {count} shards of {options.shards}:\n" + "\n".join(problems))
     print(f"raywds: {count} shards in {options.shards} match the manifest")
@@ -126,23 +126,21 @@ def cmd_index(where: IndexWhere, options: IndexOptions) -> None:
     from tqdm import tqdm
 
     from raywds.data.dataset import summary, write_index
-    from raywds.data.http import ReadPolicy
     from raywds.data.index import index_shards
     from raywds.data.shardlists import splits_of
 
-    splits = splits_of(where.shards, where.train, where.val, where.s3_endpoint)
+    splits = splits_of(where.shards, where.train, where.val, where.storage)
     total = sum(len(v) for v in splits.values())
     with tqdm(total=total, unit="shard", desc="raywds: indexing", file=sys.stderr, disable=None) as bar:
-        policy = ReadPolicy(s3_endpoint=where.s3_endpoint)
-        manifest = index_shards(splits, options, policy=policy, progress=bar.update)
-    print("\n".join(summary(manifest, write_index(manifest, where.out, where.s3_endpoint))))
+        manifest = index_shards(splits, options, policy=where.storage.read_policy(), progress=bar.update)
+    print("\n".join(summary(manifest, write_index(manifest, where.out, where.storage))))
 
 
 def cmd_audit(options: AuditOptions) -> None:
     from raywds.data.dataset import manifest_for
     from raywds.train.audit import audit
 
-    manifest = manifest_for(options.data, s3_endpoint=options.s3_endpoint, index_cache=options.index_cache)
+    manifest = manifest_for(options.data, storage=options.storage, index_cache=options.index_cache)
     checks = audit(options.audit_dir, manifest, options.epochs)
     print("\n".join(c.line for c in checks))
     failed = [str(c.epoch) for c in checks if c.first_problem]
@@ -256,7 +254,7 @@ def _preprocessed(cfg: Any) -> Any:
     before any rank starts: every rank, and the Ray Data plane's driver, use the same."""
     from raywds.models.start import weights_preprocessing, with_preprocessing
 
-    return with_preprocessing(cfg, weights_preprocessing(cfg, resume=cfg.resume, s3_endpoint=cfg.s3_endpoint))
+    return with_preprocessing(cfg, weights_preprocessing(cfg, resume=cfg.resume, storage=cfg.storage))
 
 
 def cmd_train(source: Source, training: Training) -> None:

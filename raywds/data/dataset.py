@@ -23,13 +23,12 @@ from typing import Any
 
 from raywds.data import shardlists, stores
 from raywds.data.columns import COLUMNS
-from raywds.data.http import ReadPolicy
 from raywds.data.index import index_shards
 from raywds.data.manifest import MANIFEST, Manifest, read_manifest, shard_url, split_location, write_manifest
 from raywds.data.shardlists import split_by_name
 from raywds.data.shardoptions import IndexOptions
 from raywds.data.source import Source
-from raywds.data.stores import write_atomic
+from raywds.data.stores import Storage, write_atomic
 from raywds.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -65,12 +64,12 @@ def manifest_of(cfg: Source, *, trusted: bytes | None = None) -> Manifest:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / COLUMNS).unlink(missing_ok=True)  # another index's columns: the JSON is the manifest
             write_atomic(folder / MANIFEST, trusted)
-        return read_manifest(str(folder), s3_endpoint=cfg.s3_endpoint)
+        return read_manifest(str(folder), storage=cfg.storage)
     return manifest_for(
         cfg.data,
         val_data=cfg.val_data,
         shards_at=cfg.shards_at,
-        s3_endpoint=cfg.s3_endpoint,
+        storage=cfg.storage,
         index_cache=cfg.index_cache,
     )
 
@@ -80,15 +79,15 @@ def manifest_for(
     *,
     val_data: str | None = None,
     shards_at: str | None = None,
-    s3_endpoint: str | None = None,
+    storage: Storage = Storage(),
     index_cache: str | None = None,
     options: IndexOptions | None = None,
 ) -> Manifest:
     """The manifest for --data: the one at that folder, file or prefix; else (shards named as
     WebDataset users name them, or a folder of shards with no manifest) an index of them, made once
     into the cache and reused while every shard keeps its size and stamp."""
-    if not needs_index(data, val_data, s3_endpoint):
-        return read_manifest(data, shards_at=shards_at, s3_endpoint=s3_endpoint)
+    if not needs_index(data, val_data, storage):
+        return read_manifest(data, shards_at=shards_at, storage=storage)
     options = options or IndexOptions()
     specs = _specs(data, val_data, options)
     folder = _folder(data, val_data, index_cache, options)
@@ -96,9 +95,9 @@ def manifest_for(
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks on one node index once; the others wait and read it
         if (folder / MANIFEST).is_file():
-            changed = _changed(folder / MANIFEST, s3_endpoint)
+            changed = _changed(folder / MANIFEST, storage)
             if not changed:
-                return read_manifest(str(folder), s3_endpoint=s3_endpoint)
+                return read_manifest(str(folder), storage=storage)
             log.warning(
                 "%d shards changed since they were indexed (%s): indexing %s again",
                 len(changed),
@@ -106,15 +105,11 @@ def manifest_for(
                 data,
             )
         started = time.perf_counter()
-        policy = ReadPolicy(s3_endpoint=s3_endpoint)
         if val_data is not None:
-            splits = {
-                "train": shardlists.expand([data], s3_endpoint),
-                "val": shardlists.expand([val_data], s3_endpoint),
-            }
+            splits = {"train": shardlists.expand([data], storage), "val": shardlists.expand([val_data], storage)}
         else:
-            splits = split_by_name(shardlists.expand([data], s3_endpoint))
-        manifest = index_shards(splits, options, policy=policy)
+            splits = split_by_name(shardlists.expand([data], storage))
+        manifest = index_shards(splits, options, policy=storage.read_policy())
         write_manifest(folder, {**manifest, "indexed_from": specs})
         counts = ", ".join(f"{len(v['shards'])} {k} shards" for k, v in manifest["splits"].items())
         log.info(
@@ -125,18 +120,18 @@ def manifest_for(
             time.perf_counter() - started,
             folder,
         )
-    return read_manifest(str(folder), s3_endpoint=s3_endpoint)
+    return read_manifest(str(folder), storage=storage)
 
 
-def needs_index(data: str, val_data: str | None, s3_endpoint: str | None) -> bool:
+def needs_index(data: str, val_data: str | None, storage: Storage) -> bool:
     """Whether --data names shards to index (else it names a manifest, or a place that lacks one)."""
     if val_data is not None or names_shards(data):
         return True
     _, where = _manifest_place(data)
-    if where is None or stores.scheme(data) == stores.HTTP or _exists(where, s3_endpoint):
+    if where is None or stores.scheme(data) == stores.HTTP or _exists(where, storage):
         return False
     try:
-        shardlists.expand([data], s3_endpoint)
+        shardlists.expand([data], storage)
     except shardlists.NoShards:  # a folder or prefix with neither a manifest nor shards: say what to run
         return False
     return True
@@ -145,16 +140,16 @@ def needs_index(data: str, val_data: str | None, s3_endpoint: str | None) -> boo
 def index_of(cfg: Source) -> bytes | None:
     """The manifest.json this node indexed the run's --data into (after `manifest_of`), for the
     run's other nodes (`manifest_of(trusted=)`); None where --data names a manifest."""
-    if not needs_index(cfg.data, cfg.val_data, cfg.s3_endpoint):
+    if not needs_index(cfg.data, cfg.val_data, cfg.storage):
         return None
     path = _folder(cfg.data, cfg.val_data, cfg.index_cache, IndexOptions()) / MANIFEST
     return path.read_bytes() if path.is_file() else None
 
 
-def cached_index(data: str, s3_endpoint: str | None = None, index_cache: str | None = None) -> Path | None:
+def cached_index(data: str, storage: Storage = Storage(), index_cache: str | None = None) -> Path | None:
     """The cache folder holding the index made for `--data data` (the shards as a run names them),
     as it is, not made anew; None where `data` names a manifest's place rather than shards."""
-    if not needs_index(data, None, s3_endpoint):
+    if not needs_index(data, None, storage):
         return None
     folder = _folder(data, None, index_cache, IndexOptions())
     if not (folder / MANIFEST).is_file():
@@ -184,15 +179,15 @@ def _manifest_place(data: str) -> tuple[str, str | None]:
         return data, None
 
 
-def _exists(where: str, s3_endpoint: str | None) -> bool:
+def _exists(where: str, storage: Storage) -> bool:
     try:
-        stores.stat(where, 30.0, s3_endpoint)
+        storage.stat(where)
     except FileNotFoundError:
         return False
     return True
 
 
-def _changed(path: Path, s3_endpoint: str | None) -> list[str]:
+def _changed(path: Path, storage: Storage) -> list[str]:
     """The shards of a cached index whose size or stamp is not what was indexed."""
     raw = json.loads(path.read_bytes())
     base = raw.get("shards_at") or str(path.parent)
@@ -205,7 +200,7 @@ def _changed(path: Path, s3_endpoint: str | None) -> list[str]:
     def moved(entry: tuple[str, dict[str, Any], str]) -> str | None:
         url, shard, stamp = entry
         try:
-            size, now = stores.stat(url, 30.0, s3_endpoint)
+            size, now = storage.stat(url)
         except (FileNotFoundError, DataError, OSError):
             return url
         if size < 0:
@@ -216,7 +211,7 @@ def _changed(path: Path, s3_endpoint: str | None) -> list[str]:
         return [url for url in pool.map(moved, entries) if url is not None]
 
 
-def write_index(manifest: dict[str, Any], out: str | None, s3_endpoint: str | None = None) -> str:
+def write_index(manifest: dict[str, Any], out: str | None, storage: Storage = Storage()) -> str:
     """Write the manifest beside the shards when that folder or prefix takes it, else to `out`
     (a folder or a bucket prefix); the location written."""
     base = manifest["shards_at"]
@@ -235,7 +230,7 @@ def write_index(manifest: dict[str, Any], out: str | None, s3_endpoint: str | No
         return str(folder / MANIFEST)
     where = stores.join(place, MANIFEST)
     text = json.dumps(_placed(manifest, place), indent=1) + "\n"
-    stores.write_bytes(where, text.encode(), s3_endpoint)
+    storage.write(where, text.encode())
     return where
 
 

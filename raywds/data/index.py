@@ -35,6 +35,7 @@ from raywds.data.http import ReadPolicy
 from raywds.data.manifest import FORMAT, TIMM_INFO
 from raywds.data.members import IMAGE_KEYS, Rules, Strict, class_names
 from raywds.data.shardoptions import IndexOptions
+from raywds.data.stores import Storage
 from raywds.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def index_shard(url: str, rules: Rules, policy: ReadPolicy) -> Shard:
     shard = Shard(url)
     local = stores.scheme(url) == stores.LOCAL
     try:
-        shard.num_bytes, shard.stamp = stores.stat(url, policy.read_timeout_s, policy.s3_endpoint)
+        shard.num_bytes, shard.stamp = Storage.of(policy).stat(url, policy.read_timeout_s)
         raw: BinaryIO = (
             open(stores.local_path(url), "rb", buffering=0) if local else stores.open_shard(url, policy)  # type: ignore[assignment]
         )
@@ -143,12 +144,12 @@ def _add(shard: Shard, sample: tars.Sample, rules: Rules) -> None:
     shard.num_samples += 1
 
 
-def _info(where: str, s3_endpoint: str | None) -> dict[str, Any] | None:
+def _info(where: str, storage: Storage) -> dict[str, Any] | None:
     """`_info.json` beside the shards (timm's and the Hub's), or None."""
     if stores.scheme(where) == stores.PIPE:
         return None
     try:
-        return json.loads(stores.read_bytes(stores.join(where, TIMM_INFO), 30.0, s3_endpoint))  # type: ignore[no-any-return]
+        return json.loads(storage.read(stores.join(where, TIMM_INFO)))  # type: ignore[no-any-return]
     except (FileNotFoundError, DataError, ValueError, OSError):
         return None
 
@@ -191,12 +192,12 @@ def index_shards(
             f"(--skip-bad-shards leaves them out):\n{lines}"
         )
     found = {split: [done[u] for u in shards if not done[u].error] for split, shards in splits.items()}
-    info = _info(base, policy.s3_endpoint)
+    info = _info(base, Storage.of(policy))
     disagree = _check_info(info, found) if info else []
     if disagree:
         raise DataError(f"{len(disagree)} shards disagree with {TIMM_INFO}: {disagree[0]}; is {TIMM_INFO} stale?")
     labels = [label for shards in found.values() for s in shards for label in s.labels]
-    classes, by_name = class_names(options, info, labels)
+    classes, by_name = class_names(options, info, labels, Storage.of(policy))
     members = {
         "image": [options.image_key] if options.image_key else list(IMAGE_KEYS),
         "label": rules.label_keys[0] if len(rules.label_keys) == 1 else "",

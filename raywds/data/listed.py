@@ -1,7 +1,7 @@
 """An image tree in a bucket (s3:// or gs://) or behind an HTTP server's directory listing, listed
 once, read as raywds.data.layout reads a folder.
 
-    root = Listed.of("s3://bucket/imagenet", endpoint=None)     # or http://host/imagenet/
+    root = Listed.of("s3://bucket/imagenet", Storage())     # or http://host/imagenet/
     found = scan(root)                       # the same Found as for a local copy of the tree
     data = found.splits["train"][0].path.read_bytes()
 
@@ -9,7 +9,7 @@ once, read as raywds.data.layout reads a folder.
 `suffix`, `parent`, `is_dir`, `is_file`, `iterdir`, `rglob("*")`, `relative_to`, `stat`,
 `read_bytes`, `read_text`). A bucket has no folders, only keys: a folder is a prefix some key
 has, so an empty class folder does not exist there. A Listed sent to another process (a Ray
-task) keeps its URL, size and endpoint, not the listing: it can be read there, not walked.
+task) keeps its URL, size and storage, not the listing: it can be read there, not walked.
 
 Over HTTP the listing is the server's own pages, followed folder by folder (`crawl`): nginx's
 `autoindex_format json` gives each file's size; from an HTML listing (nginx's default
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from raywds.data import stores
+from raywds.data.stores import Storage
 from raywds.errors import DataError
 
 READ_TIMEOUT_S = 60.0
@@ -64,7 +65,6 @@ class Listing:
     root: str
     files: dict[str, int]
     folders: frozenset[str]
-    endpoint: str | None
     quoted: bool = False
     """Whether a path below the root is %-quoted in its URL (http's)."""
 
@@ -73,27 +73,27 @@ class Listing:
 
 
 class Listed:
-    """A file or folder of a Listing."""
+    """A file or folder of a Listing, read through `storage` (every one of a tree through the same)."""
 
-    def __init__(self, listing: Listing | None, rel: str, *, url: str, size: int = -1):
-        self._listing, self.rel, self.url, self.size = listing, rel, url, size
+    def __init__(self, listing: Listing | None, rel: str, *, url: str, storage: Storage, size: int = -1):
+        self._listing, self.rel, self.url, self.storage, self.size = listing, rel, url, storage, size
 
     @classmethod
-    def of(cls, prefix: str, endpoint: str | None = None) -> Listed:
+    def of(cls, prefix: str, storage: Storage = Storage()) -> Listed:
         """The tree under `prefix`, listed now; one line when nothing is there."""
         root = prefix.rstrip("/") + "/"
         if stores.scheme(root) == stores.HTTP:
             files = crawl(root)
         else:
-            files = {url[len(root) :]: size for url, size, _ in stores.listing(root, endpoint) if not url.endswith("/")}
+            files = {url[len(root) :]: size for url, size, _ in storage.listing(root) if not url.endswith("/")}
         if not files:
             raise DataError(f"{prefix} holds no objects; give the prefix that holds train/ and val/")
         folders = {""}
         for rel in files:
             parts = rel.split("/")[:-1]
             folders.update("/".join(parts[: i + 1]) for i in range(len(parts)))
-        listing = Listing(root, files, frozenset(folders), endpoint, quoted=stores.scheme(root) == stores.HTTP)
-        return cls(listing, "", url=root.rstrip("/"))
+        listing = Listing(root, files, frozenset(folders), quoted=stores.scheme(root) == stores.HTTP)
+        return cls(listing, "", url=root.rstrip("/"), storage=storage)
 
     # -- names ---------------------------------------------------------------------------------
     @property
@@ -111,11 +111,11 @@ class Listed:
     @property
     def parent(self) -> Listed:
         rel = self.rel.rsplit("/", 1)[0] if "/" in self.rel else ""
-        return self._at(rel) if self.rel else Listed(None, "", url=self.url.rsplit("/", 1)[0])
+        return self._at(rel) if self.rel else Listed(None, "", url=self.url.rsplit("/", 1)[0], storage=self.storage)
 
     def __truediv__(self, name: str) -> Listed:
         if self._listing is None:  # beside the listed prefix (a labels file next to it): not listed, so absent
-            return Listed(None, name, url=f"{self.url.rstrip('/')}/{name}")
+            return Listed(None, name, url=f"{self.url.rstrip('/')}/{name}", storage=self.storage)
         return self._at(f"{self.rel}/{name}" if self.rel else name)
 
     def relative_to(self, other: Listed) -> str:
@@ -139,7 +139,7 @@ class Listed:
     # -- what is there -------------------------------------------------------------------------
     def _at(self, rel: str) -> Listed:
         listing = self._walkable()
-        return Listed(listing, rel, url=listing.url(rel), size=listing.files.get(rel, -1))
+        return Listed(listing, rel, url=listing.url(rel), storage=self.storage, size=listing.files.get(rel, -1))
 
     def _walkable(self) -> Listing:
         if self._listing is None:
@@ -175,21 +175,17 @@ class Listed:
 
     # -- reading -------------------------------------------------------------------------------
     def read_bytes(self) -> bytes:
-        endpoint = self._listing.endpoint if self._listing is not None else self._endpoint
         try:
-            return stores.read_bytes(self.url, s3_endpoint=endpoint)
+            return self.storage.read(self.url)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.url} is gone from the bucket since it was listed") from None
 
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
-    _endpoint: str | None = None
-
     def __getstate__(self) -> dict[str, Any]:
-        """What another process gets: the URL, size and endpoint, not the listing."""
-        endpoint = self._listing.endpoint if self._listing is not None else self._endpoint
-        return {"rel": self.rel, "url": self.url, "size": self.size, "_endpoint": endpoint, "_listing": None}
+        """What another process gets: the URL, size and storage, not the listing."""
+        return {"rel": self.rel, "url": self.url, "size": self.size, "storage": self.storage, "_listing": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -257,18 +253,18 @@ def crawl(root: str) -> dict[str, int]:
                     waiting.append((sub, depth + 1))
         unknown = [url for url, size in found.items() if size < 0]
         with concurrent.futures.ThreadPoolExecutor(HEADS_AT_ONCE) as pool:
-            for url, (size, _) in zip(unknown, pool.map(stores.stat, unknown)):
+            for url, (size, _) in zip(unknown, pool.map(Storage().stat, unknown)):  # http: no setting
                 found[url] = size
     except (OSError, ValueError) as e:
         raise DataError(f"{root}: could not read its listing ({type(e).__name__}: {e})") from None
     return {urllib.parse.unquote(url[len(root) :]): size for url, size in found.items()}
 
 
-def tree_at(location: str, endpoint: str | None = None) -> Tree:
+def tree_at(location: str, storage: Storage = Storage()) -> Tree:
     """The image tree at a folder, under an s3:// or gs:// prefix, or behind an http(s):// listing
     (listed now)."""
     from pathlib import Path
 
     if stores.scheme(location) in (stores.S3, stores.GS, stores.HTTP):
-        return Listed.of(location, endpoint)
+        return Listed.of(location, storage)
     return Path(stores.local_path(location))

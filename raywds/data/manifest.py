@@ -24,7 +24,7 @@ from typing import Any
 from raywds.data import columns, stores
 from raywds.data.columns import ShardInfo, ShardTable, sample_counts
 from raywds.data.members import Members
-from raywds.data.stores import write_atomic
+from raywds.data.stores import Storage, write_atomic
 from raywds.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -136,7 +136,7 @@ def read_manifest(
     timeout_s: float = 30.0,
     *,
     shards_at: str | None = None,
-    s3_endpoint: str | None = None,
+    storage: Storage = Storage(),
     use_columns: bool = True,
 ) -> Manifest:
     """Load the manifest for the shards at `data` (directory, manifest path, URL or s3:// prefix);
@@ -145,9 +145,9 @@ def read_manifest(
     they were made from a JSON of the size the JSON has (unless `use_columns` is False)."""
     base, where = split_location(data)
     try:
-        found = _read_columns(where, timeout_s, s3_endpoint) if use_columns else None
+        found = _read_columns(where, timeout_s, storage) if use_columns else None
         if found is None:
-            raw = json.loads(read_location(where, timeout_s, s3_endpoint))
+            raw = json.loads(storage.read(where, timeout_s))
             _check_format(raw, where)
             splits: dict[str, Sequence[ShardInfo]] = {
                 split: [ShardInfo(**shard) for shard in info["shards"]] for split, info in raw["splits"].items()
@@ -193,18 +193,8 @@ def _odd_names(shards: Sequence[ShardInfo]) -> Iterator[str]:
     return (s.name for s in shards if not SHARD_NAME.fullmatch(s.name))
 
 
-def read_location(where: str, timeout_s: float, s3_endpoint: str | None) -> bytes:
-    """The bytes at a local path or a URL (raywds.data.stores); FileNotFoundError when absent."""
-    return stores.read_bytes(where, timeout_s, s3_endpoint)
-
-
-def _size(where: str, timeout_s: float, s3_endpoint: str | None) -> int:
-    """The size in bytes of what `read_location` would read."""
-    return stores.stat(where, timeout_s, s3_endpoint)[0]
-
-
 def _read_columns(
-    where: str, timeout_s: float, s3_endpoint: str | None
+    where: str, timeout_s: float, storage: Storage
 ) -> tuple[dict[str, Any], dict[str, Sequence[ShardInfo]]] | None:
     """The manifest from the columns beside the JSON at `where`, or None when there are none or
     they were made from another JSON (one of another size)."""
@@ -213,14 +203,14 @@ def _read_columns(
     beside = where[: -len(".json")] + ".npz"
     try:  # a local file is loaded from its path: one copy in memory, not two
         local = not is_url(beside) and Path(beside).is_file()
-        npz = beside if local else read_location(beside, timeout_s, s3_endpoint)
+        npz = beside if local else storage.read(beside, timeout_s)
     except FileNotFoundError:
         return None
     try:
         rest, splits, json_size = columns.load(npz)
     except ValueError:  # unreadable: the JSON is the manifest
         return None
-    if json_size != _size(where, timeout_s, s3_endpoint):
+    if json_size != storage.stat(where, timeout_s)[0]:
         return None
     return rest, dict(splits)
 

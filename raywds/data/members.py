@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raywds.data import stores, tars
+from raywds.data import tars
 from raywds.data.shardoptions import IndexOptions
+from raywds.data.stores import Storage
 from raywds.errors import DataError
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
@@ -110,12 +111,14 @@ class Rules:
         raise ValueError(f"label {value!r} is neither an integer nor a class name")
 
 
-def class_names(options: IndexOptions, info: dict[str, Any] | None, labels: list[Any]) -> tuple[list[str], bool]:
-    """(class names in label order, whether the labels are names): from --classes, else
-    `_info.json`'s, else the names the labels are, else 0..K-1."""
+def class_names(
+    options: IndexOptions, info: dict[str, Any] | None, labels: list[Any], storage: Storage = Storage()
+) -> tuple[list[str], bool]:
+    """(class names in label order, whether the labels are names): from --classes (a file wherever
+    `storage` reaches), else `_info.json`'s, else the names the labels are, else 0..K-1."""
     names_given: list[str] | None = None
     if options.classes:
-        text = stores.read_bytes(options.classes).decode()
+        text = storage.read(options.classes).decode()
         names_given = [line.strip() for line in text.splitlines() if line.strip()]
     elif info is not None:
         for key in ("classes", "label_names", "class_names"):

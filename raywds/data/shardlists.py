@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 import braceexpand
 
 from raywds.data.columns import SEGMENTED
-from raywds.data.stores import GS, LOCAL, PIPE, S3, listing, local_path, scheme
+from raywds.data.stores import GS, LOCAL, PIPE, S3, Storage, local_path, scheme
 from raywds.errors import DataError
 
 SHARD_SUFFIX = ".tar"
@@ -27,7 +27,7 @@ SPLIT_NAMES = {"train": ("train",), "val": ("validation", "val", "valid", "test"
 _GLOB = re.compile(r"[*?\[]")
 
 
-def expand(specs: Iterable[str], s3_endpoint: str | None = None) -> list[str]:
+def expand(specs: Iterable[str], storage: Storage = Storage()) -> list[str]:
     """Shard locations from shard lists as WebDataset users write them: brace notation, globs,
     folders and bucket prefixes (their `.tar` files, sorted), `pipe:` templates. DataError when a
     spec names no shard."""
@@ -39,9 +39,9 @@ def expand(specs: Iterable[str], s3_endpoint: str | None = None) -> list[str]:
             if kind == PIPE or (not _GLOB.search(one) and one.endswith(SHARD_SUFFIX)):
                 found.append(one)
             elif _GLOB.search(one):
-                found.extend(_globbed(one, kind, s3_endpoint))
+                found.extend(_globbed(one, kind, storage))
             else:
-                found.extend(url for url, _, _ in listing(one, s3_endpoint) if url.endswith(SHARD_SUFFIX))
+                found.extend(url for url, _, _ in storage.listing(one) if url.endswith(SHARD_SUFFIX))
         if len(found) == before:
             raise NoShards(f"{spec}: names no shard (no .tar file there); check the path, the braces or the prefix")
     return found
@@ -60,13 +60,13 @@ def _braces(spec: str) -> Iterable[str]:
         ) from None
 
 
-def _globbed(pattern: str, kind: str, s3_endpoint: str | None) -> list[str]:
+def _globbed(pattern: str, kind: str, storage: Storage) -> list[str]:
     if kind == LOCAL:
         return sorted(glob.glob(local_path(pattern), recursive=True))
     if kind in (S3, GS):
         head = pattern[: _GLOB.search(pattern).start()]  # type: ignore[union-attr]
         matches = folder_glob(pattern).fullmatch
-        return [url for url, _, _ in listing(head, s3_endpoint) if matches(url)]
+        return [url for url, _, _ in storage.listing(head) if matches(url)]
     raise DataError(f"{pattern}: a glob needs a folder or a bucket to list; over {kind} name shards in brace notation")
 
 
@@ -134,12 +134,12 @@ SHARD_SUFFIX = ".tar"
 
 
 def splits_of(
-    shards: list[str] | None, train: list[str] | None, val: list[str] | None, s3_endpoint: str | None = None
+    shards: list[str] | None, train: list[str] | None, val: list[str] | None, storage: Storage = Storage()
 ) -> dict[str, list[str]]:
     """`raywds index`'s shards by split: --train and --val as given, else SHARDS split by name."""
     if train:
-        splits = {"train": expand(train, s3_endpoint)}
-        return splits | ({"val": expand(val, s3_endpoint)} if val else {})
+        splits = {"train": expand(train, storage)}
+        return splits | ({"val": expand(val, storage)} if val else {})
     if shards:
-        return split_by_name(expand(shards, s3_endpoint))
+        return split_by_name(expand(shards, storage))
     raise DataError("index needs SHARDS (or --train SHARDS [--val SHARDS])")

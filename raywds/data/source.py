@@ -4,12 +4,14 @@ the other parts' sections, so a TrainConfig is a Source, and so is one built alo
 
     source = Source(data="s3://bucket/imagenet/", s3_endpoint="http://127.0.0.1:8333")
     manifest = manifest_of(source)       # any Source, the training config among them
+    source.storage.read("s3://bucket/imagenet/manifest.json")   # every store, S3's at that endpoint
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raywds.data.stores import Storage
 from raywds.errors import ConfigError
 from raywds.fields import PATH, PLACE, SHARDS, URL, check_fields, flag
 
@@ -22,6 +24,11 @@ class Endpoint:
     s3_endpoint: str | None = field(default=None, metadata=flag(form=URL))
     """The S3-compatible store's URL for s3:// paths (MinIO, AIStore, SeaweedFS, R2...); default
     AWS_ENDPOINT_URL, else AWS. Credentials come from boto3's chain (AWS_* variables, ~/.aws, a role)."""
+
+    @property
+    def storage(self) -> Storage:
+        """Every store as this command reaches them: what the data functions take."""
+        return Storage(self.s3_endpoint)
 
 
 @dataclass(frozen=True, kw_only=True)

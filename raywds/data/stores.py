@@ -7,12 +7,15 @@ mistaken for a folder named `gs:`; a scheme raywds does not read is one line nam
 
     kind = scheme("gs://bucket/imagenet")                  # "gs"
     with open_shard(urls[0], ReadPolicy()) as stream: ...
-    store_at("s3://bucket/imagenet", s3_endpoint).listing("s3://bucket/imagenet")
+    storage = Storage(s3_endpoint="http://127.0.0.1:8333")  # or a command's options' `.storage`
+    storage.listing("s3://bucket/imagenet")                # whichever store the location names
 
 Each kind of store is a class of its own (a `Store`: open a shard, read a small object whole, stat,
-list, write), and STORES maps each scheme's kind to its class; the functions below ask the store
-at a location. A store that cannot do a thing (list an http server, write through a `pipe:`
-command) says so in one line naming what can.
+list, write), and STORES maps each scheme's kind to its class. `Storage` is every store as a
+command reaches them: made once from its settings (only S3's store has one, its endpoint, which
+it keeps inside), it is what the data functions take, so that a location never travels with an
+S3 setting beside it. A store that cannot do a thing (list an http server, write through a
+`pipe:` command) says so in one line naming what can.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ class Store:
     kind: ClassVar[str]
 
     @classmethod
-    def reaching(cls, s3_endpoint: str | None = None) -> Store:
-        """The store, set up to reach its locations (only S3's needs an endpoint)."""
+    def reaching(cls, storage: Storage) -> Store:
+        """The store, set up to reach its locations as `storage` has it (only S3's needs a setting)."""
         return cls()
 
     def open(
@@ -209,8 +212,8 @@ class S3Store(RemoteStore):
     shard = s3.S3Shard
 
     @classmethod
-    def reaching(cls, s3_endpoint: str | None = None) -> Store:
-        return cls(s3_endpoint)
+    def reaching(cls, storage: Storage) -> Store:
+        return cls(storage.s3_endpoint)
 
     def read(self, where: str, timeout_s: float = 30.0) -> bytes:
         return s3.read_bytes(where, self.endpoint, timeout_s)
@@ -271,9 +274,43 @@ STORES: dict[str, type[Store]] = {LOCAL: LocalStore, HTTP: HttpStore, S3: S3Stor
 """Each kind of location (`scheme`'s answer) and the class of store that serves it."""
 
 
-def store_at(location: str, s3_endpoint: str | None = None) -> Store:
-    """The store that serves `location` (DataError for a scheme raywds does not read)."""
-    return STORES[scheme(location)].reaching(s3_endpoint)
+@dataclass(frozen=True)
+class Storage:
+    """Every store, as a command reaches them: made once from its settings (a command's options or a
+    run's Source: `.storage`), and asked for what is at any location, whatever its scheme."""
+
+    s3_endpoint: str | None = None
+    """The S3-compatible store s3:// locations name (None: AWS_ENDPOINT_URL, else AWS)."""
+
+    def at(self, location: str) -> Store:
+        """The store that serves `location` (DataError for a scheme raywds does not read)."""
+        return STORES[scheme(location)].reaching(self)
+
+    def read(self, where: str, timeout_s: float = 30.0) -> bytes:
+        """A small object (a manifest, `_info.json`) whole; FileNotFoundError when absent."""
+        return self.at(where).read(where, timeout_s)
+
+    def stat(self, where: str, timeout_s: float = 30.0) -> tuple[int, str]:
+        """(size in bytes, a stamp that changes when the object does: its ETag, else its mtime);
+        FileNotFoundError when absent. A `pipe:` command has neither: (-1, "")."""
+        return self.at(where).stat(where, timeout_s)
+
+    def write(self, where: str, data: bytes) -> None:
+        """Write a small file (a manifest) to a folder or a bucket, whole or not at all."""
+        self.at(where).write(where, data)
+
+    def listing(self, prefix: str) -> list[tuple[str, int, str]]:
+        """(location, size, stamp) of each file under a folder or bucket prefix, sorted by location."""
+        return sorted(self.at(prefix).listing(prefix))
+
+    def read_policy(self, **settings: Any) -> ReadPolicy:
+        """How a shard here is read: ReadPolicy's `settings`, and this storage's."""
+        return ReadPolicy(s3_endpoint=self.s3_endpoint, **settings)
+
+    @classmethod
+    def of(cls, policy: ReadPolicy) -> Storage:
+        """The storage a shard reader's policy reaches (the policy travels to loader workers)."""
+        return cls(policy.s3_endpoint)
 
 
 def open_shard(
@@ -287,7 +324,7 @@ def open_shard(
     """A readable binary stream of the shard at `url`, by its scheme. With `policy.cache_dir` a
     remote shard is kept on local disk after its first full, size-checked read. With `size`, a
     local file of another size is refused at once (it is not the shard the manifest lists)."""
-    return store_at(url, policy.s3_endpoint).open(url, policy, size=size, sha256=sha256, retried=retried)
+    return Storage.of(policy).at(url).open(url, policy, size=size, sha256=sha256, retried=retried)
 
 
 class Pipe(io.RawIOBase):
@@ -321,17 +358,6 @@ class Pipe(io.RawIOBase):
             raise OSError(f"pipe: command {self.command!r} exited with status {status}")
 
 
-def read_bytes(where: str, timeout_s: float = 30.0, s3_endpoint: str | None = None) -> bytes:
-    """A small object (a manifest, `_info.json`) whole; FileNotFoundError when absent."""
-    return store_at(where, s3_endpoint).read(where, timeout_s)
-
-
-def stat(where: str, timeout_s: float = 30.0, s3_endpoint: str | None = None) -> tuple[int, str]:
-    """(size in bytes, a stamp that changes when the object does: its ETag, else its mtime);
-    FileNotFoundError when absent. A `pipe:` command has neither: (-1, "")."""
-    return store_at(where, s3_endpoint).stat(where, timeout_s)
-
-
 @contextlib.contextmanager
 def _http(url: str, method: str, timeout_s: float) -> Iterator[Any]:
     """An http(s) response to a small request; FileNotFoundError on a 404."""
@@ -345,16 +371,6 @@ def _http(url: str, method: str, timeout_s: float) -> Iterator[Any]:
         if e.code == 404:
             raise FileNotFoundError(url) from None
         raise
-
-
-def write_bytes(where: str, data: bytes, s3_endpoint: str | None = None) -> None:
-    """Write a small file (a manifest) to a folder or a bucket, whole or not at all."""
-    store_at(where, s3_endpoint).write(where, data)
-
-
-def listing(prefix: str, s3_endpoint: str | None = None) -> list[tuple[str, int, str]]:
-    """(location, size, stamp) of each file under a folder or bucket prefix, sorted by location."""
-    return sorted(store_at(prefix, s3_endpoint).listing(prefix))
 
 
 def sync_path(path: Path) -> None:

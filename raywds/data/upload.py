@@ -26,10 +26,10 @@ from typing import Any
 from raywds.data import gcs, s3, stores
 from raywds.data.columns import COLUMNS
 from raywds.data.convert import ConvertOptions, ShardJob, convert, kept, write_shard
-from raywds.data.http import ReadPolicy
 from raywds.data.listed import Tree
 from raywds.data.manifest import MANIFEST, TIMM_INFO
 from raywds.data.sources import SOURCES
+from raywds.data.stores import Storage
 from raywds.errors import DataError
 
 MULTIPART_BYTES = 64 << 20
@@ -59,33 +59,33 @@ def check_places(src: str, out: str) -> None:
 
 
 def convert_to_bucket(
-    src: Tree, url: str, options: ConvertOptions, *, staging: Path | None = None, endpoint: str | None = None
+    src: Tree, url: str, options: ConvertOptions, *, staging: Path | None = None, storage: Storage = Storage()
 ) -> dict[str, Any]:
     """Convert `src` and upload the result under `url` (s3:// or gs://); returns the manifest, with
     the count of shards the bucket already held as `kept_in_bucket`."""
     if gcs.is_gs(url):
         gcs.check_bucket(url)
     else:
-        s3.check_bucket(url, endpoint)  # a wrong key or bucket is one line before any work
+        s3.check_bucket(url, storage.s3_endpoint)  # a wrong key or bucket is one line before any work
     folder = staging or staging_folder(url)
     manifest = convert(src, folder, options)
     try:
-        manifest["kept_in_bucket"] = upload(folder, manifest, url, endpoint)
+        manifest["kept_in_bucket"] = upload(folder, manifest, url, storage)
     except s3.errors() as e:
-        raise DataError(s3.error_line(e, url, endpoint)) from None
+        raise DataError(s3.error_line(e, url, storage.s3_endpoint)) from None
     return manifest
 
 
-def bucket_at(url: str, endpoint: str | None = None) -> _S3 | _Gcs:
+def bucket_at(url: str, storage: Storage = Storage()) -> _S3 | _Gcs:
     """The s3:// or gs:// prefix `url`, for putting shards and manifests under it."""
-    return _Gcs(url) if gcs.is_gs(url) else _S3(url, endpoint)
+    return _Gcs(url) if gcs.is_gs(url) else _S3(url, storage.s3_endpoint)
 
 
-def write_to_bucket(job: ShardJob, url: str, endpoint: str | None = None) -> dict[str, Any]:
+def write_to_bucket(job: ShardJob, url: str, storage: Storage = Storage()) -> dict[str, Any]:
     """One shard written in this machine's temp folder, put under `url`, read back whole and
     removed here (what a Ray task of `convert --ray` to a bucket does); its record. A shard the
     bucket holds already as `job.done` describes it (size and sha256) is kept."""
-    bucket = bucket_at(url, endpoint)
+    bucket = bucket_at(url, storage)
     try:
         if job.done is not None and bucket.holds(job.done["shard"]):
             return kept(job)
@@ -94,15 +94,15 @@ def write_to_bucket(job: ShardJob, url: str, endpoint: str | None = None) -> dic
             record = write_shard(here)
             shard = record["shard"]
             bucket.put_file(here.path, shard)
-            _check_back(stores.join(url, shard["name"]), shard, endpoint, partial(bucket.delete, shard["name"]))
+            _check_back(stores.join(url, shard["name"]), shard, storage, partial(bucket.delete, shard["name"]))
     except s3.errors() as e:
-        raise DataError(s3.error_line(e, url, endpoint)) from None
+        raise DataError(s3.error_line(e, url, storage.s3_endpoint)) from None
     return record
 
 
-def publish(folder: Path, url: str, endpoint: str | None = None) -> None:
+def publish(folder: Path, url: str, storage: Storage = Storage()) -> None:
     """The manifest files the converter wrote in `folder` put under `url`, the manifest last."""
-    bucket = bucket_at(url, endpoint)
+    bucket = bucket_at(url, storage)
     for name in (SOURCES, TIMM_INFO, COLUMNS, MANIFEST):  # as the converter wrote them into the staging folder
         if (folder / name).is_file():  # (no columns or sources from a conversion staged by an older raywds)
             bucket.put_bytes(name, (folder / name).read_bytes())
@@ -112,18 +112,18 @@ def _key(prefix: str, name: str) -> str:
     return f"{prefix.rstrip('/')}/{name}" if prefix.rstrip("/") else name
 
 
-def upload(folder: Path, manifest: dict[str, Any], url: str, endpoint: str | None = None) -> int:
+def upload(folder: Path, manifest: dict[str, Any], url: str, storage: Storage = Storage()) -> int:
     """Put the shards of `manifest` from `folder` under `url`, then `folder`'s manifest files;
     returns how many shards were there already."""
-    bucket = bucket_at(url, endpoint)
+    bucket = bucket_at(url, storage)
     shards = [shard for info in manifest["splits"].values() for shard in info["shards"]]
     missing = [shard for shard in shards if not bucket.holds(shard)]
     if missing:
         bucket.delete(MANIFEST)
     for shard in missing:
         bucket.put_file(folder / shard["name"], shard)
-        _check_back(stores.join(url, shard["name"]), shard, endpoint, partial(bucket.delete, shard["name"]))
-    publish(folder, url, endpoint)
+        _check_back(stores.join(url, shard["name"]), shard, storage, partial(bucket.delete, shard["name"]))
+    publish(folder, url, storage)
     return len(shards) - len(missing)
 
 
@@ -184,10 +184,10 @@ class _Gcs:
         gcs.write_bytes(stores.join(self.url, name), data)
 
 
-def _check_back(url: str, shard: dict[str, Any], endpoint: str | None, remove: Callable[[], None]) -> None:
+def _check_back(url: str, shard: dict[str, Any], storage: Storage, remove: Callable[[], None]) -> None:
     """Read the uploaded object back whole: the bucket must hold the bytes the manifest describes."""
     digest, size = hashlib.sha256(), 0
-    with stores.open_shard(url, ReadPolicy(s3_endpoint=endpoint)) as body:
+    with stores.open_shard(url, storage.read_policy()) as body:
         for chunk in iter(lambda: body.read(1 << 20), b""):
             digest.update(chunk)
             size += len(chunk)

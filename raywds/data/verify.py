@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from raywds.data import columns, s3, stores, tars
-from raywds.data.http import ReadPolicy
 from raywds.data.layout import IMAGE_EXTENSIONS
-from raywds.data.manifest import read_location, read_manifest, split_location, write_atomic
+from raywds.data.manifest import read_manifest, split_location, write_atomic
 from raywds.data.members import Members
+from raywds.data.stores import Storage
 from raywds.data.tars import members
 from raywds.errors import DataError, ShardError
 
@@ -155,7 +155,7 @@ def _object(url: str, endpoint: str | None) -> Iterator[BinaryIO | None]:
         body.close()
 
 
-def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, list[str]]:
+def verify(location: str | Path, storage: Storage = Storage()) -> tuple[int, list[str]]:
     """(shards checked, problems) for every shard the manifest at `location` (a folder or an
     s3:// prefix) lists in `manifest.json`, or for shards named as --data names them (a brace list,
     a glob, a folder without a manifest) those the index a run made of them in the cache lists;
@@ -163,9 +163,9 @@ def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, l
     other shards (`in_step`)."""
     from raywds.data.dataset import cached_index  # (not imported by convert, which imports this module)
 
-    cached = cached_index(str(location), s3_endpoint)
+    cached = cached_index(str(location), storage)
     location = str(cached or location)
-    manifest = read_manifest(location, s3_endpoint=s3_endpoint, use_columns=False)
+    manifest = read_manifest(location, storage=storage, use_columns=False)
     indexed = manifest.members if manifest.members.drop_incomplete else None
     problems: list[str] = []
     count = 0
@@ -175,10 +175,10 @@ def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, l
             expected = (shard.num_samples, shard.num_bytes, shard.sha256)
             if indexed is not None or stores.scheme(url) not in (stores.LOCAL, stores.S3):
                 problems += _check_any(
-                    url, shard.name, *expected, indexed, manifest.first_keys.get(shard.name, ""), s3_endpoint
+                    url, shard.name, *expected, indexed, manifest.first_keys.get(shard.name, ""), storage
                 )
             elif s3.is_s3(url):
-                problems += check_object(url, *expected, s3_endpoint)
+                problems += check_object(url, *expected, storage.s3_endpoint)
             else:
                 problems += check_shard(Path(url), *expected)
             count += 1
@@ -187,7 +187,7 @@ def verify(location: str | Path, s3_endpoint: str | None = None) -> tuple[int, l
             f"{cached}: the index of these shards that runs read, made before they changed: remove that folder "
             "and the next run indexes them again"
         )
-    return count, problems or in_step(location, s3_endpoint)
+    return count, problems or in_step(location, storage)
 
 
 def _check_any(
@@ -198,13 +198,13 @@ def _check_any(
     sha256: str,
     indexed: Members | None,
     first_key: str,
-    s3_endpoint: str | None,
+    storage: Storage,
 ) -> list[str]:
     """check_shard for a shard anywhere raywds reads (raywds.data.stores), in one streaming read."""
     if stores.scheme(url) == stores.LOCAL and not Path(stores.local_path(url)).is_file():
         return [f"{name}: missing"]
     try:
-        stream = stores.open_shard(url, ReadPolicy(s3_endpoint=s3_endpoint))
+        stream = stores.open_shard(url, storage.read_policy())
     except (ShardError, OSError) as e:
         return [f"{name}: {e}"]
     with contextlib.closing(stream):
@@ -214,16 +214,16 @@ def _check_any(
             return [f"{name}: {e}"]
 
 
-def in_step(location: str, s3_endpoint: str | None = None) -> list[str]:
+def in_step(location: str, storage: Storage = Storage()) -> list[str]:
     """Write the columns of the manifest at `location` (raywds.data.columns) unless those there
     were made from this very JSON; problems when they cannot be written."""
     _, where = split_location(location)
-    text = read_location(where, 30.0, s3_endpoint)
+    text = storage.read(where)
     raw = json.loads(text)
     wanted = columns.to_bytes(raw, len(text))
     target = where[: -len(".json")] + ".npz"
     try:
-        if columns.same(read_location(target, 30.0, s3_endpoint), wanted):
+        if columns.same(storage.read(target), wanted):
             return []
     except FileNotFoundError:
         pass
@@ -232,7 +232,7 @@ def in_step(location: str, s3_endpoint: str | None = None) -> list[str]:
         if stores.scheme(target) == stores.LOCAL:
             write_atomic(Path(stores.local_path(target)), wanted)
         else:
-            stores.write_bytes(target, wanted, s3_endpoint)
+            storage.write(target, wanted)
     except failures as e:
         return [f"{target}: out of step with {where} and cannot be rewritten: {e}"]
     return []

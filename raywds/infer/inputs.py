@@ -24,6 +24,7 @@ from raywds.data import stores
 from raywds.data.dataset import manifest_for
 from raywds.data.manifest import MANIFEST, Manifest, ShardInfo, deal
 from raywds.data.members import IMAGE_KEYS, Members
+from raywds.data.stores import Storage
 from raywds.errors import ConfigError, DataError
 from raywds.loader.labels import Labels
 from raywds.loader.loader import expected, labels_of
@@ -179,7 +180,7 @@ def inputs_for(
     data: str,
     *,
     split: str = ALL,
-    s3_endpoint: str | None = None,
+    storage: Storage = Storage(),
     index_cache: str | None = None,
     shards_at: str | None = None,
 ) -> Inputs:
@@ -191,5 +192,5 @@ def inputs_for(
             extensions = ", ".join(IMAGE_KEYS)
             raise DataError(f"--data {data} holds neither shards nor image files ({extensions}); check the path")
         return Folder(root, files)
-    manifest = manifest_for(data, shards_at=shards_at, s3_endpoint=s3_endpoint, index_cache=index_cache)
+    manifest = manifest_for(data, shards_at=shards_at, storage=storage, index_cache=index_cache)
     return Shards(data, manifest, split)

@@ -108,7 +108,7 @@ def set_up(job: Prediction, reading: Mapping[str, Any], world: World, trained: T
     trained = trained if trained is not None else load(job)
     cfg = with_workers(reading_config(trained, job.data, reading), world)
     inputs = inputs_for(
-        job.data, split=job.split, s3_endpoint=cfg.s3_endpoint, index_cache=cfg.index_cache, shards_at=cfg.shards_at
+        job.data, split=job.split, storage=cfg.storage, index_cache=cfg.index_cache, shards_at=cfg.shards_at
     )
     folder = Predictions.open(Path(job.out), identity(job, inputs, trained), PART_FORMATS[job.format])
     return Setup(trained, cfg, inputs, folder)

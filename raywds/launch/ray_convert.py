@@ -30,6 +30,7 @@ from raywds.data import listed, stores, upload
 from raywds.data.convert import ShardJob
 from raywds.data.manifest import MANIFEST
 from raywds.data.shardoptions import ConvertOptions
+from raywds.data.stores import Storage
 from raywds.errors import DataError, RaywdsError
 from raywds.launch import cluster
 
@@ -42,10 +43,10 @@ IN_FLIGHT_PER_CPU = 2
 driver keeps the rest, so a conversion of millions of images never puts them all in Ray's store."""
 
 
-def _write(job: ShardJob, bucket: str | None, endpoint: str | None) -> dict[str, Any]:
+def _write(job: ShardJob, bucket: str | None, storage: Storage) -> dict[str, Any]:
     """One shard, on whichever node Ray chose, into the folder or under the `bucket` prefix; the
     record says which node."""
-    record = converting.write_shard(job) if bucket is None else upload.write_to_bucket(job, bucket, endpoint)
+    record = converting.write_shard(job) if bucket is None else upload.write_to_bucket(job, bucket, storage)
     return {**record, "node": ray.util.get_node_ip_address()}  # RAY
 
 
@@ -54,8 +55,8 @@ class Tasks:
     the nodes, writing into the jobs' folder or under a `bucket` prefix; `nodes` counts the shards
     each node wrote (not those kept from an earlier run)."""
 
-    def __init__(self, in_flight: int | None = None, *, bucket: str | None = None, endpoint: str | None = None):
-        self.bucket, self.endpoint = bucket, endpoint
+    def __init__(self, in_flight: int | None = None, *, bucket: str | None = None, storage: Storage = Storage()):
+        self.bucket, self.storage = bucket, storage
         cpus = int(ray.cluster_resources().get("CPU", 1))  # RAY
         self.in_flight = in_flight or max(2, IN_FLIGHT_PER_CPU * cpus)
         self.nodes: Counter[str] = Counter()
@@ -70,7 +71,7 @@ class Tasks:
             while waiting or pending:
                 while waiting and len(pending) < self.in_flight:
                     job = waiting.pop()
-                    pending[self._remote.remote(job, self.bucket, self.endpoint)] = job  # RAY
+                    pending[self._remote.remote(job, self.bucket, self.storage)] = job  # RAY
                 [ref], _ = ray.wait(list(pending), num_returns=1)  # RAY
                 job = pending.pop(ref)
                 record = _result(ref, job)
@@ -107,7 +108,7 @@ def convert_on_ray(
     address: str | None,
     *,
     append: bool = False,
-    endpoint: str | None = None,
+    storage: Storage = Storage(),
     staging: Path | None = None,
 ) -> dict[str, Any]:
     """Convert the tree at `src` (a folder every node sees, or an s3:// or gs:// prefix) into `out`
@@ -115,7 +116,7 @@ def convert_on_ray(
     with Ray tasks on the cluster at `address` (RAY_ADDRESS, a running `ray start`, else a local
     one). Into a bucket, the driver journals in `staging` (a folder of its own by default) and
     puts the manifest last. Returns the manifest, with `written_on` (node IP -> shards written)."""
-    tree = listed.tree_at(src, endpoint)
+    tree = listed.tree_at(src, storage)
     bucket = out if stores.is_url(out) else None
     if bucket is not None and append:
         raise DataError(
@@ -131,14 +132,14 @@ def convert_on_ray(
     for path, what in [*seen, *([(folder, "OUT")] if bucket is None else [])]:
         cluster.check_every_node_sees(os.path.abspath(path), what)
     if bucket is not None:
-        upload.bucket_at(bucket, endpoint).delete(MANIFEST)  # no manifest while shards there may change
-    tasks = Tasks(bucket=bucket, endpoint=endpoint)
+        upload.bucket_at(bucket, storage).delete(MANIFEST)  # no manifest while shards there may change
+    tasks = Tasks(bucket=bucket, storage=storage)
     try:
         manifest = (appending.append if append else converting.convert)(tree, folder, options, run=tasks)
     except KeyboardInterrupt as e:
         e.add_note("run the same command again: it keeps every shard written so far")
         raise
     if bucket is not None:
-        upload.publish(folder, bucket, endpoint)
+        upload.publish(folder, bucket, storage)
     manifest["written_on"] = dict(sorted(tasks.nodes.items()))
     return manifest

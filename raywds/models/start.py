@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from raywds.data.stores import Storage
 from raywds.errors import ConfigError
 from raywds.loader.settings import Loading
 from raywds.models import weights as weights_
@@ -85,7 +86,7 @@ def start_model(
     *,
     pretrained: bool = False,
     initial_checkpoint: str | None = None,
-    s3_endpoint: str | None = None,
+    storage: Storage = Storage(),
 ) -> Start:
     """The model named `model` for `classes`, with the weights asked for loaded into it."""
     name = parse_model(model)
@@ -96,7 +97,7 @@ def start_model(
     if pretrained:
         loaded = weights_.pretrained(name)
     elif initial_checkpoint:
-        loaded = weights_.initial(initial_checkpoint, s3_endpoint)
+        loaded = weights_.initial(initial_checkpoint, storage)
     else:
         return Start(name, net, len(classes))
     state, fit = fit_state(net, build, loaded.state, classes, loaded.classes, named=loaded.source)
@@ -132,7 +133,7 @@ def with_preprocessing(cfg: L, preprocessing: Preprocessing | None) -> L:
     return dataclasses.replace(cfg, **fill) if fill else cfg
 
 
-def weights_preprocessing(spec: ModelSpec, *, resume: str | None, s3_endpoint: str | None) -> Preprocessing | None:
+def weights_preprocessing(spec: ModelSpec, *, resume: str | None, storage: Storage) -> Preprocessing | None:
     """The preprocessing of the weights `spec` starts from, known before any rank starts (the Ray
     Data plane's driver needs it): --pretrained's from the library's tables; --initial-checkpoint's
     as recorded in a raywds checkpoint (read once, into the node's cache for a remote one); none
@@ -142,7 +143,7 @@ def weights_preprocessing(spec: ModelSpec, *, resume: str | None, s3_endpoint: s
     if spec.pretrained:
         return weights_.preprocessing_of(parse_model(spec.model))
     if spec.initial_checkpoint:
-        return weights_.initial(spec.initial_checkpoint, s3_endpoint).preprocessing
+        return weights_.initial(spec.initial_checkpoint, storage).preprocessing
     return None
 
 

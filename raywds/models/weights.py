@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from raywds.data import stores
+from raywds.data.stores import Storage
 from raywds.errors import ConfigError, StorageError
 from raywds.loader.settings import rgb
 from raywds.models.sources import ModelName, Timm, TorchVision
@@ -158,7 +159,7 @@ def _state_dict_in(loaded: dict[str, Any], named: str) -> dict[str, torch.Tensor
     return tensors
 
 
-def _fetched(url: str, s3_endpoint: str | None) -> Path:
+def _fetched(url: str, storage: Storage) -> Path:
     """A remote file, fetched once per node into the weights cache."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     name = Path(urllib.parse.urlparse(url).path).name or "weights"
@@ -166,7 +167,7 @@ def _fetched(url: str, s3_endpoint: str | None) -> Path:
     with node_once(path):
         if not path.is_file():
             try:
-                data = stores.read_bytes(url, timeout_s=FETCH_TIMEOUT_S, s3_endpoint=s3_endpoint)
+                data = storage.read(url, timeout_s=FETCH_TIMEOUT_S)
             except FileNotFoundError:
                 raise ConfigError(f"no weights at {url} (--initial-checkpoint)") from None
             except OSError as e:
@@ -175,9 +176,9 @@ def _fetched(url: str, s3_endpoint: str | None) -> Path:
     return path
 
 
-def initial(where: str, s3_endpoint: str | None = None) -> Weights:
+def initial(where: str, storage: Storage = Storage()) -> Weights:
     """--initial-checkpoint: the weights (and EMA) in a file, a raywds checkpoint or run folder."""
-    local = Path(stores.local_path(where)) if not stores.is_url(where) else _fetched(where, s3_endpoint)
+    local = Path(stores.local_path(where)) if not stores.is_url(where) else _fetched(where, storage)
     if local.is_dir():
         from raywds.runs.checkpoint import checkpoint_file
 
@@ -263,7 +264,7 @@ def _torchvision(name: ModelName) -> Weights:
     with node_once(path):
         if not path.is_file():
             try:
-                data = stores.read_bytes(weights.url, timeout_s=FETCH_TIMEOUT_S)
+                data = Storage().read(weights.url, timeout_s=FETCH_TIMEOUT_S)
             except OSError as e:
                 raise ConfigError(
                     f"--pretrained: torchvision's {weights} are not in the cache ({path}) and cannot be downloaded "

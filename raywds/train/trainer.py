@@ -113,7 +113,7 @@ class Trainer:
             self.manifest.classes,
             pretrained=cfg.pretrained and fresh,
             initial_checkpoint=cfg.initial_checkpoint if fresh else None,
-            s3_endpoint=cfg.s3_endpoint,
+            storage=cfg.storage,
         )
         self.cfg = self.workers.asked = with_preprocessing(cfg, started.preprocessing)
         if self.world.is_main:

@@ -31,6 +31,7 @@ from raywds.data import gcs, shardlists, stores
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.http import PIECE, ReadPolicy
 from raywds.data.manifest import read_manifest
+from raywds.data.stores import Storage
 from raywds.errors import DataError, ShardError, ShardMismatch
 
 NOT_TWO_SLASHES = re.compile(r"gs:/(?!/)")
@@ -106,22 +107,22 @@ def test_read_stat_list_and_write_round_trip(bucket: Bucket) -> None:
     (every object under the prefix, nested ones too, in name order) and stats (size, and an
     etag that changes with the bytes); keys that need quoting in a URL are found."""
     manifest = bucket.url("m/manifest.json")
-    stores.write_bytes(manifest, b'{"format": 1}\n')
+    Storage().write(manifest, b'{"format": 1}\n')
     assert bucket.get("m/manifest.json") == b'{"format": 1}\n'
-    assert stores.read_bytes(manifest) == b'{"format": 1}\n'
+    assert Storage().read(manifest) == b'{"format": 1}\n'
     objects = {"m/a.tar": 1000, "m/b.tar": 10, "m/sub/c.tar": 3, "m/odd name+1%.tar": 7, "m/readme.txt": 5}
     for key, size in objects.items():
         bucket.put(key, bytes(size))
     bucket.put("other/d.tar", b"x")
-    assert stores.read_bytes(bucket.url("m/odd name+1%.tar")) == bytes(7)
+    assert Storage().read(bucket.url("m/odd name+1%.tar")) == bytes(7)
 
-    size, etag = stores.stat(bucket.url("m/a.tar"))
+    size, etag = Storage().stat(bucket.url("m/a.tar"))
     assert size == 1000 and etag
     bucket.put("m/a.tar", b"\1" * 1000)
-    size, changed = stores.stat(bucket.url("m/a.tar"))
+    size, changed = Storage().stat(bucket.url("m/a.tar"))
     assert size == 1000 and changed and changed != etag
 
-    found = stores.listing(bucket.url("m/"))
+    found = Storage().listing(bucket.url("m/"))
     assert [url for url, _, _ in found] == sorted(bucket.url(k) for k in [*objects, "m/manifest.json"])
     assert dict((url, size) for url, size, _ in found)[bucket.url("m/sub/c.tar")] == 3
     assert all(stamp for _, _, stamp in found)
@@ -139,16 +140,16 @@ def test_missing_objects_and_buckets(bucket: Bucket) -> None:
     """A missing object is FileNotFoundError (so a missing manifest reads as one); a missing bucket
     to write into and a malformed address are DataErrors naming them."""
     with pytest.raises(FileNotFoundError, match=re.escape(bucket.url("nope/manifest.json"))):
-        stores.read_bytes(bucket.url("nope/manifest.json"))
+        Storage().read(bucket.url("nope/manifest.json"))
     with pytest.raises(FileNotFoundError):
-        stores.stat(bucket.url("nope/a.tar"))
-    assert stores.listing(bucket.url("nope/")) == []
+        Storage().stat(bucket.url("nope/a.tar"))
+    assert Storage().listing(bucket.url("nope/")) == []
     with pytest.raises(DataError, match=r"nope/: names no shard \(no \.tar file there\)"):
         shardlists.expand([bucket.url("nope/")])
     with pytest.raises(DataError, match=rf"bucket '{bucket.name}-gone' does not exist at http://127\.0\.0\.1:\d+$"):
-        stores.write_bytes(f"gs://{bucket.name}-gone/m/manifest.json", b"{}")
+        Storage().write(f"gs://{bucket.name}-gone/m/manifest.json", b"{}")
     with pytest.raises(DataError, match=r"gs:///k: a Google Cloud Storage address is gs://BUCKET/KEY"):
-        stores.read_bytes("gs:///k")
+        Storage().read("gs:///k")
     line = gcs.error_line(bucket.url("k"), 404, "")
     assert line == f"{bucket.url('k')}: no object 'k' in bucket '{bucket.name}' at {bucket.server.endpoint} (HTTP 404)"
 
@@ -177,7 +178,7 @@ def cut_read(bucket: Bucket, monkeypatch: pytest.MonkeyPatch, size: int, cut_at:
     with S3Proxy(bucket.server, path=r"/s%2Fx\.tar$") as proxy:  # type: ignore[arg-type]  # it needs .endpoint only
         monkeypatch.setenv(gcs.EMULATOR, proxy.endpoint)
         proxy.reset_every, proxy.reset_after_bytes = 2, cut_at
-        assert stores.stat(url)[0] == size
+        assert Storage().stat(url)[0] == size
         retries: list[int] = []
         with stores.open_shard(url, policy, size=size, retried=lambda: retries.append(1)) as stream:
             assert stream.read() == data
@@ -396,11 +397,11 @@ def test_an_emulator_gets_no_authorization_even_with_credentials_at_hand(
         with Recorder(upstream=bucket.server.endpoint) as recorder:
             monkeypatch.setenv(gcs.EMULATOR, recorder.endpoint.removeprefix("http://"))  # host:port, as gcloud sets it
             assert gcs.headers() == {}
-            assert stores.stat(bucket.url("pub/a.tar"))[0] == 3000
+            assert Storage().stat(bucket.url("pub/a.tar"))[0] == 3000
             assert shardlists.expand([bucket.url("pub/")]) == [bucket.url("pub/a.tar")]
             with stores.open_shard(bucket.url("pub/a.tar"), ReadPolicy()) as stream:
                 assert stream.read() == b"a" * 3000
-            stores.write_bytes(bucket.url("pub/manifest.json"), b"{}")
+            Storage().write(bucket.url("pub/manifest.json"), b"{}")
     assert len(recorder.requests) == 4 and not tokens.requests
     assert not [h for _, _, headers, _ in recorder.requests for h in headers if h.lower() == "authorization"]
 

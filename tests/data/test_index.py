@@ -30,6 +30,7 @@ from raywds.data.manifest import read_manifest, split_location
 from raywds.data.members import IMAGE_KEYS, LABEL_KEYS
 from raywds.data.shardlists import common_base, split_by_name
 from raywds.data.shardoptions import IndexOptions
+from raywds.data.stores import Storage
 from raywds.errors import DataError
 
 RAYWDS = str(Path(sys.executable).with_name("raywds"))
@@ -252,7 +253,7 @@ def test_index_an_s3_prefix_writes_the_manifest_beside_the_shards_in_the_bucket(
     for path in sorted(wds_dir.glob("*.tar")):
         client.upload_file(str(path), s3.bucket, f"ds/{path.name}")
     client.put_object(Bucket=s3.bucket, Key="ds/README.txt", Body=b"not a shard")
-    urls = shardlists.expand([s3.url("ds/")], s3.endpoint)
+    urls = shardlists.expand([s3.url("ds/")], Storage(s3.endpoint))
     assert urls == [s3.url(f"ds/train-{i:04d}.tar") for i in range(4)]
     manifest = index_shards({"train": urls}, IndexOptions(), policy=ReadPolicy(s3_endpoint=s3.endpoint))
     assert manifest["shards_at"] == s3.url("ds")
@@ -260,14 +261,34 @@ def test_index_an_s3_prefix_writes_the_manifest_beside_the_shards_in_the_bucket(
         assert shard["sha256"] == hashlib.sha256((wds_dir / shard["name"]).read_bytes()).hexdigest()
     assert all(stamp for stamp in manifest["splits"]["train"]["stamps"].values())  # ETags
 
-    where = write_index(manifest, None, s3.endpoint)
+    where = write_index(manifest, None, Storage(s3.endpoint))
     assert where == s3.url("ds/manifest.json")
     written = json.loads(client.get_object(Bucket=s3.bucket, Key="ds/manifest.json")["Body"].read())
     assert "shards_at" not in written  # beside the shards
-    read = read_manifest(s3.url("ds"), s3_endpoint=s3.endpoint)
+    read = read_manifest(s3.url("ds"), storage=Storage(s3.endpoint))
     assert read.base == s3.url("ds") and read.num_samples("train") == 30 and read.classes == ["0", "1", "2", "3", "4"]
     assert read.first_keys["train-0002.tar"] == "sample000016"
     assert read.url(read.shards("train")[2]) == s3.url("ds/train-0002.tar")
+
+
+def test_every_s3_object_an_index_reads_is_read_at_the_endpoint_it_was_given(
+    s3: S3Server, wds_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --s3-endpoint (not AWS_ENDPOINT_URL, here a port nothing listens on), the shards, the
+    manifest's place and a --classes file in the bucket are all read at that endpoint: the classes
+    file was read at AWS_ENDPOINT_URL's, else AWS, whatever the endpoint given."""
+    client = s3.client()
+    for path in sorted(wds_dir.glob("*.tar")):
+        client.upload_file(str(path), s3.bucket, f"ds/{path.name}")
+    client.put_object(Bucket=s3.bucket, Key="classes.txt", Body=b"zero\none\ntwo\nthree\nfour\n")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: refused at once
+    storage = Storage(s3.endpoint)
+    urls = shardlists.expand([s3.url("ds/")], storage)
+    options = IndexOptions(classes=s3.url("classes.txt"))
+    manifest = index_shards({"train": urls}, options, policy=storage.read_policy())
+    assert manifest["classes"] == ["zero", "one", "two", "three", "four"]
+    assert write_index(manifest, None, storage) == s3.url("ds/manifest.json")
+    assert read_manifest(s3.url("ds"), storage=storage).classes == ["zero", "one", "two", "three", "four"]
 
 
 # --- Where the manifest goes: beside the shards, else --out -----------------------------------------

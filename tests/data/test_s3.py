@@ -18,6 +18,7 @@ from raywds.data.columns import ShardTable
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.listed import tree_at
 from raywds.data.manifest import read_manifest
+from raywds.data.stores import Storage
 from raywds.data.upload import convert_to_bucket
 from raywds.data.verify import verify
 from raywds.errors import DataError
@@ -42,16 +43,16 @@ def test_convert_into_a_bucket_puts_every_shard_then_the_manifest_and_resumes(
     exactly those three, then the manifest."""
     with S3Proxy(s3, path=r"$^") as proxy:
         url, endpoint = s3.url("ds"), proxy.endpoint
-        manifest = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", endpoint=endpoint)
+        manifest = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", storage=Storage(endpoint))
         names = [s["name"] for info in manifest["splits"].values() for s in info["shards"]]
         assert len(names) == 12 and sorted(puts(proxy)[: -len(LAST)]) == sorted(names)
         assert puts(proxy)[-len(LAST) :] == LAST
         read_backs = [path.rsplit("/", 1)[-1] for method, path, _ in proxy.log if method == "GET"]
         assert sorted(read_backs) == sorted(names)  # each shard read back once, before the manifest
-        assert verify(url, s3_endpoint=endpoint) == (12, [])
+        assert verify(url, Storage(endpoint)) == (12, [])
 
         proxy.log.clear()
-        again = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", endpoint=endpoint)
+        again = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", storage=Storage(endpoint))
         assert again["kept_in_bucket"] == 12 and puts(proxy) == LAST
 
         client = s3.client()
@@ -59,7 +60,7 @@ def test_convert_into_a_bucket_puts_every_shard_then_the_manifest_and_resumes(
         for key in [*gone, "manifest.json"]:
             client.delete_object(Bucket=s3.bucket, Key=f"ds/{key}")
         proxy.log.clear()
-        resumed = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", endpoint=endpoint)
+        resumed = convert_to_bucket(tree, url, OPTIONS, staging=tmp_path / "stage", storage=Storage(endpoint))
         assert resumed["kept_in_bucket"] == 9
         assert sorted(puts(proxy)[: -len(LAST)]) == sorted(gone) and puts(proxy)[-len(LAST) :] == LAST
     assert verify(url) == (12, [])
@@ -149,3 +150,23 @@ def test_convert_from_an_s3_prefix_into_one_gives_the_shards_of_a_local_copy(
         assert body == shard.read_bytes(), shard.name
     with pytest.raises(DataError, match=r"s3://.*/nothing holds no objects"):
         tree_at(s3.url("nothing"))
+
+
+def test_a_listed_tree_reads_every_file_at_its_storage_beside_it_and_in_another_process(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree listed at an endpoint (not AWS_ENDPOINT_URL's, here a port nothing listens on) reads
+    its files there, a file beside its prefix (the Kaggle labels a layout looks for next to the tree)
+    and a file sent to another process (a Ray task's) too. The file beside it was read at
+    AWS_ENDPOINT_URL's, else AWS: only the listed files kept the endpoint."""
+    import pickle
+
+    client = s3.client()
+    client.put_object(Bucket=s3.bucket, Key="images/train/a/x.JPEG", Body=b"x")
+    client.put_object(Bucket=s3.bucket, Key="labels.csv", Body=b"beside")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: refused at once
+    root = tree_at(s3.url("images"), Storage(s3.endpoint))
+    image = root / "train" / "a" / "x.JPEG"
+    assert image.read_bytes() == b"x"
+    assert (root.parent / "labels.csv").read_bytes() == b"beside"
+    assert pickle.loads(pickle.dumps(image)).read_bytes() == b"x"

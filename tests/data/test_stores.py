@@ -17,13 +17,9 @@ from raywds.data.stores import (
     SCHEMES,
     STORES,
     S3Store,
-    listing,
+    Storage,
     open_shard,
-    read_bytes,
     scheme,
-    stat,
-    store_at,
-    write_bytes,
 )
 from raywds.errors import DataError
 
@@ -40,33 +36,33 @@ def test_every_kind_of_location_has_its_store_and_each_store_says_its_kind() -> 
     assert set(STORES) == {*SCHEMES.values(), PIPE}
     for kind, example in EXAMPLES.items():
         assert scheme(example) == kind
-        found = store_at(example, s3_endpoint="http://127.0.0.1:8333")
+        found = Storage(s3_endpoint="http://127.0.0.1:8333").at(example)
         assert type(found) is STORES[kind] and found.kind == kind, kind
-    assert store_at("s3://b/p", "http://127.0.0.1:8333") == S3Store("http://127.0.0.1:8333"), "the endpoint inside"
+    assert Storage("http://127.0.0.1:8333").at("s3://b/p") == S3Store("http://127.0.0.1:8333"), "the endpoint inside"
     with pytest.raises(DataError, match=r"does not read ftp:// locations; it reads local paths, file://"):
-        store_at("ftp://host/x")
+        Storage().at("ftp://host/x")
 
 
 def test_what_a_store_cannot_do_is_one_line_naming_what_can() -> None:
     with pytest.raises(DataError, match=r"an http location cannot be listed; name its shards in brace notation"):
-        listing("https://host/shards/")
+        Storage().listing("https://host/shards/")
     with pytest.raises(DataError, match=r"raywds cannot write to pipe locations; write to a folder, s3:// or gs://"):
-        write_bytes("pipe:cat x", b"{}")
+        Storage().write("pipe:cat x", b"{}")
     with pytest.raises(DataError, match=r"raywds cannot write to http locations"):
-        write_bytes("http://host/manifest.json", b"{}")
+        Storage().write("http://host/manifest.json", b"{}")
     with pytest.raises(DataError, match=r"a pipe: command is read as a shard, not as a manifest"):
-        read_bytes("pipe:cat manifest.json")
-    assert stat("pipe:cat x.tar") == (-1, "")
+        Storage().read("pipe:cat manifest.json")
+    assert Storage().stat("pipe:cat x.tar") == (-1, "")
 
 
 def test_a_local_store_writes_whole_reads_stats_lists_and_opens(tmp_path: Path) -> None:
     where = f"file://{tmp_path}/deep/manifest.json"
-    write_bytes(where, b'{"a": 1}')
-    assert read_bytes(where) == b'{"a": 1}'
-    size, stamp = stat(str(tmp_path / "deep" / "manifest.json"))
+    Storage().write(where, b'{"a": 1}')
+    assert Storage().read(where) == b'{"a": 1}'
+    size, stamp = Storage().stat(str(tmp_path / "deep" / "manifest.json"))
     assert size == 8 and stamp.startswith("mtime:")
     (tmp_path / "deep" / "b.tar").write_bytes(b"x" * 3)
-    assert [(Path(p).name, n) for p, n, _ in listing(str(tmp_path))] == [("b.tar", 3), ("manifest.json", 8)]
+    assert [(Path(p).name, n) for p, n, _ in Storage().listing(str(tmp_path))] == [("b.tar", 3), ("manifest.json", 8)]
     assert [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == [], "no partial file left"
     with open_shard(str(tmp_path / "deep" / "b.tar"), ReadPolicy(), size=3) as stream:
         assert stream.read() == b"xxx"

@@ -138,7 +138,7 @@ def test_an_empty_torch_cache_without_network_is_one_line(monkeypatch: pytest.Mo
     def unreachable(*args: object, **kwargs: object) -> bytes:
         raise OSError("[Errno -2] Name or service not known")
 
-    monkeypatch.setattr("raywds.data.stores.read_bytes", unreachable)
+    monkeypatch.setattr("raywds.data.stores.Storage.read", unreachable)
     with pytest.raises(ConfigError) as e:
         start_model("resnet18", CLASSES, pretrained=True)
     said = str(e.value)
@@ -214,11 +214,11 @@ def test_a_remote_weights_file_is_fetched_once_into_the_node_cache(
     save_file(source, str(tmp_path / "w.safetensors"))
     reads: list[str] = []
 
-    def read_bytes(where: str, timeout_s: float = 30.0, s3_endpoint: str | None = None) -> bytes:
+    def read(storage: stores.Storage, where: str, timeout_s: float = 30.0) -> bytes:
         reads.append(where)
         return (tmp_path / "w.safetensors").read_bytes()
 
-    monkeypatch.setattr(stores, "read_bytes", read_bytes)
+    monkeypatch.setattr(stores.Storage, "read", read)
     for _ in range(2):
         loaded = initial("http://weights.example/w.safetensors")
         assert torch.equal(loaded.state["fc.weight"], source["fc.weight"])
