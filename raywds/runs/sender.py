@@ -26,16 +26,15 @@ RETRY_MAX_S = 30.0
 def cause(e: BaseException, within: float | None = None) -> str:
     """A failed call's cause in a few words (connection refused, connection lost: the server went
     away during the call, no answer in 2 s, ...), else its type and first line."""
-    chain: list[BaseException] = []
-    link: BaseException | None = e
-    while link is not None and link not in chain:
-        chain.append(link)
+    chain: list[BaseException] = [e]
+    for link in chain:  # grows as it is walked: every error this one was raised from, or holds
         reason = getattr(link, "reason", None)  # urllib3's and urllib's errors keep the cause there
-        link = link.__cause__ or (reason if isinstance(reason, BaseException) else None) or link.__context__
+        held = [a for a in (link.__cause__, reason, link.__context__, *link.args) if isinstance(a, BaseException)]
+        chain.extend(a for a in held if not any(a is seen for seen in chain))  # urllib3's ProtocolError: in args
     for link in chain:
         if isinstance(link, ConnectionRefusedError):
             return "connection refused"
-        if isinstance(link, ConnectionResetError | ConnectionAbortedError):  # http.client's RemoteDisconnected too
+        if isinstance(link, ConnectionResetError | ConnectionAbortedError | BrokenPipeError):  # RemoteDisconnected too
             return "connection lost"
         if isinstance(link, socket.gaierror):
             return "its host name does not resolve"
