@@ -237,6 +237,7 @@ def test_a_server_gone_at_the_end_is_not_waited_for_and_the_run_continued_ends_w
     assert [m.step for m in client.get_metric_history(run_id, "epoch")] == [120, 360], "one run"
 
 
+@pytest.mark.slow  # a real MLflow server: its start is 15-20 s of the inner loop
 def test_a_run_left_running_is_ended_as_it_ended_by_the_next_report_that_reaches_its_server(
     mlflow_server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
