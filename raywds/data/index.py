@@ -192,12 +192,13 @@ def index_shards(
             f"(--skip-bad-shards leaves them out):\n{lines}"
         )
     found = {split: [done[u] for u in shards if not done[u].error] for split, shards in splits.items()}
-    info = _info(base, Storage.of(policy))
+    storage = Storage.of(policy)
+    info = _info(base, storage)
     disagree = _check_info(info, found) if info else []
     if disagree:
         raise DataError(f"{len(disagree)} shards disagree with {TIMM_INFO}: {disagree[0]}; is {TIMM_INFO} stale?")
     labels = [label for shards in found.values() for s in shards for label in s.labels]
-    classes, by_name = class_names(options, info, labels, Storage.of(policy))
+    classes, by_name = class_names(options, info, labels, storage)
     members = {
         "image": [options.image_key] if options.image_key else list(IMAGE_KEYS),
         "label": rules.label_keys[0] if len(rules.label_keys) == 1 else "",

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from raywds.loader.settings import augments
 from raywds.plan import seeds
 
 MEAN_PIXEL = (124, 116, 104)
@@ -39,7 +40,7 @@ class Augment:
     @classmethod
     def of(cls, cfg: Any) -> Augment | None:
         """The augmentations a TrainConfig or LoaderConfig asks for, or None."""
-        if cfg.auto_augment is None and not cfg.random_erase:
+        if not augments(cfg):
             return None
         return cls(cfg.auto_augment, cfg.ra_magnitude, cfg.augmix_severity, cfg.random_erase)
 

@@ -110,8 +110,8 @@ class Loading:
 
     @property
     def augments(self) -> bool:
-        """Whether the loader workers augment the decoded crop (raywds.loader.augment.Augment.of)."""
-        return self.auto_augment is not None or bool(self.random_erase)
+        """Whether the loader workers augment the decoded crop."""
+        return augments(self)
 
     @property
     def decoding(self) -> Decoding:
@@ -124,6 +124,12 @@ class Loading:
     def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """--mean and --std as numbers (ImageNet's where not set)."""
         return rgb(self.mean, "mean", (0.485, 0.456, 0.406)), rgb(self.std, "std", (0.229, 0.224, 0.225))
+
+
+def augments(cfg: Loading | LoaderConfig) -> bool:
+    """Whether a run's loader section, or a pass's loader config, asks for augmentations of the
+    decoded crop (--auto-augment, --random-erase): raywds.loader.augment.Augment.of builds them."""
+    return cfg.auto_augment is not None or bool(cfg.random_erase)
 
 
 def rgb(text: str | None, name: str, default: tuple[float, float, float]) -> tuple[float, float, float]:

@@ -89,9 +89,8 @@ def start_model(
     storage: Storage = Storage(),
 ) -> Start:
     """The model named `model` for `classes`, with the weights asked for loaded into it."""
+    ModelSpec(model=model, pretrained=pretrained, initial_checkpoint=initial_checkpoint)  # its refusals, as a run's
     name = parse_model(model)
-    if pretrained and initial_checkpoint:
-        raise ConfigError("--pretrained and --initial-checkpoint both give starting weights: give one")
     build = functools.partial(name.source.build, name)
     net = build(len(classes))
     if pretrained:
