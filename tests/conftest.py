@@ -18,6 +18,11 @@ from raywds import console
 from raywds.data.convert import ConvertOptions, convert
 from raywds.data.demo import DemoSpec, write_tree
 
+# Every Ray the tests start (in this process, `ray start`, a raywds command's own) inherits this. A
+# raylet whose temp dir's disk is over 95% full logs an error every 10 s, and Ray forwards it into each
+# driver's console, which the tests read line by line: 1 turns that disk check off for them.
+os.environ["RAY_local_fs_capacity_threshold"] = "1"
+
 
 @pytest.fixture(scope="session", autouse=True)
 def console_lines() -> None:
