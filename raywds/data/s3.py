@@ -216,16 +216,47 @@ def join(url: str, name: str) -> str:
     return f"{url.rstrip('/')}/{name}"
 
 
-def put_file(path: str | os.PathLike[str], url: str, endpoint: str | None = None) -> None:
-    """Upload one file (boto3's transfer manager: multipart when large); DataError in one line."""
+MULTIPART_BYTES = 64 << 20
+"""A file larger than this goes up in parts of this size (boto3's transfer manager)."""
+
+
+def put_file(
+    path: str | os.PathLike[str], url: str, endpoint: str | None = None, metadata: dict[str, str] | None = None
+) -> None:
+    """Upload one file (boto3's transfer manager: multipart above MULTIPART_BYTES), with the
+    object's user `metadata`; DataError in one line."""
     from boto3.exceptions import S3UploadFailedError
+    from boto3.s3.transfer import TransferConfig
 
     bucket, key = split(url)
+    transfer = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
+    extra = {"Metadata": metadata} if metadata else None
     try:
-        client(endpoint).upload_file(os.fspath(path), bucket, key)
+        client(endpoint).upload_file(os.fspath(path), bucket, key, ExtraArgs=extra, Config=transfer)
     except (*errors(), S3UploadFailedError) as e:
         cause = e.__context__ if isinstance(e, S3UploadFailedError) and e.__context__ is not None else e
         raise DataError(error_line(cause, url, endpoint)) from None
+
+
+def recorded(url: str, endpoint: str | None = None) -> tuple[int, dict[str, str]] | None:
+    """An object's size and user metadata (a HEAD), or None when it is not there; DataError otherwise."""
+    bucket, key = split(url)
+    try:
+        head = client(endpoint).head_object(Bucket=bucket, Key=key)
+    except errors() as e:
+        if status_and_code(e)[0] == 404:
+            return None
+        raise DataError(error_line(e, url, endpoint)) from None
+    return int(head["ContentLength"]), dict(head.get("Metadata", {}))
+
+
+def delete(url: str, endpoint: str | None = None) -> None:
+    """Remove an object; one that is not there is no error (S3 answers a delete of it with 204)."""
+    bucket, key = split(url)
+    try:
+        client(endpoint).delete_object(Bucket=bucket, Key=key)
+    except errors() as e:
+        raise DataError(error_line(e, url, endpoint)) from None
 
 
 def get_file(url: str, path: str | os.PathLike[str], endpoint: str | None = None) -> bool:

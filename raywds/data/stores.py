@@ -11,7 +11,8 @@ mistaken for a folder named `gs:`; a scheme raywds does not read is one line nam
     storage.listing("s3://bucket/imagenet")                # whichever store the location names
 
 Each kind of store is a class of its own (a `Store`: open a shard, read a small object whole, stat,
-list, write), and STORES maps each scheme's kind to its class. `Storage` is every store as a
+list, write; and for a bucket what an upload of shards needs: check it, whether it holds a shard,
+put a file, delete), and STORES maps each scheme's kind to its class. `Storage` is every store as a
 command reaches them: made once from its settings (only S3's store has one, its endpoint, which
 it keeps inside), it is what the data functions take, so that a location never travels with an
 S3 setting beside it. A store that cannot do a thing (list an http server, write through a
@@ -40,6 +41,8 @@ from raywds.errors import DataError, ShardError
 LOCAL, HTTP, PIPE, S3, GS = "local", "http", "pipe", "s3", "gs"
 SCHEMES = {"file": LOCAL, "http": HTTP, "https": HTTP, "s3": S3, "gs": GS}
 """Each URL scheme raywds reads, by the kind of store that serves it (`pipe:` has no `//`)."""
+SHA256 = "sha256"
+"""The user metadata key under which an uploaded shard's sha256 is kept with the object."""
 READS = "local paths, file://, http(s)://, s3://, gs:// and pipe: commands"
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -114,7 +117,28 @@ class Store:
 
     def write(self, where: str, data: bytes) -> None:
         """Write a small file (a manifest), whole or not at all."""
-        raise DataError(f"{where}: raywds cannot write to {self.kind} locations; write to a folder, s3:// or gs://")
+        raise self.unwritable(where)
+
+    # A bucket's own: what `raywds convert` into one does (raywds.data.upload).
+
+    def check(self, where: str) -> None:
+        """One line before any work when the bucket of `where` is missing or refuses these credentials."""
+        raise self.unwritable(where)
+
+    def holds(self, where: str, size: int, sha256: str) -> bool:
+        """Whether the object at `where` is this very file: its size, and the sha256 `put_file` kept with it."""
+        raise self.unwritable(where)
+
+    def put_file(self, path: Path, where: str, sha256: str) -> None:
+        """Upload a file (a shard) to `where`, its sha256 kept with the object."""
+        raise self.unwritable(where)
+
+    def delete(self, where: str) -> None:
+        """Remove the object at `where`; one that is not there is no error."""
+        raise self.unwritable(where)
+
+    def unwritable(self, where: str) -> DataError:
+        return DataError(f"{where}: raywds cannot write to {self.kind} locations; write to a folder, s3:// or gs://")
 
 
 class LocalStore(Store):
@@ -227,6 +251,19 @@ class S3Store(RemoteStore):
     def write(self, where: str, data: bytes) -> None:
         s3.put_bytes(data, where, self.endpoint)
 
+    def check(self, where: str) -> None:
+        s3.check_bucket(where, self.endpoint)
+
+    def holds(self, where: str, size: int, sha256: str) -> bool:
+        found = s3.recorded(where, self.endpoint)
+        return found is not None and found[0] == size and found[1].get(SHA256) == sha256
+
+    def put_file(self, path: Path, where: str, sha256: str) -> None:
+        s3.put_file(path, where, self.endpoint, {SHA256: sha256})
+
+    def delete(self, where: str) -> None:
+        s3.delete(where, self.endpoint)
+
 
 class GcsStore(RemoteStore):
     """gs:// buckets through the JSON API, with Application Default Credentials (raywds.data.gcs)."""
@@ -245,6 +282,19 @@ class GcsStore(RemoteStore):
 
     def write(self, where: str, data: bytes) -> None:
         gcs.write_bytes(where, data)
+
+    def check(self, where: str) -> None:
+        gcs.check_bucket(where)
+
+    def holds(self, where: str, size: int, sha256: str) -> bool:
+        found = gcs.metadata(where)
+        return found is not None and int(found["size"]) == size and (found.get("metadata") or {}).get(SHA256) == sha256
+
+    def put_file(self, path: Path, where: str, sha256: str) -> None:
+        gcs.put_file(path, where, {SHA256: sha256})
+
+    def delete(self, where: str) -> None:
+        gcs.delete(where)
 
 
 class PipeStore(Store):

@@ -4,9 +4,10 @@ put the shards into the bucket and the manifest last.
 The staging folder is the usual converter's output (raywds.data.convert), so an interrupted
 conversion resumes there from its journal. The upload then skips every shard the bucket
 already holds with the same size and sha256 (kept in the object's metadata), uploads the
-others (s3: boto3's transfer manager, multipart above 64 MB; gs: a resumable upload that
-continues where a broken connection left it, raywds.data.gcs), reads each one back from the
-bucket against the manifest's sha256, and only then writes `_info.json` and `manifest.json`.
+others through the bucket's store (raywds.data.stores: for s3 boto3's transfer manager,
+multipart above 64 MB; for gs a resumable upload that continues where a broken connection
+left it), reads each one back from the bucket against the manifest's sha256, and only then
+writes `_info.json` and `manifest.json`.
 An older manifest at the prefix is deleted before the first shard changes, so a half-done
 upload is never mistaken for a dataset.
 
@@ -23,7 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from raywds.data import gcs, s3, stores
+from raywds.data import stores
 from raywds.data.columns import COLUMNS
 from raywds.data.convert import ConvertOptions, ShardJob, convert, kept, write_shard
 from raywds.data.listed import Tree
@@ -31,8 +32,6 @@ from raywds.data.manifest import MANIFEST, TIMM_INFO
 from raywds.data.sources import SOURCES
 from raywds.data.stores import Storage
 from raywds.errors import DataError
-
-MULTIPART_BYTES = 64 << 20
 
 
 def staging_folder(url: str) -> Path:
@@ -63,125 +62,58 @@ def convert_to_bucket(
 ) -> dict[str, Any]:
     """Convert `src` and upload the result under `url` (s3:// or gs://); returns the manifest, with
     the count of shards the bucket already held as `kept_in_bucket`."""
-    if gcs.is_gs(url):
-        gcs.check_bucket(url)
-    else:
-        s3.check_bucket(url, storage.s3_endpoint)  # a wrong key or bucket is one line before any work
+    storage.at(url).check(url)  # a wrong key or bucket is one line before any work
     folder = staging or staging_folder(url)
     manifest = convert(src, folder, options)
-    try:
-        manifest["kept_in_bucket"] = upload(folder, manifest, url, storage)
-    except s3.errors() as e:
-        raise DataError(s3.error_line(e, url, storage.s3_endpoint)) from None
+    manifest["kept_in_bucket"] = upload(folder, manifest, url, storage)
     return manifest
-
-
-def bucket_at(url: str, storage: Storage = Storage()) -> _S3 | _Gcs:
-    """The s3:// or gs:// prefix `url`, for putting shards and manifests under it."""
-    return _Gcs(url) if gcs.is_gs(url) else _S3(url, storage.s3_endpoint)
 
 
 def write_to_bucket(job: ShardJob, url: str, storage: Storage = Storage()) -> dict[str, Any]:
     """One shard written in this machine's temp folder, put under `url`, read back whole and
     removed here (what a Ray task of `convert --ray` to a bucket does); its record. A shard the
     bucket holds already as `job.done` describes it (size and sha256) is kept."""
-    bucket = bucket_at(url, storage)
-    try:
-        if job.done is not None and bucket.holds(job.done["shard"]):
-            return kept(job)
-        with tempfile.TemporaryDirectory(prefix="raywds-shard-") as folder:
-            here = dataclasses.replace(job, path=Path(folder) / job.path.name, done=None)
-            record = write_shard(here)
-            shard = record["shard"]
-            bucket.put_file(here.path, shard)
-            _check_back(stores.join(url, shard["name"]), shard, storage, partial(bucket.delete, shard["name"]))
-    except s3.errors() as e:
-        raise DataError(s3.error_line(e, url, storage.s3_endpoint)) from None
+    if job.done is not None and _holds(url, job.done["shard"], storage):
+        return kept(job)
+    with tempfile.TemporaryDirectory(prefix="raywds-shard-") as folder:
+        here = dataclasses.replace(job, path=Path(folder) / job.path.name, done=None)
+        record = write_shard(here)
+        _put(here.path, url, record["shard"], storage)
     return record
 
 
 def publish(folder: Path, url: str, storage: Storage = Storage()) -> None:
     """The manifest files the converter wrote in `folder` put under `url`, the manifest last."""
-    bucket = bucket_at(url, storage)
     for name in (SOURCES, TIMM_INFO, COLUMNS, MANIFEST):  # as the converter wrote them into the staging folder
         if (folder / name).is_file():  # (no columns or sources from a conversion staged by an older raywds)
-            bucket.put_bytes(name, (folder / name).read_bytes())
-
-
-def _key(prefix: str, name: str) -> str:
-    return f"{prefix.rstrip('/')}/{name}" if prefix.rstrip("/") else name
+            storage.write(stores.join(url, name), (folder / name).read_bytes())
 
 
 def upload(folder: Path, manifest: dict[str, Any], url: str, storage: Storage = Storage()) -> int:
     """Put the shards of `manifest` from `folder` under `url`, then `folder`'s manifest files;
     returns how many shards were there already."""
-    bucket = bucket_at(url, storage)
     shards = [shard for info in manifest["splits"].values() for shard in info["shards"]]
-    missing = [shard for shard in shards if not bucket.holds(shard)]
+    missing = [shard for shard in shards if not _holds(url, shard, storage)]
     if missing:
-        bucket.delete(MANIFEST)
+        storage.at(url).delete(stores.join(url, MANIFEST))
     for shard in missing:
-        bucket.put_file(folder / shard["name"], shard)
-        _check_back(stores.join(url, shard["name"]), shard, storage, partial(bucket.delete, shard["name"]))
+        _put(folder / shard["name"], url, shard, storage)
     publish(folder, url, storage)
     return len(shards) - len(missing)
 
 
-class _S3:
-    """An s3:// prefix, through boto3 (its transfer manager for the shards)."""
-
-    def __init__(self, url: str, endpoint: str | None):
-        self.bucket, self.prefix = s3.split(url)
-        self.client = s3.client(endpoint)
-
-    def holds(self, shard: dict[str, Any]) -> bool:
-        """Whether the bucket has this very shard (size, and the sha256 our upload recorded)."""
-        try:
-            head = self.client.head_object(Bucket=self.bucket, Key=_key(self.prefix, shard["name"]))
-        except s3.errors() as e:
-            if s3.status_and_code(e)[0] == 404:
-                return False
-            raise
-        return head["ContentLength"] == shard["num_bytes"] and head.get("Metadata", {}).get("sha256") == shard["sha256"]
-
-    def delete(self, name: str) -> None:
-        self.client.delete_object(Bucket=self.bucket, Key=_key(self.prefix, name))
-
-    def put_file(self, path: Path, shard: dict[str, Any]) -> None:
-        from boto3.s3.transfer import TransferConfig
-
-        transfer = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
-        extra = {"Metadata": {"sha256": shard["sha256"]}}
-        key = _key(self.prefix, shard["name"])
-        self.client.upload_file(str(path), self.bucket, key, ExtraArgs=extra, Config=transfer)
-
-    def put_bytes(self, name: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=_key(self.prefix, name), Body=data)
+def _holds(url: str, shard: dict[str, Any], storage: Storage) -> bool:
+    """Whether the bucket under `url` has this very shard (its size, and the sha256 our upload kept)."""
+    where = stores.join(url, shard["name"])
+    return storage.at(where).holds(where, shard["num_bytes"], shard["sha256"])
 
 
-class _Gcs:
-    """A gs:// prefix, through the JSON API (raywds.data.gcs; resumable uploads for the shards)."""
-
-    def __init__(self, url: str):
-        self.url = url
-
-    def holds(self, shard: dict[str, Any]) -> bool:
-        """Whether the bucket has this very shard (size, and the sha256 our upload recorded)."""
-        found = gcs.metadata(stores.join(self.url, shard["name"]))
-        return (
-            found is not None
-            and int(found["size"]) == shard["num_bytes"]
-            and (found.get("metadata") or {}).get("sha256") == shard["sha256"]
-        )
-
-    def delete(self, name: str) -> None:
-        gcs.delete(stores.join(self.url, name))
-
-    def put_file(self, path: Path, shard: dict[str, Any]) -> None:
-        gcs.put_file(path, stores.join(self.url, shard["name"]), {"sha256": shard["sha256"]})
-
-    def put_bytes(self, name: str, data: bytes) -> None:
-        gcs.write_bytes(stores.join(self.url, name), data)
+def _put(path: Path, url: str, shard: dict[str, Any], storage: Storage) -> None:
+    """The shard at `path` put under `url` with its sha256, then read back whole against its record."""
+    where = stores.join(url, shard["name"])
+    store = storage.at(where)
+    store.put_file(path, where, shard["sha256"])
+    _check_back(where, shard, storage, partial(store.delete, where))
 
 
 def _check_back(url: str, shard: dict[str, Any], storage: Storage, remove: Callable[[], None]) -> None:

@@ -132,7 +132,7 @@ def convert_on_ray(
     for path, what in [*seen, *([(folder, "OUT")] if bucket is None else [])]:
         cluster.check_every_node_sees(os.path.abspath(path), what)
     if bucket is not None:
-        upload.bucket_at(bucket, storage).delete(MANIFEST)  # no manifest while shards there may change
+        storage.at(bucket).delete(stores.join(bucket, MANIFEST))  # no manifest while shards there may change
     tasks = Tasks(bucket=bucket, storage=storage)
     try:
         manifest = (appending.append if append else converting.convert)(tree, folder, options, run=tasks)

@@ -515,6 +515,25 @@ def test_convert_into_a_gs_prefix_uploads_the_shards_and_the_manifest_last(
     assert again.returncode == 0 and f"the bucket held {len(shards)} of these shards already" in again.stdout
 
 
+def test_a_bucket_holds_a_shard_at_its_size_with_the_sha256_put_with_it(bucket: Bucket, tmp_path: Path) -> None:
+    """What an upload skips: an object of the shard's size whose metadata holds the shard's sha256."""
+    path, where = tmp_path / "a.tar", bucket.url("held/a.tar")
+    path.write_bytes(b"x" * 100)
+    store = stores.Storage().at(where)
+    store.check(where)
+    assert not store.holds(where, 100, "ab"), "not there yet"
+    store.put_file(path, where, "ab")
+    assert store.holds(where, 100, "ab")
+    assert not store.holds(where, 100, "cd") and not store.holds(where, 99, "ab")
+    bucket.put("held/a.tar", b"x" * 100)  # the same bytes, put by another tool
+    assert not store.holds(where, 100, "ab"), "no sha256 kept with it"
+    store.delete(where)
+    store.delete(where)  # gone already: no error
+    assert not store.holds(where, 100, "ab")
+    with pytest.raises(DataError, match=r"bucket '.*-gone' does not exist"):
+        store.check(f"gs://{bucket.name}-gone/x/")
+
+
 def test_a_missing_bucket_is_one_line(bucket: Bucket) -> None:
     gone = f"gs://{bucket.name}-gone/x/"
     for run in (raywds("index", gone), raywds("train", "--data", gone.rstrip("/"), "--epochs", "1")):

@@ -53,6 +53,12 @@ def test_what_a_store_cannot_do_is_one_line_naming_what_can() -> None:
     with pytest.raises(DataError, match=r"a pipe: command is read as a shard, not as a manifest"):
         Storage().read("pipe:cat manifest.json")
     assert Storage().stat("pipe:cat x.tar") == (-1, "")
+    for where in ("https://host/shards/a.tar", "pipe:cat a.tar"):  # an upload of shards is a bucket's
+        store = Storage().at(where)
+        for name, args in (("check", ()), ("holds", (3, "ab")), ("put_file", ("ab",)), ("delete", ())):
+            call = (Path("a.tar"), where, *args) if name == "put_file" else (where, *args)
+            with pytest.raises(DataError, match=r"raywds cannot write to (http|pipe) locations; write to a folder"):
+                getattr(store, name)(*call)
 
 
 def test_a_local_store_writes_whole_reads_stats_lists_and_opens(tmp_path: Path) -> None:
