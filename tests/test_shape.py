@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "raywds"
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
@@ -101,6 +103,7 @@ def test_no_test_imports_conftest() -> None:
     assert found == set()
 
 
+@pytest.mark.slow
 def test_the_ray_driver_and_the_region_decoder_do_not_import_torchvision() -> None:
     """Importing torchvision takes 1.5-2.5 s on these machines (its ops import torch's compiler).
     The Ray driver never decodes, a loader worker's fork server preloads the loader, and the

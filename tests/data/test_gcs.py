@@ -469,6 +469,7 @@ def test_a_bucket_that_refuses_anonymous_reads_is_one_line(bucket: Bucket, monke
 # --- the command line's one-line errors ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_data_with_neither_a_manifest_nor_shards_is_one_line_that_keeps_gs(bucket: Bucket) -> None:
     bucket.put("elsewhere/readme.txt", b"not a shard")
     train = error_line(raywds("train", "--data", bucket.url("nothing"), "--epochs", "1"))
@@ -534,6 +535,7 @@ def test_a_bucket_holds_a_shard_at_its_size_with_the_sha256_put_with_it(bucket: 
         store.check(f"gs://{bucket.name}-gone/x/")
 
 
+@pytest.mark.slow
 def test_a_missing_bucket_is_one_line(bucket: Bucket) -> None:
     gone = f"gs://{bucket.name}-gone/x/"
     for run in (raywds("index", gone), raywds("train", "--data", gone.rstrip("/"), "--epochs", "1")):

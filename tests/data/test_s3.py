@@ -108,6 +108,7 @@ def raywds(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_wrong_key_missing_bucket_and_missing_manifest_are_one_line_each(
     s3: S3Server, tree: Path, tmp_path: Path
 ) -> None:

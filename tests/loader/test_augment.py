@@ -109,6 +109,7 @@ def images_by_id(
     return out
 
 
+@pytest.mark.slow
 def test_a_samples_augmentations_depend_on_its_seed_alone_and_a_resumed_epoch_draws_them_again(uneven: Path) -> None:
     """1 rank x 0 workers, 2 ranks x 1 shuffling worker, and the rest of an epoch resumed on 3
     ranks: each sample's augmented crop is the same; the epoch trains on the same samples as

@@ -261,7 +261,7 @@ def crops_by_id(ranks: list[list[Batch]]) -> dict[int, torch.Tensor]:
     return {int(i): b.images[j].clone() for batches in ranks for b in batches for j, i in enumerate(b.ids)}
 
 
-@pytest.mark.parametrize("decode", ["cpu", "pil"])
+@pytest.mark.parametrize("decode", ["cpu", pytest.param("pil", marks=pytest.mark.slow)])
 def test_a_samples_crop_depends_on_seed_epoch_and_id_only(uneven: Path, decode: str) -> None:
     """The crop comes from the sample's own generator: neither the worker count nor the rank
     count nor the order samples arrive in changes it; the epoch and the seed do."""

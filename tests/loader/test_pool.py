@@ -186,6 +186,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_the_workers_of_a_killed_rank_do_not_outlive_it(shards: Path) -> None:
     """A rank SIGKILLed between epochs (a lost node's process, the OOM killer) leaves its waiting
     loader workers behind it: they held the pipe's other end too, so they waited for ever (a

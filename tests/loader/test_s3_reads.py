@@ -119,6 +119,7 @@ def test_the_next_shard_is_fetched_while_the_current_one_is_read(s3: S3Server, b
             assert len(keys) == len(set(keys)) == sum(e.num_samples for e in expected.values())
 
 
+@pytest.mark.slow
 def test_a_split_epoch_through_a_throttling_store_is_exact_and_counts_its_retries(
     s3: S3Server, bucket_shards: str, tmp_path: Path
 ) -> None:

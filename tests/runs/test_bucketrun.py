@@ -138,6 +138,7 @@ def test_a_damaged_checkpoint_in_the_bucket_is_named_by_its_address_there(s3: S3
     assert "--resume" not in str(raised.value) and "raywds-restart-" not in str(raised.value)
 
 
+@pytest.mark.slow
 def test_a_restarted_rank_waits_for_a_store_that_pauses_before_it_answers(s3: S3Server, tmp_path: Path) -> None:
     """A loaded store that holds its answer back 5 s, the checkpoint's download (Ray's to_directory,
     through the file system `raywds ray` gives Ray) included. pyarrow's S3 client gives up on a

@@ -279,6 +279,7 @@ def test_a_run_left_running_is_ended_as_it_ended_by_the_next_report_that_reaches
     assert json.loads((folder / files.TRACKING).read_text()) == {"mlflow": run_id}
 
 
+@pytest.mark.slow
 def test_a_missing_client_and_an_unknown_tracker_are_one_line(shards: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"tracking='neptune' is not one of mlflow, wandb, tensorboard"):
         small_config(shards, tracking=["neptune"])

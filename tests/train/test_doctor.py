@@ -146,6 +146,7 @@ def each_worker(row: dict) -> float:
 PLANTED_FORWARD_S = 0.25
 
 
+@pytest.mark.slow
 def test_a_model_that_is_the_limit_is_not_blamed_on_the_data(
     shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -72,6 +72,7 @@ def test_the_schedule_is_parsed_once_into_numbers() -> None:
     assert TrainConfig(data="x").progression is None
 
 
+@pytest.mark.slow
 def test_each_epoch_trains_at_its_planned_size_on_every_sample_once(
     shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

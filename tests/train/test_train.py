@@ -358,6 +358,7 @@ def _stall_rank(rank: int, store: str, out: str) -> None:
         Path(out, f"rank{rank}.txt").write_text(f"{time.monotonic() - start:.1f}\n{e}")
 
 
+@pytest.mark.slow
 def test_a_stalled_collective_is_an_error_naming_rank_and_step(tmp_path: Path) -> None:
     mp.start_processes(_stall_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method=RANKS_START)
     seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
