@@ -41,3 +41,33 @@ def test_a_frozen_cluster_spends_no_cpu_and_its_check_sees_a_kill_and_a_pending_
         assert started[1].wait(10) == -signal.SIGTERM, "continued, it takes the signal it held"
         time.sleep(0.5)
         assert cpu_s(busy) > spent, "continued, it runs again"
+
+
+KILLED_WITH_A_CLUSTER = """
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from support import raycluster
+with raycluster.ray_temp_dir("rwk-") as temp:
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", str(temp)], start_new_session=True)
+    with raycluster.frozen(temp):
+        print(temp, daemon.pid, flush=True)
+        time.sleep(300)
+"""
+
+
+def test_a_test_process_killed_with_a_cluster_running_leaves_no_process_and_no_temp_dir() -> None:
+    """`ray start` daemonizes a cluster's processes; a test run killed (SIGKILL, a CI limit) before it
+    stopped them left them running for good, and the user's stand-in cluster stopped (SIGSTOP)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    owner = subprocess.Popen([sys.executable, "-c", KILLED_WITH_A_CLUSTER, tests], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    temp, pid = owner.stdout.readline().split()
+    daemon = (int(pid), raycluster._stat(int(pid))[2])  # type: ignore[index]
+    assert raycluster.is_running(daemon) and os.path.isdir(temp)
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 20
+    while (raycluster.is_running(daemon) or os.path.isdir(temp)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not raycluster.is_running(daemon), "the cluster's process outlived the test process that started it"
+    assert not os.path.isdir(temp), "its temp dir was left behind"

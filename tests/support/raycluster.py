@@ -282,15 +282,69 @@ class HeadNode:
 @contextmanager
 def ray_temp_dir(prefix: str) -> Iterator[Path]:
     """A new dir under /tmp for one cluster's temp dir (short: Ray's socket paths are limited to 107
-    bytes); on exit, every process still using it is stopped (stop_cluster) and it is removed."""
+    bytes); on exit, every process still using it is stopped (stop_cluster) and it is removed.
+    Should this process die first (a test run killed, a CI run past its limit), its reaper kills
+    them and removes the dir: `ray start` daemonizes a cluster's processes, so nothing else would."""
     temp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    reaper = start_reaper(temp)
     try:
         yield temp
     finally:
+        reaper.kill()
+        reaper.wait()
         try:
             stop_cluster(temp)
         finally:
             shutil.rmtree(temp, ignore_errors=True)
+
+
+REAPER = """
+import os, sys, time
+pid, start = int(sys.argv[1]), sys.argv[2]
+def alive():
+    try:
+        raw = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return fields[19] == start and fields[0] not in "ZXx"
+while alive():
+    time.sleep(0.5)
+sys.path.insert(0, sys.argv[3])
+from support.raycluster import reap
+reap(os.environ["RAYCLUSTER_REAP"])
+"""
+"""A reaper's program: it waits for the process that made the temp dir, then reaps the dir (`reap`).
+The dir comes in its environment, not on its command line: `cluster_processes` finds a cluster's
+processes by their command lines, and the reaper is not one of them."""
+
+
+def start_reaper(temp_dir: Path) -> subprocess.Popen[bytes]:
+    """A process of its own session (a Ctrl-C at the terminal does not reach it) that reaps
+    `temp_dir` once this process is gone; kill it once the cluster is stopped the usual way."""
+    me = _stat(os.getpid())
+    assert me is not None
+    tests = str(Path(__file__).resolve().parents[1])
+    return subprocess.Popen(
+        [sys.executable, "-c", REAPER, str(os.getpid()), str(me[2]), tests],
+        env={**os.environ, "RAYCLUSTER_REAP": str(temp_dir)},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def reap(temp_dir: Path | str) -> None:
+    """SIGKILL every process of the cluster in `temp_dir` (a stopped one too), until none is left
+    (a dying raylet's workers may start something), then remove the dir."""
+    for _ in range(10):
+        procs = list(cluster_processes(temp_dir).values())
+        if not procs:
+            break
+        _signal(procs, signal.SIGKILL)
+        _wait_gone(procs, 10.0)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @contextmanager
