@@ -154,6 +154,31 @@ def test_run_local_demo_end_to_end(tmp_path: Path) -> None:
     assert float(match.group(2)) > 0.3, out.stdout  # 10 classes: chance is 0.1 (seeds 0-4 reach 0.8-0.9)
 
 
+@pytest.mark.slow
+def test_a_missing_token_file_and_an_address_nobody_answers_are_one_line_each(tmp_path: Path) -> None:
+    """Before Ray starts or joins anything: a RAY_AUTH_TOKEN_PATH with no file there (Ray's words were
+    a paragraph in a traceback), and a cluster address where nothing listens (ray.init tried it for
+    80-110 s before its own traceback). One line each, exit 1."""
+    from raywds.serve import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "no-token-here"), PYTHONUNBUFFERED="1")
+    nobody = f"127.0.0.1:{free_port('127.0.0.1')}"
+    lines = []
+    for address in ([], ["--address", nobody]):
+        args = [sys.executable, "-m", "raywds", "ray", *address, "--data", str(tmp_path), "--epochs", "1"]
+        ran = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr[-3000:]
+        lines += [line for line in ran.stderr.splitlines() if line.startswith("raywds: ")]
+    assert lines == [
+        "raywds: error: Ray cannot start or join a cluster: RAY_AUTH_TOKEN_PATH is set but file cannot be opened "
+        f"or is empty: {tmp_path / 'no-token-here'}; give every process the cluster's token (RAY_AUTH_TOKEN_PATH, "
+        "else ~/.ray/auth_token; `ray get-auth-token --generate` writes one for a new cluster), see docs/cluster.md",
+        f"raywds: error: no Ray cluster answers at {nobody} (Connection refused): check --address (or RAY_ADDRESS) "
+        "and that the cluster is up (`ray status` on its head)",
+    ], lines
+
+
 def test_plan_prints_ranks_and_a_verdict(raywds: Callable[..., Ran], shards: Path) -> None:
     out = raywds(
         "plan", "--data", str(shards), "--gpus-per-node", "2", "--workers", "2", "--batch-size", "8", "--mode", "split"

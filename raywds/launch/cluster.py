@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -233,13 +234,24 @@ def connect(address: str | None, *, training: bool = True) -> None:
     if ray.is_initialized():  # a driver that started Ray itself (a notebook's ray.init()): the same filter
         quiet_known_noise()
         return
+    answering(address or os.environ.get("RAY_ADDRESS"))
     # A conversion's tasks (not `training`) need none of a run's settings, and without a runtime env
     # of their own they take the idle workers a cluster prestarts (about 1.2 s each otherwise).
     with (
         environ(LOCAL_CLUSTER_ENV if training else {}),
         signals_kept(),
     ):  # read by the processes of a cluster ray.init starts
-        ray.init(address=address, log_to_driver=True, runtime_env=RUNTIME_ENV if training else None)  # RAY
+        try:
+            ray.init(address=address, log_to_driver=True, runtime_env=RUNTIME_ENV if training else None)  # RAY
+        except ray.exceptions.AuthenticationError as e:  # no token where it was told to look
+            raise ConfigError(token_refused(f"Ray cannot start or join a cluster: {e}")) from None
+        except ConnectionError as e:  # Ray keeps why in its cause's text (a traceback as a string)
+            why = f"{e} {e.__cause__}"
+            if "InvalidAuthToken" in why:
+                raise ConfigError(token_refused(f"{e}: it refused this process's token")) from None
+            raise ConfigError(
+                f"{e}: check --address (or RAY_ADDRESS) and that the cluster is up (`ray status` on its head)"
+            ) from None
     quiet_known_noise()
     warn_slow_imports()
     if started_here():
@@ -249,6 +261,36 @@ def connect(address: str | None, *, training: bool = True) -> None:
         stop_ray_with_the_kernel(ray.shutdown)  # in Jupyter: before the kernel signals the cluster's processes
     if training:
         start_autoscaling_coordinator()
+
+
+GCS_ADDRESS = re.compile(r"(?P<host>[\w.-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d+)")
+"""A cluster's address as `ray start` prints it (host:port of its GCS), not `auto`, `local` or `ray://`."""
+
+
+def answering(address: str | None) -> None:
+    """A cluster address where nothing answers is one line at once: ray.init tries it for one to two
+    minutes before it says so."""
+    match = GCS_ADDRESS.fullmatch(address or "")
+    if match is None:
+        return
+    try:
+        socket.create_connection((match["host"].strip("[]"), int(match["port"])), timeout=10).close()
+    except OSError as e:
+        raise ConfigError(
+            f"no Ray cluster answers at {address} ({e.strerror or e}): check --address (or RAY_ADDRESS) "
+            "and that the cluster is up (`ray status` on its head)"
+        ) from None
+
+
+def token_refused(said: str) -> str:
+    """One line for a token Ray refused or could not find (its own message runs to a paragraph): its
+    first sentence, and where the token goes."""
+    said = said.split(". ")[0].rstrip(".")
+    return (
+        f"{said}; give every process the cluster's token "
+        "(RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token; `ray get-auth-token --generate` writes one for a new "
+        "cluster), see docs/cluster.md"
+    )
 
 
 SLOW_IMPORTS = {"rfc3987_syntax": "rfc3987-syntax"}

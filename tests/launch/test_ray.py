@@ -370,3 +370,24 @@ def test_async_validation_lands_each_epochs_exact_numbers_in_its_row_and_best(
 
     charts = EventAccumulator(str(Path(run.path) / "tensorboard")).Reload()
     assert [e.step for e in charts.Scalars("epoch/val_top1")] == [1, 2, 3]
+
+
+def test_a_token_the_cluster_refuses_is_one_line(ray_temp: Path, tmp_path: Path) -> None:
+    """Another cluster's token: Ray's words for it ran to a paragraph, in a traceback; now one line
+    naming where the token goes, exit 1 (tests/test_cli.py has the cases that need no cluster)."""
+    import subprocess
+    import sys
+
+    from support.raycluster import head_node, token_env, write_token
+
+    another = token_env(write_token(tmp_path))
+    another.update(RAY_gcs_server_port_wait_time_s="2", PYTHONUNBUFFERED="1")  # Ray tries 20 times, 1 s apart
+    with head_node(ray_temp) as head:
+        command = [sys.executable, "-m", "raywds", "ray", "--address", head.gcs_address, "--data", str(tmp_path)]
+        ran = subprocess.run(command, env=another, capture_output=True, text=True, timeout=240)
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr[-3000:]
+    assert [line for line in ran.stderr.splitlines() if line.startswith("raywds: ")] == [
+        f"raywds: error: Failed to connect to Ray cluster at {head.gcs_address}: it refused this process's token; "
+        "give every process the cluster's token (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token; "
+        "`ray get-auth-token --generate` writes one for a new cluster), see docs/cluster.md"
+    ], ran.stderr[-3000:]
