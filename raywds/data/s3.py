@@ -200,17 +200,6 @@ def read_bytes(url: str, endpoint: str | None = None, timeout_s: float = 30.0) -
         raise DataError(error_line(e, url, endpoint)) from None
 
 
-def size_of(url: str, endpoint: str | None = None, timeout_s: float = 30.0) -> int:
-    """An object's size in bytes (a HEAD); FileNotFoundError when it is not there, DataError otherwise."""
-    bucket, key = split(url)
-    try:
-        return int(client(endpoint, timeout_s).head_object(Bucket=bucket, Key=key)["ContentLength"])
-    except errors() as e:
-        if status_and_code(e)[1] in ("NoSuchKey", "404", "NotFound"):
-            raise FileNotFoundError(url) from None
-        raise DataError(error_line(e, url, endpoint)) from None
-
-
 def join(url: str, name: str) -> str:
     """`name` under the prefix `url` (s3://b/runs + x/y -> s3://b/runs/x/y)."""
     return f"{url.rstrip('/')}/{name}"
@@ -238,16 +227,12 @@ def put_file(
         raise DataError(error_line(cause, url, endpoint)) from None
 
 
-def recorded(url: str, endpoint: str | None = None) -> tuple[int, dict[str, str]] | None:
+def recorded(
+    url: str, endpoint: str | None = None, timeout_s: float = READ_TIMEOUT_S
+) -> tuple[int, dict[str, str]] | None:
     """An object's size and user metadata (a HEAD), or None when it is not there; DataError otherwise."""
-    bucket, key = split(url)
-    try:
-        head = client(endpoint).head_object(Bucket=bucket, Key=key)
-    except errors() as e:
-        if status_and_code(e)[0] == 404:
-            return None
-        raise DataError(error_line(e, url, endpoint)) from None
-    return int(head["ContentLength"]), dict(head.get("Metadata", {}))
+    head = _head(url, endpoint, timeout_s)
+    return None if head is None else (int(head["ContentLength"]), dict(head.get("Metadata", {})))
 
 
 def delete(url: str, endpoint: str | None = None) -> None:
@@ -282,14 +267,21 @@ def put_bytes(data: bytes, url: str, endpoint: str | None = None) -> None:
 
 def stat(url: str, endpoint: str | None = None, timeout_s: float = 30.0) -> tuple[int, str]:
     """An object's (size, ETag); FileNotFoundError when it is not there, DataError otherwise."""
+    head = _head(url, endpoint, timeout_s)
+    if head is None:
+        raise FileNotFoundError(url)
+    return int(head["ContentLength"]), str(head.get("ETag", "")).strip('"')
+
+
+def _head(url: str, endpoint: str | None, timeout_s: float) -> dict[str, Any] | None:
+    """An object's HEAD answer, or None when it is not there; DataError otherwise."""
     bucket, key = split(url)
     try:
-        head = client(endpoint, timeout_s).head_object(Bucket=bucket, Key=key)
+        return client(endpoint, timeout_s).head_object(Bucket=bucket, Key=key)  # type: ignore[no-any-return]
     except errors() as e:
         if status_and_code(e)[0] == 404 or status_and_code(e)[1] in ("NoSuchKey", "404", "NotFound"):
-            raise FileNotFoundError(url) from None
+            return None
         raise DataError(error_line(e, url, endpoint)) from None
-    return int(head["ContentLength"]), str(head.get("ETag", "")).strip('"')
 
 
 def listing(prefix: str, endpoint: str | None = None) -> list[tuple[str, int, str]]:

@@ -249,9 +249,7 @@ def connect(address: str | None, *, training: bool = True) -> None:
             why = f"{e} {e.__cause__}"
             if "InvalidAuthToken" in why:
                 raise ConfigError(token_refused(f"{e}: it refused this process's token")) from None
-            raise ConfigError(
-                f"{e}: check --address (or RAY_ADDRESS) and that the cluster is up (`ray status` on its head)"
-            ) from None
+            raise ConfigError(f"{e}: {NOT_UP}") from None
     quiet_known_noise()
     warn_slow_imports()
     if started_here():
@@ -263,6 +261,8 @@ def connect(address: str | None, *, training: bool = True) -> None:
         start_autoscaling_coordinator()
 
 
+NOT_UP = "check --address (or RAY_ADDRESS) and that the cluster is up (`ray status` on its head)"
+"""What to do when no cluster answers at the address raywds was given."""
 GCS_ADDRESS = re.compile(r"(?P<host>[\w.-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d+)")
 """A cluster's address as `ray start` prints it (host:port of its GCS), not `auto`, `local` or `ray://`."""
 
@@ -276,10 +276,7 @@ def answering(address: str | None) -> None:
     try:
         socket.create_connection((match["host"].strip("[]"), int(match["port"])), timeout=10).close()
     except OSError as e:
-        raise ConfigError(
-            f"no Ray cluster answers at {address} ({e.strerror or e}): check --address (or RAY_ADDRESS) "
-            "and that the cluster is up (`ray status` on its head)"
-        ) from None
+        raise ConfigError(f"no Ray cluster answers at {address} ({e.strerror or e}): {NOT_UP}") from None
 
 
 def token_refused(said: str) -> str:

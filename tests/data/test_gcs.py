@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.data import check_a_bucket_holds_its_own_shards_only
 from support.gcsserver import GcsServer, gcs_server
 from support.runs import SUMMARY, command
 from support.s3proxy import S3Proxy
@@ -518,21 +519,8 @@ def test_convert_into_a_gs_prefix_uploads_the_shards_and_the_manifest_last(
 
 def test_a_bucket_holds_a_shard_at_its_size_with_the_sha256_put_with_it(bucket: Bucket, tmp_path: Path) -> None:
     """What an upload skips: an object of the shard's size whose metadata holds the shard's sha256."""
-    path, where = tmp_path / "a.tar", bucket.url("held/a.tar")
-    path.write_bytes(b"x" * 100)
-    store = stores.Storage().at(where)
-    store.check(where)
-    assert not store.holds(where, 100, "ab"), "not there yet"
-    store.put_file(path, where, "ab")
-    assert store.holds(where, 100, "ab")
-    assert not store.holds(where, 100, "cd") and not store.holds(where, 99, "ab")
-    bucket.put("held/a.tar", b"x" * 100)  # the same bytes, put by another tool
-    assert not store.holds(where, 100, "ab"), "no sha256 kept with it"
-    store.delete(where)
-    store.delete(where)  # gone already: no error
-    assert not store.holds(where, 100, "ab")
-    with pytest.raises(DataError, match=r"bucket '.*-gone' does not exist"):
-        store.check(f"gs://{bucket.name}-gone/x/")
+    where, gone = bucket.url("held/a.tar"), f"gs://{bucket.name}-gone/x/"
+    check_a_bucket_holds_its_own_shards_only(where, tmp_path, lambda data: bucket.put("held/a.tar", data), gone)
 
 
 @pytest.mark.slow

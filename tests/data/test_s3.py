@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.data import check_a_bucket_holds_its_own_shards_only
 from support.s3proxy import S3Proxy
 from support.s3server import S3Server
 
@@ -70,21 +71,11 @@ def test_convert_into_a_bucket_puts_every_shard_then_the_manifest_and_resumes(
 
 def test_a_bucket_holds_a_shard_at_its_size_with_the_sha256_put_with_it(s3: S3Server, tmp_path: Path) -> None:
     """What an upload skips: an object of the shard's size whose metadata holds the shard's sha256."""
-    path, where = tmp_path / "a.tar", s3.url("held/a.tar")
-    path.write_bytes(b"x" * 100)
-    bucket = Storage().at(where)
-    bucket.check(where)
-    assert not bucket.holds(where, 100, "ab"), "not there yet"
-    bucket.put_file(path, where, "ab")
-    assert bucket.holds(where, 100, "ab")
-    assert not bucket.holds(where, 100, "cd") and not bucket.holds(where, 99, "ab")
-    s3.client().put_object(Bucket=s3.bucket, Key="held/a.tar", Body=b"x" * 100)  # the same bytes, put by another tool
-    assert not bucket.holds(where, 100, "ab"), "no sha256 kept with it"
-    bucket.delete(where)
-    bucket.delete(where)  # gone already: no error
-    assert not bucket.holds(where, 100, "ab")
-    with pytest.raises(DataError, match=r"bucket 'nothere' does not exist"):
-        bucket.check("s3://nothere/x/")
+
+    def put_plain(data: bytes) -> None:
+        s3.client().put_object(Bucket=s3.bucket, Key="held/a.tar", Body=data)
+
+    check_a_bucket_holds_its_own_shards_only(s3.url("held/a.tar"), tmp_path, put_plain, "s3://nothere/x/")
 
 
 def test_a_damaged_object_is_found_by_verify_and_replaced_by_convert(s3: S3Server, tree: Path, tmp_path: Path) -> None:

@@ -5,8 +5,9 @@ of a JPEG."""
 from __future__ import annotations
 
 import io
+import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -112,3 +113,29 @@ def has_restart_markers(jpeg: bytes) -> bool:
 def same_jpeg_pixels(stored: bytes, source: bytes) -> bool:
     """What convert keeps of a JPEG: the same pixels, with restart markers added."""
     return has_restart_markers(stored) and np.array_equal(pixels(stored), pixels(source))
+
+
+def check_a_bucket_holds_its_own_shards_only(
+    where: str, tmp_path: Path, put_plain: Callable[[bytes], None], gone_bucket: str
+) -> None:
+    """What an upload skips, for the bucket store at `where` (s3:// or gs://): an object of the
+    shard's size whose metadata holds the shard's sha256; `put_plain` puts the same bytes at
+    `where` as another tool would, with no metadata; `gone_bucket` is a prefix in no bucket."""
+    from raywds.data.stores import Storage
+    from raywds.errors import DataError
+
+    path = tmp_path / "a.tar"
+    path.write_bytes(b"x" * 100)
+    store = Storage().at(where)
+    store.check(where)
+    assert not store.holds(where, 100, "ab"), "not there yet"
+    store.put_file(path, where, "ab")
+    assert store.holds(where, 100, "ab")
+    assert not store.holds(where, 100, "cd") and not store.holds(where, 99, "ab")
+    put_plain(b"x" * 100)
+    assert not store.holds(where, 100, "ab"), "no sha256 kept with it"
+    store.delete(where)
+    store.delete(where)  # gone already: no error
+    assert not store.holds(where, 100, "ab")
+    with pytest.raises(DataError, match=rf"bucket '{re.escape(gone_bucket.split('/')[2])}' does not exist"):
+        store.check(gone_bucket)
