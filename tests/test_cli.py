@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import warnings
@@ -508,3 +509,30 @@ def test_error_lines_of_processes_sharing_a_pipe_stay_whole() -> None:
     lines = text.splitlines()
     whole = [line for line in lines if re.fullmatch(r"raywds: error: x{60}\d+", line)]
     assert len(lines) == len(whole) == 9000, [line for line in lines if line not in whole][:3]
+
+
+SAYS_MORE_AT_EXIT = """
+import atexit, os, signal, sys, time
+atexit.register(lambda: os.write(2, b"shutting down: a library's last words\\n"))  # as Ray's core worker does
+from raywds.cli.commands import COMMANDS
+from raywds.cli.main import main
+
+def stopped_midway(*options):  # a command that a SIGTERM stops where it is
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+
+COMMANDS["demo"] = stopped_midway
+sys.argv[0] = "raywds"
+sys.exit(main())
+"""
+
+
+def test_a_stopped_commands_line_is_the_last_thing_it_says(tmp_path: Path) -> None:
+    """After `raywds: error: demo stopped on SIGTERM` nothing more reaches stdout or stderr: a
+    stopped `convert --ray` driver's core worker logged, in C++, a line for each task under way whose
+    failure it could not report, after the command's one line (a loaded CI run)."""
+    args = [sys.executable, "-c", SAYS_MORE_AT_EXIT, "demo", "--out", str(tmp_path / "tree")]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr[-2000:]
+    assert run.stderr.splitlines() == ["raywds: error: demo stopped on SIGTERM"], run.stderr[-2000:]
+    assert run.stdout == ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import sys
 import time
@@ -114,8 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         if debug:
             traceback.print_exc()
-        return _stopped(args.command, e)
+        code = _stopped(args.command, e)
+        if argv is None:  # this process is the command (not a caller's main([...])): that line is its last
+            hush()
+        return code
     return 0
+
+
+def hush() -> None:
+    """Nothing more on this process's stdout and stderr. What a library says as the process exits
+    after a stop would follow the command's one line: Ray's core worker, shutting down with tasks
+    under way, logs in C++ straight to fd 2 each one whose failure it could not report
+    (`task_manager.cc: Failed to push error to driver for task ...`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    os.close(quiet)
 
 
 if __name__ == "__main__":
